@@ -127,8 +127,8 @@ def init_params(cfg, key):
         "resid_lambdas": 1.15 - 0.10 * ramp,
         "x0_lambdas": 0.20 - 0.15 * ramp,
         "smear_gate": uniform("smear_gate", (SMEAR_CHANNELS, 1), 0.0, 0.02),
-        "smear_lambda": jnp.zeros((1,)),  # smear starts off
-        "backout_lambda": jnp.full((1,), 0.2),
+        "smear_lambda": jnp.zeros((1,), jnp.float32),  # smear starts off
+        "backout_lambda": jnp.full((1,), 0.2, jnp.float32),
     }
 
 
