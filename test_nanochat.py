@@ -4,7 +4,18 @@ Golden numbers in testdata/ come from the real PyTorch nanochat (see ../shared/g
 were made); tolerances are the ones that README justifies from fp32-vs-fp64 reruns.
 """
 
+import collections
+import inspect
+import itertools
+import json
+import os
 import pathlib
+import random
+import re
+import shutil
+import socket
+import subprocess
+import sys
 
 import chex
 import jax
@@ -12,8 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import data
 import muon
 import nanochat as nc
+import train
 
 TESTDATA = pathlib.Path(__file__).parent / "testdata"
 GOLDEN_CFG = nc.Config(sequence_len=512, vocab_size=300, n_layer=4, n_head=2, n_kv_head=1, n_embd=64,
@@ -295,3 +308,951 @@ def test_optimizer_routes_by_name(tiny_params):
     assert state["var"]["h"]["attn"]["ve_gate"].shape == (2, 1, 12)  # Muon even for the tiny (2, 12) ve_gate
     assert state["var"]["value_embeds"].shape == tiny_params["value_embeds"].shape  # AdamW, though 3-D
     assert set(muon.ADAMW_GROUPS) | {"h"} == set(tiny_params)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train.py: schedules, the step, checkpoints, exact resume, devices and processes
+
+TRAIN_ARGS = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "16", "--max-seq-len", "32",
+              "--device-batch-size", "4", "--total-batch-size", "256", "--vocab-size", "300", "--warmup-steps", "2",
+              "--eval-every", "0", "--sample-every", "0", "--compile-cache", ""]
+
+
+@pytest.fixture(scope="session")
+def train_root(tmp_path_factory):
+    """A checkpoint root holding a tokenizer trained once for every training test."""
+    root = tmp_path_factory.mktemp("train")
+    train.get_tokenizer(train.parse_args(["--stage", "tokenizer", *TRAIN_ARGS]), str(root))
+    return root
+
+
+def fresh_root(train_root, tmp_path):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "tokenizer.json").write_bytes((train_root / "tokenizer.json").read_bytes())
+    return str(tmp_path)
+
+
+def run_base(root, *extra):
+    args = train.parse_args(["--stage", "base", "--out", root, *TRAIN_ARGS, *extra])
+    return train.train_stage(args, "base", data.Tokenizer.load(os.path.join(root, "tokenizer.json")), root)
+
+
+def test_schedules_follow_nanochat():
+    s = dict(num_iterations=100, warmup_steps=10, warmdown_ratio=0.65, final_lr_frac=0.05, momentum_start=0.85,
+             momentum=0.97, momentum_end=0.90, momentum_warmup=20, weight_decay=0.2)
+    at = lambda i: np.array(train.schedules(jnp.int32(i), s), np.float64)  # (lr multiplier, momentum, wd)
+    expect = {0: (0.1, 0.85, 0.2), 9: (1.0, 0.904, 0.2 * 0.5 * (1 + np.cos(np.pi * 0.09))),
+              10: (1.0, 0.91, None), 20: (1.0, 0.97, None), 35: (1.0, 0.97, None),  # warmdown: round(0.65 * 100)
+              68: (32 / 65 + 33 / 65 * 0.05, 0.97 - 0.07 * 33 / 65, None), 50: (None, None, 0.1),
+              100: (0.05, 0.90, 0.0)}
+    for i, want in expect.items():
+        got = at(i)
+        for g, w in zip(got, want):
+            if w is not None:
+                assert g == pytest.approx(w, abs=1e-6), (i, got, want)
+
+
+def test_step_never_recompiles(tiny_params):
+    step = jax.jit(chex.assert_max_traces(train.train_step, n=1), static_argnames="cfg")
+    s = dict(num_iterations=10, warmup_steps=2, warmdown_ratio=0.5, final_lr_frac=0.0, momentum_start=0.85,
+             momentum=0.95, momentum_end=0.9, momentum_warmup=3, weight_decay=0.1)
+    lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
+    params, opt = tiny_params, muon.init(tiny_params)
+    x = jax.random.randint(jax.random.key(8), (2, 2, 16), 0, TINY.vocab_size)  # 2 micro-batches of 2 x 16
+    losses = []
+    for i in range(4):
+        params, opt, m = step(params, opt, x, jnp.roll(x, -1, axis=2), i, s, lrs, cfg=TINY)
+        losses.append(float(m["loss"]))
+        assert bool(m["finite"])
+    assert losses[-1] < losses[0]  # the same batch: loss must fall
+
+
+def test_grad_accumulation_equals_big_batch(tiny_params):
+    x = jax.random.randint(jax.random.key(9), (4, 16), 0, TINY.vocab_size)
+    y = jnp.roll(x, -1, axis=1)
+    s = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0, momentum_start=0.95,
+             momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
+    lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
+    p = perturbed(tiny_params, jax.random.key(10))
+    one, _, m1 = train.jit_train_step(p, muon.init(p), x[None], y[None], 0, s, lrs, cfg=TINY)
+    p = perturbed(tiny_params, jax.random.key(10))
+    two, _, m2 = train.jit_train_step(p, muon.init(p), x.reshape(2, 2, 16), y.reshape(2, 2, 16), 0, s, lrs,
+                                      cfg=TINY)
+    np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
+    chex.assert_trees_all_close(one, two, atol=2e-5)
+
+
+def test_checkpoint_round_trip_and_atomic(tmp_path, tiny_params):
+    opt = muon.init(tiny_params)
+    for step in (1, 2, 3, 4):
+        path = train.save_checkpoint(str(tmp_path), step, tiny_params, opt, {"step": step}, keep=2)
+    assert [os.path.basename(d) for d in train.checkpoint_dirs(str(tmp_path))] == ["step_000003", "step_000004"]
+    params, opt2, meta = train.load_checkpoint(path)
+    assert meta == {"step": 4} and all(jax.tree.leaves(jax.tree.map(np.array_equal, params, tiny_params)))
+    assert int(opt2["step"]) == 0 and all(jax.tree.leaves(jax.tree.map(np.array_equal, opt2, opt)))
+    # a write that dies midway leaves the previous checkpoint intact
+    with pytest.raises(TypeError):
+        train.save_checkpoint(str(tmp_path), 5, {"bad": object()}, None, {})
+    assert sorted(os.listdir(tmp_path)) == ["step_000003", "step_000004"]  # no half-written step 5 left
+    assert train.latest_checkpoint(str(tmp_path), ("",)) == path and train.load_checkpoint(path)[2] == {"step": 4}
+    with pytest.raises(FileNotFoundError, match="not a checkpoint"):
+        train.load_checkpoint(str(tmp_path))
+
+
+def test_resume_is_bit_identical(train_root, tmp_path):
+    full_root, cut_root = fresh_root(train_root, tmp_path / "a"), fresh_root(train_root, tmp_path / "b")
+    _, _, full, _ = run_base(full_root, "--num-iterations", "6")
+    _, _, first, _ = run_base(cut_root, "--num-iterations", "6", "--save-every", "3")
+    assert first == full  # same seed, same machine: the same trajectory, bit for bit
+    shutil.rmtree(os.path.join(cut_root, "base", "step_000006"))
+    params, _, rest, _ = run_base(cut_root, "--num-iterations", "6", "--resume")
+    assert rest == full[3:]
+    a = train.load_checkpoint(train.latest_checkpoint(full_root))[0]
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, a, jax.device_get(params))))
+    assert full[-1] < full[0]
+
+
+def run_cli(root, *extra, env=None):
+    cmd = [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS, "--num-iterations", "3", *extra]
+    r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **(env or {})})
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(os.path.join(root, "base", "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f if '"loss"' in line]
+
+
+def test_four_devices_equal_one(train_root, tmp_path):
+    one = run_cli(fresh_root(train_root, tmp_path / "one"), "--device-batch-size", "8")
+    four = run_cli(fresh_root(train_root, tmp_path / "four"), "--device-batch-size", "2",
+                   env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    np.testing.assert_allclose(four, one, rtol=1e-5)
+
+
+def test_two_processes_equal_one(train_root, tmp_path):
+    one = run_cli(fresh_root(train_root, tmp_path / "one"), "--device-batch-size", "8", "--data-shards", "2")
+    root = fresh_root(train_root, tmp_path / "two")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS, "--num-iterations", "3",
+           "--device-batch-size", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    procs = [subprocess.Popen(cmd + ["--process-id", str(i)], cwd=pathlib.Path(__file__).parent,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
+    with open(os.path.join(root, "base", "metrics.jsonl")) as f:
+        two = [json.loads(line)["loss"] for line in f if '"loss"' in line]
+    assert len(two) >= 3
+    np.testing.assert_allclose(two[:3], one, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data.py: tokenizer, corpora, packing, chat format, calculator, synthetic tasks
+
+MULTILINGUAL = "Réponse courte, s'il vous plaît — 東京 et 東京都 🙂 👍🏽 naïve café. " * 30
+
+
+@pytest.fixture(scope="module")
+def bpe_golden():
+    return json.loads((TESTDATA / "nanochat_bpe.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def render_golden():
+    return json.loads((TESTDATA / "nanochat_chat_render.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tok(bpe_golden):
+    """A trained tokenizer whose merges include multi-byte characters (some tokens are partial UTF-8)."""
+    return data.train_tokenizer([bpe_golden["text"], MULTILINGUAL], 600)
+
+
+@pytest.fixture(scope="module")
+def btok():
+    return data.byte_tokenizer()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tokenizer
+
+def test_bpe_merges_equal_nanochat(bpe_golden):
+    assert bpe_golden["vocab_size_argument"] == 465 and bpe_golden["num_merges"] == 200
+    t = data.train_tokenizer(bpe_golden["text"], 465)
+    assert len(t.tokens) == 256 + 200
+    # every merge in order, including the 96 whose pair count tied at the top (smallest pair wins, as in rustbpe)
+    assert bpe_golden["replay_num_merges_with_ties"] == 96
+    assert [x.hex() for x in t.tokens[256:]] == bpe_golden["merged_token_hex"]
+    ranks = {x: i for i, x in enumerate(t.tokens)}
+    for i, (left, right) in enumerate(bpe_golden["merges_hex"]):
+        merged = bytes.fromhex(left) + bytes.fromhex(right)
+        assert ranks[merged] == 256 + i, i
+        assert [ranks[bytes.fromhex(left)], ranks[bytes.fromhex(right)]] == bpe_golden["merges_ids"][i]
+    assert [t.encode(s) for s in bpe_golden["test_strings"]] == bpe_golden["test_ids"]
+    assert t.special == bpe_golden["special_tokens"]
+    assert data.SPLIT_PATTERN == bpe_golden["split_pattern"]
+
+
+def test_vocab_size_counts_specials_and_token_bytes(bpe_golden, render_golden):
+    t = data.train_tokenizer(bpe_golden["text"], 465)
+    assert t.n_vocab == 465 and len(t.tokens) == 456
+    assert list(t.special) == list(data.SPECIAL_TOKENS) and len(data.SPECIAL_TOKENS) == 9
+    assert list(t.special.values()) == list(range(456, 465))  # the specials are the last ids
+    assert t.bos == 456 == t.special["<|bos|>"]
+    tb = t.token_bytes()
+    assert tb.shape == (465,) and tb.dtype == np.int32
+    assert tb[456:].tolist() == [0] * 9
+    assert tb[:456].tolist() == [len(x) for x in t.tokens]
+    assert tb[:256].tolist() == [1] * 256 and tb[256] == len(bytes.fromhex(bpe_golden["merged_token_hex"][0]))
+    ids = t.encode(bpe_golden["text"])
+    assert max(ids) < 456 and tb[ids].sum() == len(bpe_golden["text"].encode())  # bytes-per-token denominator
+    b = data.byte_tokenizer()
+    ref = render_golden["tokenizer"]
+    assert b.n_vocab == ref["vocab_size"] == 265 and b.bos == ref["bos_token_id"] == 256
+    assert b.special == ref["special_tokens"] and list(b.special) == ref["special_tokens_order"]
+    assert b.token_bytes().tolist() == [1] * 256 + [0] * 9
+
+
+ROUND_TRIP = [
+    "",
+    "hello world",
+    "It's 2024: we'll ship 12345 items, they've said.\r\n\tIndented\t\tline   with   runs\n\n\n",
+    "réponse à l'été — naïve café; 東京 und Straße, Ελληνικά, русский, עברית, हिन्दी",
+    "🙂👍🏽 family: 👨‍👩‍👧‍👦 flag: 🏳️‍🌈 keycap: 1️⃣ combining: e\u0301",
+    "\x00\x01\x02\x07\x08\x0b\x0c\x1b[0m\x7f\x85\u2028\u2029\ufeff end",
+    MULTILINGUAL,
+]
+
+
+@pytest.mark.parametrize("s", ROUND_TRIP, ids=["empty", "ascii", "contractions", "non-ascii", "emoji", "control",
+                                               "trained-text"])
+def test_round_trip(tok, btok, s):
+    for t in (tok, btok):
+        ids = t.encode(s)
+        assert all(isinstance(i, int) for i in ids)
+        assert t.decode(ids) == s
+        assert b"".join(t.tokens[i] for i in ids) == s.encode()  # byte level, no specials
+        assert t.decode(np.array(ids, np.int32)) == s  # numpy ids decode too
+    assert btok.encode(s) == list(s.encode())
+    if s == MULTILINGUAL:  # merges were trained on it: it must compress
+        assert len(tok.encode(s)) < len(s.encode()) / 3
+
+
+def test_invalid_bytes_and_partial_characters(tok, btok):
+    # Some trained tokens are partial UTF-8 (merges inside a CJK or emoji character); each decodes with U+FFFD
+    partial = [i for i, x in enumerate(tok.tokens) if x.decode("utf-8", "replace") != x.decode("utf-8", "ignore")]
+    assert len([i for i in partial if i >= 256]) > 0
+    for i, x in enumerate(tok.tokens):
+        assert tok.decode([i]) == x.decode("utf-8", "replace")
+    # Prefixes of an encoding cut characters; the bytes are still exact, the text gets U+FFFD where they are cut
+    s = "東京 🙂👍🏽 é"
+    for t in (tok, btok):
+        ids = t.encode(s)
+        for k in range(len(ids) + 1):
+            raw = b"".join(t.tokens[i] for i in ids[:k])
+            assert s.encode().startswith(raw)
+            assert t.decode(ids[:k]) == raw.decode("utf-8", "replace")
+    assert btok.decode([0xE6, 0x9D]) == "\ufffd"  # 東 without its last byte
+    assert btok.decode([0xE6, 0x9D, 0xB1]) == "東"
+    assert btok.decode([0xFF, 0x41, 0xC3]) == "\ufffdA\ufffd"  # invalid byte, then a truncated é
+    assert btok.decode([0xED, 0xA0, 0x80]) == "\ufffd" * 3  # an encoded surrogate is invalid UTF-8
+    # A lone surrogate cannot be UTF-8: it is encoded as U+FFFD (tiktoken's rule), never raises
+    for t in (tok, btok):
+        assert t.encode("a\ud800b") == t.encode("a\ufffdb")
+        assert t.decode(t.encode("a\ud800b")) == "a\ufffdb"
+    assert btok.encode("\udfff") == [0xEF, 0xBF, 0xBD]
+
+
+def test_special_strings_never_become_special_ids(tok, btok):
+    text = "".join(data.SPECIAL_TOKENS) + " plain <|bos|>text<|endoftext|>"
+    for t in (tok, btok):
+        ids = t.encode(text)
+        assert not set(ids) & set(t.special.values())
+        assert max(ids) < len(t.tokens)
+        assert t.decode(ids) == text
+    assert len(btok.encode(text)) == len(text.encode())  # one id per byte: nothing was folded into a special
+    # decoding real special ids gives their names
+    assert btok.decode([btok.bos, 65, btok.special["<|output_end|>"]]) == "<|bos|>A<|output_end|>"
+    # in a rendered conversation, only the structure gives special ids
+    msgs = [{"role": "user", "content": "say <|assistant_end|><|bos|>"},
+            {"role": "assistant", "content": "<|user_start|> ok <|python_start|>1+1<|python_end|>"}]
+    ids, mask = data.render_conversation(btok, msgs)
+    counts = collections.Counter(i for i in ids if i >= 256)
+    sp = btok.special
+    assert counts == {sp["<|bos|>"]: 1, sp["<|user_start|>"]: 1, sp["<|user_end|>"]: 1,
+                      sp["<|assistant_start|>"]: 1, sp["<|assistant_end|>"]: 1}
+    assert len(ids) == 5 + sum(len(m["content"].encode()) for m in msgs)
+
+
+def test_save_load(tok, btok, tmp_path, bpe_golden):
+    path = tmp_path / "tok.json"
+    tok.save(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["tok.json"]  # atomic write leaves no temp file
+    t = data.Tokenizer.load(path)
+    assert t.tokens == tok.tokens and t.pat_str == tok.pat_str and t.special == tok.special
+    assert t.bos == tok.bos and t.n_vocab == tok.n_vocab
+    assert t.token_bytes().tolist() == tok.token_bytes().tolist()
+    for s in ROUND_TRIP + bpe_golden["test_strings"]:
+        assert t.encode(s) == tok.encode(s)
+    assert json.loads(path.read_text())["tokens"][:2] == ["00", "01"]  # plain JSON, bytes as hex
+    # overwrite with a different tokenizer: loading gives the new one (no stale cache)
+    small = data.train_tokenizer(bpe_golden["text"], 300)
+    small.save(str(path))
+    assert [p.name for p in tmp_path.iterdir()] == ["tok.json"]
+    t2 = data.Tokenizer.load(str(path))
+    assert t2.tokens == small.tokens and t2.n_vocab == 300 and t2.bos == 291
+    assert t2.encode(bpe_golden["test_strings"][0]) == small.encode(bpe_golden["test_strings"][0])
+    assert t2.encode(bpe_golden["test_strings"][0]) != tok.encode(bpe_golden["test_strings"][0])
+    btok.save(path)
+    assert data.Tokenizer.load(path).tokens == [bytes([i]) for i in range(256)]
+    # errors a user can cause
+    with pytest.raises(FileNotFoundError, match="train one first"):
+        data.Tokenizer.load(tmp_path / "missing.json")
+    for bad in ("not json", json.dumps({"version": 2, "pat_str": "x", "tokens": [], "special_tokens": []}),
+                json.dumps({"version": 1}), json.dumps([1, 2])):
+        (tmp_path / "bad.json").write_text(bad)
+        with pytest.raises(ValueError, match="not a tokenizer file"):
+            data.Tokenizer.load(tmp_path / "bad.json")
+
+
+def test_train_tokenizer_inputs(bpe_golden):
+    with pytest.raises(ValueError, match="vocab_size 264 is too small: it needs at least 265"):
+        data.train_tokenizer("some text", 264)
+    with pytest.raises(ValueError, match="too small"):
+        data.train_tokenizer("some text", 0)
+    with pytest.raises(ValueError, match="no text to train"):
+        data.train_tokenizer([], 300)
+    with pytest.raises(ValueError, match="no text to train"):
+        data.train_tokenizer("", 300)
+    t = data.train_tokenizer("hello", 265)  # zero merges: the byte tokenizer
+    assert t.tokens == data.byte_tokenizer().tokens and t.n_vocab == 265
+    # a string, a list and a one-shot generator of documents train alike
+    docs = bpe_golden["text"].split("\n\n")
+    a = data.train_tokenizer(docs, 320)
+    assert data.train_tokenizer(iter(docs), 320).tokens == a.tokens
+    assert data.train_tokenizer(bpe_golden["text"], 465).tokens[:264] == \
+        data.train_tokenizer([bpe_golden["text"]], 264 + 9).tokens  # a smaller vocab is a prefix
+    # text too small for the vocab: a warning that says how many merges there were
+    with pytest.warns(UserWarning, match="allows only 1 merges: the vocab is 266, not 1000"):
+        t = data.train_tokenizer(["ab", "ab"], 1000)
+    assert t.tokens[256:] == [b"ab"] and t.n_vocab == 266 and t.bos == 257
+    # overlapping pairs count twice ("aaaa" holds (a, a) three times) and merge left to right
+    t = data.train_tokenizer(["aaaa", "ab", "ab"], 266)
+    assert t.tokens[256:] == [b"aa"]
+    assert t.encode("aaaaa") == [256, 256, 97]
+    with pytest.raises(ValueError, match="unique and start with the 256 single bytes"):
+        data.Tokenizer([bytes([i]) for i in range(256)] + [b"a"])
+    with pytest.raises(ValueError, match="retrain"):
+        data.Tokenizer([bytes([i]) for i in range(1, 256)])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chat format
+
+def test_golden_render(btok, render_golden):
+    convs = render_golden["conversations"]
+    assert set(convs) == {"a_plain_two_turn", "b_system_message", "c_python_tool"}
+    for name, c in convs.items():
+        ref = c["render_conversation"]
+        ids, mask = data.render_conversation(btok, c["conversation"]["messages"], max_tokens=ref["max_tokens"])
+        assert ids == ref["ids"], name
+        assert mask == ref["mask"], name
+        assert len(ids) == len(mask) == ref["len"], name
+        assert all(isinstance(i, int) for i in ids) and set(mask) <= {0, 1}
+    a = convs["a_plain_two_turn"]
+    assert data.render_for_completion(btok, a["conversation"]["messages"]) == a["render_for_completion_ids"]
+    ids, mask = data.render_conversation(btok, a["conversation"]["messages"], max_tokens=40)
+    assert ids == a["render_conversation_max_tokens_40"]["ids"] and len(ids) == 40
+    assert mask == a["render_conversation_max_tokens_40"]["mask"]
+    # the system message is merged into the first user turn
+    b = convs["b_system_message"]["conversation"]["messages"]
+    merged = [{"role": "user", "content": b[0]["content"] + "\n\n" + b[1]["content"]}] + b[2:]
+    assert data.render_conversation(btok, merged) == data.render_conversation(btok, b)
+
+
+BAD_CONVERSATIONS = [
+    ([], "non-empty list"),
+    ("hello", "non-empty list"),
+    ({"role": "user", "content": "hi"}, "non-empty list"),
+    ([{"role": "user", "content": "hi"}, "hello"], "non-empty list"),
+    ([{"role": "assistant", "content": "hi"}], "message 0 has role 'assistant' where 'user' is due"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "message 1 has role 'user'"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "assistant", "content": "c"}],
+     "message 2 has role 'assistant' where 'user' is due"),
+    ([{"role": "human", "content": "a"}], "message 0 has role 'human'"),
+    ([{"content": "a"}], "message 0 has role None"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "system", "content": "c"}],
+     "message 2 has role 'system'"),
+    ([{"role": "system", "content": "be terse"}], "system message must be a string followed by a user message"),
+    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "b"}], "followed by a user message"),
+    ([{"role": "system", "content": ["s"]}, {"role": "user", "content": "b"}], "followed by a user message"),
+    ([{"role": "system", "content": "s"}, {"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+     "message 2 has role 'user'"),
+    ([{"role": "user", "content": ""}], r"message 0 \(user\) is empty"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": " \n\t"}],
+     r"message 1 \(assistant\) is empty"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": []}], r"message 1 \(assistant\) is empty"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "text", "text": "  "}]}],
+     "is empty"),
+    ([{"role": "user"}], "message 0: content must be a string"),
+    ([{"role": "user", "content": 5}], "message 0: content must be a string"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}]}], "message 0: content must be a string"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "image", "text": "x"}]}],
+     "message 1: content must be a string"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "text", "text": 3}]}],
+     "message 1: content must be"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": ["just a string"]}], "message 1: content"),
+]
+
+
+@pytest.mark.parametrize("messages, match", BAD_CONVERSATIONS)
+def test_render_rejects_bad_conversations(btok, messages, match):
+    with pytest.raises(ValueError, match=match):
+        data.render_conversation(btok, messages)
+
+
+def test_render_for_completion_needs_final_assistant(btok):
+    user = {"role": "user", "content": "Hi"}
+    sp = btok.special
+    for bad in ([], [user], [user, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}], "x",
+                [user, "assistant"]):
+        with pytest.raises(ValueError, match="ending in the assistant message"):
+            data.render_for_completion(btok, bad)
+    prompt = data.render_for_completion(btok, [user, {"role": "assistant", "content": "Hello!"}])
+    assert prompt == [btok.bos, sp["<|user_start|>"], 72, 105, sp["<|user_end|>"], sp["<|assistant_start|>"]]
+    assert prompt == data.render_conversation(btok, [user])[0] + [sp["<|assistant_start|>"]]
+
+
+def test_render_masks(btok):
+    sp = btok.special
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "python", "text": "1+1"},
+                                              {"type": "python_output", "text": "2"}, {"type": "text", "text": "b"}]}]
+    ids, mask = data.render_conversation(btok, msgs)
+    assert ids == [sp["<|bos|>"], sp["<|user_start|>"], ord("q"), sp["<|user_end|>"], sp["<|assistant_start|>"],
+                   ord("a"), sp["<|python_start|>"], *b"1+1", sp["<|python_end|>"],
+                   sp["<|output_start|>"], ord("2"), sp["<|output_end|>"], ord("b"), sp["<|assistant_end|>"]]
+    assert mask == [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 1]
+    for n in range(len(ids) + 2):
+        assert data.render_conversation(btok, msgs, max_tokens=n) == (ids[:n], mask[:n])
+
+
+def test_load_conversations(tmp_path):
+    good = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+            [{"role": "system", "content": "s"}, {"role": "user", "content": "2+2?"},
+             {"role": "assistant", "content": [{"type": "python", "text": "2+2"},
+                                               {"type": "python_output", "text": "4"}, {"type": "text", "text": "4"}]}]]
+    path = tmp_path / "convs.jsonl"
+    path.write_text(json.dumps(good[0]) + "\n\n" + json.dumps(good[1], ensure_ascii=False) + "\n")
+    assert data.load_conversations(str(path)) == good
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(good[0]) + "\n" + json.dumps(good[1]) + "\n" + '[{"role": "user", "content": "x"\n')
+    with pytest.raises(ValueError, match=re.escape(f"{bad}:3: invalid JSON")):
+        data.load_conversations(str(bad))
+    bad.write_text(json.dumps(good[0]) + "\n" + json.dumps({"messages": good[0]}) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{bad}:2: a conversation is a non-empty list")):
+        data.load_conversations(str(bad))
+    bad.write_text(json.dumps([{"role": "assistant", "content": "x"}]) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{bad}:1: message 0 has role 'assistant'")):
+        data.load_conversations(str(bad))
+    bad.write_text("\n  \n")
+    with pytest.raises(ValueError, match="no conversations in this file"):
+        data.load_conversations(str(bad))
+    with pytest.raises(FileNotFoundError, match="no such conversations file"):
+        data.load_conversations(str(tmp_path / "missing.jsonl"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Calculator
+
+CALCULATOR = [
+    ("1+2", 3),
+    ("2*(3+4)", 14),
+    ("12*34+5", 413),
+    ("2,000 + 1", 2001),  # commas stripped, as in nanochat
+    ("1,234,567*2", 2469134),
+    ("10/4", 2.5),
+    ("8/2", 4.0),
+    ("7//2", 3),
+    ("-5+3", -2),
+    ("-(3)", -3),
+    ("--3", 3),
+    ("1.5*2", 3.0),
+    ("0.1+0.2", 0.1 + 0.2),
+    (" 5 ", 5),
+    ("'strawberry'.count('r')", 3),
+    ('"hello".count("l")', 2),
+    ("('banana').count('an')", 2),
+    ("3 ** 2", None),  # power refused: 9**9**9 would hang
+    ("2**10", None),
+    ("1/0", None),
+    ("", None),
+    ("1 +", None),
+    ("()", None),
+    ("abc", None),
+    ("x.count('a')", None),  # names
+    ("'a'.__class__.count('a')", None),  # attribute access / dunders
+    ("print(1)", None),  # calls
+    ("__import__('os').count('a')", None),
+    ("import os", None),
+    ("open('f').count('a')", None),
+    ("'abc'.count('a', 1)", None),
+    ("'abc'.upper().count('A')", None),
+    ("'aa'.count('a').count('b')", None),
+    ("'abc'.count(1)", None),
+    ("'a'+'b'", None),
+    ("1e3", None),
+    ("9" * 4300, int("9" * 4300)),  # the engine prints results: 4300 digits is Python's str limit
+    ("9" * 4301, None),
+    ("*".join(["9" * 1000] * 5), None),  # a 5000-digit product cannot be printed
+    ("(" * 300 + "1" + ")" * 300, None),  # too deeply nested to parse
+    ("1" + "+1" * 100_000, None),  # too deep to evaluate (RecursionError), returns instead of hanging
+]
+
+
+@pytest.mark.parametrize("expr, value", CALCULATOR,
+                         ids=[e if len(e) <= 30 else f"{e[:8]}...{len(e)}chars" for e, _ in CALCULATOR])
+def test_use_calculator(expr, value):
+    out = data.use_calculator(expr)
+    assert out == value and type(out) is type(value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Synthetic tasks
+
+def task_key(task, messages):
+    """The item a task conversation is about (what the train/test split hashes)."""
+    question, answer = messages[0]["content"], messages[1]["content"]
+    if task == "identity":
+        return question
+    if task == "arithmetic":
+        return answer[0]["text"]
+    if task == "spelling":
+        return answer.replace("-", "") if isinstance(answer, str) else re.match(r"'(\w+)'", answer[0]["text"])[1]
+    return re.search(r"\b(\w+\.\w+)\b", question)[1]
+
+
+def reference_completion(btok, messages):
+    """The decoded tokens after <|assistant_start|>: what a model that got it right would generate."""
+    ids, _ = data.render_conversation(btok, messages)
+    return btok.decode(ids[len(ids) - ids[::-1].index(btok.special["<|assistant_start|>"]):])
+
+
+@pytest.mark.parametrize("task", data.TASKS)
+def test_task_generator_and_checker(btok, task):
+    take = lambda split, seed, n: list(itertools.islice(data.task_conversations(task, split, seed), n))
+    train = take("train", 0, 300)
+    assert train[:30] == take("train", 0, 30)  # deterministic per seed
+    assert train[:30] != take("train", 1, 30)
+    test = take("test", 0, 100)
+    train_keys, test_keys = {task_key(task, m) for m in train}, {task_key(task, m) for m in test}
+    assert train_keys and test_keys and not train_keys & test_keys  # disjoint items
+    assert len(test_keys) < len(train_keys)
+    for messages in train[:100] + test[:30]:
+        assert [m["role"] for m in messages] == ["user", "assistant"]
+        ids, mask = data.render_conversation(btok, messages)
+        assert ids[-1] == btok.special["<|assistant_end|>"] and mask[-1] == 1 and sum(mask) > 1
+        generated = reference_completion(btok, messages)
+        assert generated.endswith("<|assistant_end|>")
+        assert data.check(messages, generated)
+        ref = messages[-1]["content"]
+        numeric = isinstance(ref, list)
+        if numeric:
+            value = ref[1]["text"]
+            assert data.check(messages, f"The answer is {value}.")
+            assert not data.check(messages, generated.replace("<|assistant_end|>", "") + " -12345678")
+            assert not data.check(messages, "I don't know.")
+            tool_part = generated[:generated.rindex("<|output_end|>") + len("<|output_end|>")]
+            assert not data.check(messages, tool_part + "No idea.<|assistant_end|>")  # only the final text counts
+        else:
+            assert data.check(messages, f"  {ref}\n")
+            assert not data.check(messages, ref + " Extra.")
+            assert not data.check(messages, "wrong " + ref)
+    with pytest.raises(ValueError, match="unknown task"):
+        data.task_conversations(task, "val")
+    with pytest.raises(ValueError, match="unknown task"):
+        data.task_conversations("poetry", "train")
+
+
+def test_task_contents():
+    take = lambda task, n: list(itertools.islice(data.task_conversations(task, "train"), n))
+    ops = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+    for (user, assistant) in take("arithmetic", 100):
+        a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)", assistant["content"][0]["text"]).groups()
+        value = ops[op](int(a), int(b))
+        assert [p["type"] for p in assistant["content"]] == ["python", "python_output", "text"]
+        assert assistant["content"][1]["text"] == str(value)
+        assert assistant["content"][2]["text"] == f"{a} {op} {b} = {value}"
+        assert a in user["content"] and b in user["content"]
+    kinds = collections.Counter()
+    for (user, assistant) in take("spelling", 200):
+        if isinstance(assistant["content"], str):
+            kinds["spell"] += 1
+            w = assistant["content"].replace("-", "")
+            assert assistant["content"] == "-".join(w) and w.isalpha() and w.islower() and 3 <= len(w) <= 10
+            assert w in user["content"]
+        else:
+            kinds["count"] += 1
+            w, c = re.fullmatch(r"'(\w+)'\.count\('(\w)'\)", assistant["content"][0]["text"]).groups()
+            assert assistant["content"][1]["text"] == str(w.count(c)) == str(data.use_calculator(f"'{w}'.count('{c}')"))
+            assert assistant["content"][2]["text"].endswith(f": {w.count(c)}")
+            assert w in user["content"] and c in user["content"]
+    assert kinds["spell"] > 50 and kinds["count"] > 50
+    docs = {}
+    for name, kind, doc in data.stdlib_docstrings():
+        if kind == "function":
+            docs.setdefault(name, doc)
+    for (user, assistant) in take("docstring", 100):
+        name = re.search(r"\b(\w+\.\w+)\b", user["content"])[1]
+        sentence, paragraph = assistant["content"], " ".join(docs[name].split("\n\n")[0].split())
+        assert paragraph.startswith(sentence) and sentence[-1] in ".!?"
+        assert paragraph[len(sentence):len(sentence) + 1] in ("", " ")
+        assert not re.search(r"[.!?]\s", sentence)  # the first sentence, not more
+    for (user, assistant) in take("identity", 50):
+        assert "nanochat" in assistant["content"] and user["content"].endswith(("?", "."))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Corpora
+
+def test_default_corpus():
+    docs = data.default_corpus()
+    assert docs == data.default_corpus()  # deterministic order
+    n_bytes = sum(len(d.encode()) for d in docs)
+    assert 1_000_000 < n_bytes < 4_000_000 and len(docs) > 2000  # about 2 MB
+    assert any(d.startswith("json.dumps\n\nSerialize ``obj``") for d in docs)  # "qualified name\n\ndocstring"
+    train, val = list(data.corpus()(0)), list(data.corpus(split="val")(0))
+    assert train == list(data.corpus()(0))
+    assert not set(train) & set(val)
+    assert set(train) | set(val) == set(docs)
+    assert 0.03 < len(val) / (len(train) + len(val)) < 0.07  # 1 in 20
+    again = list(data.corpus()(1))  # a fresh order per epoch, the same documents
+    assert again != train and sorted(again) == sorted(train)
+    assert list(data.corpus(seed=1)(0)) != train
+    with pytest.raises(ValueError, match="split must be 'train' or 'val'"):
+        data.corpus(split="test")
+
+
+def assert_split(paths, expected):
+    """The train and val streams of `paths` partition `expected` (in order) into disjoint documents."""
+    train, val = list(data.corpus(paths)(0)), list(data.corpus(paths, split="val")(0))
+    assert not set(train) & set(val)
+    assert sorted(train + val) == sorted(expected)
+    assert train == [d for d in expected if d in set(train)]
+    assert val == [d for d in expected if d in set(val)]
+    assert list(data.corpus(paths)(1)) == train  # user files are streamed in order, every epoch
+
+
+def test_user_corpora(tmp_path):
+    texts = [f"document {i}: " + "words " * (i % 7 + 1) + "é" * (i % 3) for i in range(60)]
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "a.txt").write_text("  Small file.\n\nTwo short paragraphs stay one document.\n\n")
+    lines = [json.dumps({"text": t, "id": i}) for i, t in enumerate(texts[:40])]
+    (tmp_path / "d" / "b.jsonl").write_text("\n".join(lines[:20]) + "\n\n" + json.dumps({"text": "  "}) + "\n"
+                                            + "\n".join(lines[20:]) + "\n")
+    (tmp_path / "d" / "sub" / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[40:]))
+    (tmp_path / "d" / "notes.md").write_text("ignored")
+    (tmp_path / "d" / "a2.txt").write_text("Plain text in a directory.")
+    small = "Small file.\n\nTwo short paragraphs stay one document."
+    assert_split(str(tmp_path / "a.txt"), [small])
+    assert_split(str(tmp_path / "d" / "b.jsonl"), texts[:40])  # whitespace-only texts skipped
+    assert_split(str(tmp_path / "d"), ["Plain text in a directory."] + texts)  # recursive, sorted paths
+    assert_split(str(tmp_path / "d" / "**" / "*.jsonl"), texts)  # a recursive glob
+    assert_split([str(tmp_path / "d" / "sub"), str(tmp_path / "a.txt")], texts[40:] + [small])
+    # a long .txt is cut at blank lines once a document holds 2000 characters
+    paragraphs = [f"Paragraph {i} " + "x" * (300 + 37 * i) + "." for i in range(30)]
+    big = "\n\n".join(paragraphs) + "\n"
+    (tmp_path / "big.txt").write_text(big)
+    docs = list(data.corpus(str(tmp_path / "big.txt"))(0)) + list(data.corpus(str(tmp_path / "big.txt"), "val")(0))
+    docs.sort(key=big.index)
+    assert "\n\n".join(docs) == big.strip()
+    assert all(len(d) >= 1999 for d in docs[:-1]) and all(len(d) < 2000 + 1500 for d in docs)
+    assert len(docs) > 5
+
+
+def test_corpus_streams(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(50)) + "{broken\n")
+    docs = data.corpus(str(path))
+    gen = docs(0)
+    assert inspect.isgenerator(gen)
+    first = next(gen)  # reading stops before the broken last line: one document at a time
+    assert first.startswith("doc ")
+    with pytest.raises(ValueError, match=":51:"):
+        list(gen)
+    txt = tmp_path / "b.txt"
+    txt.write_text("one\n")
+    gen = data.corpus(str(txt))(0)
+    txt.write_text("two\n")  # nothing was read until the first document was asked for
+    assert list(gen) == ["two"]
+
+
+def test_corpus_bad_inputs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        data.corpus(str(tmp_path / "missing.txt"))
+    with pytest.raises(FileNotFoundError, match="matches no"):
+        data.corpus(str(tmp_path / "*.jsonl"))
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="unsupported file type"):
+        data.corpus(str(tmp_path / "x.csv"))
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "empty_dir" / "readme.md").write_text("not a corpus")
+    with pytest.raises(ValueError, match="no .txt, .jsonl or .parquet files in this directory"):
+        data.corpus(str(tmp_path / "empty_dir"))
+    # an empty corpus: no documents, and packing says so
+    (tmp_path / "empty.txt").write_text("\n\n   \n")
+    docs = data.corpus(str(tmp_path / "empty.txt"))
+    assert list(docs(0)) == []
+    with pytest.raises(ValueError, match="no documents"):
+        next(data.pretrain_batches(data.byte_tokenizer(), docs, 1, 8))
+    # invalid UTF-8: replaced by U+FFFD, with one warning per file that counts the bad sequences
+    raw = "ok\n".encode() + "bad \ufffd is text, ".encode() + b"\xff\xfe are not\n\nthen \xc3 cut\n"
+    (tmp_path / "bad.txt").write_bytes(raw)
+    with pytest.warns(UserWarning, match=r"bad.txt: replaced 3 invalid UTF-8 sequences"):
+        out = list(data.corpus(str(tmp_path / "bad.txt"))(0)) + list(data.corpus(str(tmp_path / "bad.txt"), "val")(0))
+    assert out == [raw.decode("utf-8", "replace").strip()] and out[0].count("\ufffd") == 4
+    # malformed .jsonl lines name the file and the line
+    (tmp_path / "b.jsonl").write_text('{"text": "fine"}\n\n{"text": 5}\n')
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'b.jsonl'}:3: expected a JSON object")):
+        list(data.corpus(str(tmp_path / "b.jsonl"))(0))
+    for line in ("not json", '["text"]', '{"txt": "a"}'):
+        (tmp_path / "c.jsonl").write_text(line + "\n")
+        with pytest.raises(ValueError, match="c.jsonl:1:"):
+            list(data.corpus(str(tmp_path / "c.jsonl"))(0))
+
+
+def test_parquet_needs_pyarrow(tmp_path):
+    try:
+        import pyarrow  # noqa: F401
+        pytest.skip("pyarrow is installed")
+    except ImportError:
+        pass
+    (tmp_path / "shard.parquet").write_bytes(b"PAR1 not really")
+    docs = data.corpus(str(tmp_path / "shard.parquet"))
+    with pytest.raises(ImportError, match="pip install pyarrow"):
+        list(docs(0))
+
+
+def test_parquet_shards(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    texts = [f"shard text {i} " + "é" * (i % 4) for i in range(40)]
+    for k in range(2):
+        table = pa.table({"text": texts[20 * k:20 * (k + 1)], "id": list(range(20))})
+        pq.write_table(table, tmp_path / f"shard_{k:05d}.parquet", row_group_size=6)
+    assert pq.ParquetFile(tmp_path / "shard_00000.parquet").num_row_groups == 4
+    assert_split(str(tmp_path), texts)
+    assert_split(str(tmp_path / "shard_*.parquet"), texts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Packing
+
+def make_docs(n, T, seed=0):
+    """n texts whose byte-level lengths range from a few tokens to ~2 rows of T+1 (so some are cropped)."""
+    rng = random.Random(seed)
+    alphabet = "abcdefghij klmnop é東🙂\n"
+    docs = []
+    for _ in range(n):
+        length = rng.choice([rng.randint(0, T // 4), rng.randint(T // 4, T), rng.randint(T, 2 * T)])
+        docs.append("".join(rng.choice(alphabet) for _ in range(length)))
+    return docs
+
+
+def ordered(docs):
+    return lambda epoch: iter(docs)
+
+
+def nanochat_bestfit(tok, documents, B, T, n_batches, buffer_size):
+    """nanochat/dataloader.py's BOS-aligned best fit, transcribed line by line (the buffer refills one document at
+    a time instead of 128, and the crop tails are counted): [(inputs, targets, dropped)] for n_batches."""
+    row_capacity = T + 1
+    batches = (doc for epoch in itertools.count() for doc in documents(epoch))
+    doc_buffer, dropped, out = [], 0, []
+    for _ in range(n_batches):
+        rows = []
+        for _ in range(B):
+            row = []
+            while len(row) < row_capacity:
+                while len(doc_buffer) < buffer_size:
+                    doc_buffer.append([tok.bos] + tok.encode(next(batches)))
+                remaining = row_capacity - len(row)
+                best_idx, best_len = -1, 0
+                for i, doc in enumerate(doc_buffer):
+                    doc_len = len(doc)
+                    if doc_len <= remaining and doc_len > best_len:
+                        best_idx, best_len = i, doc_len
+                if best_idx >= 0:
+                    doc = doc_buffer.pop(best_idx)
+                    row.extend(doc)
+                else:
+                    shortest_idx = min(range(len(doc_buffer)), key=lambda i: len(doc_buffer[i]))
+                    doc = doc_buffer.pop(shortest_idx)
+                    row.extend(doc[:remaining])
+                    dropped += len(doc) - remaining
+            rows.append(row[:row_capacity])
+        rows = np.array(rows, np.int32)
+        out.append((rows[:, :-1], rows[:, 1:], dropped))
+    return out
+
+
+def nanochat_sft_bestfit(tok, conversations, B, T, n_batches, buffer_size):
+    """scripts/chat_sft.py's sft_data_generator_bos_bestfit, transcribed line by line (renders truncated to a row,
+    single rank): [(inputs, targets)] for n_batches."""
+    row_capacity = T + 1
+    dataset = (conv for epoch in itertools.count() for conv in conversations(epoch))
+    conv_buffer, out = [], []
+    for _ in range(n_batches):
+        rows, mask_rows, row_lengths = [], [], []
+        for _ in range(B):
+            row, mask_row, padded = [], [], False
+            while len(row) < row_capacity:
+                while len(conv_buffer) < buffer_size:
+                    conv_buffer.append(data.render_conversation(tok, next(dataset), max_tokens=row_capacity))
+                remaining = row_capacity - len(row)
+                best_idx, best_len = -1, 0
+                for i, (conv, _) in enumerate(conv_buffer):
+                    conv_len = len(conv)
+                    if conv_len <= remaining and conv_len > best_len:
+                        best_idx, best_len = i, conv_len
+                if best_idx >= 0:
+                    conv, conv_mask = conv_buffer.pop(best_idx)
+                    row.extend(conv)
+                    mask_row.extend(conv_mask)
+                else:
+                    content_len = len(row)
+                    row.extend([tok.bos] * remaining)
+                    mask_row.extend([0] * remaining)
+                    padded = True
+                    break
+            row_lengths.append(content_len if padded else row_capacity)
+            rows.append(row[:row_capacity])
+            mask_rows.append(mask_row[:row_capacity])
+        batch, masks = np.array(rows, np.int32), np.array(mask_rows, np.int8)
+        inputs, targets = batch[:, :-1], batch[:, 1:].copy()
+        targets[masks[:, 1:] == 0] = -1
+        for i, content_len in enumerate(row_lengths):
+            if content_len < row_capacity:
+                targets[i, content_len - 1:] = -1
+        out.append((inputs, targets, row_lengths))
+    return out
+
+
+def test_pretrain_packing_invariants(btok):
+    B, T, n, buffer_size = 4, 64, 15, 16
+    docs = make_docs(120, T, seed=1)
+    documents = data.shuffled(docs, seed=5)
+    got = list(itertools.islice(data.pretrain_batches(btok, documents, B, T, buffer_size=buffer_size), n))
+    ref = nanochat_bestfit(btok, documents, B, T, n, buffer_size)
+    encoded = {tuple([btok.bos] + btok.encode(d)) for d in docs}
+    n_segments = 0
+    for (x, y, state), (rx, ry, rdropped) in zip(got, ref):
+        assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == np.int32
+        np.testing.assert_array_equal(x, rx)
+        np.testing.assert_array_equal(y, ry)
+        assert state["dropped"] == rdropped
+        np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+        assert (x[:, 0] == btok.bos).all()  # every row starts with BOS
+        for row in np.concatenate([x, y[:, -1:]], axis=1).tolist():  # rows of T+1: whole documents, then one crop
+            starts = [i for i, t in enumerate(row) if t == btok.bos] + [len(row)]
+            segments = [tuple(row[a:b]) for a, b in zip(starts, starts[1:])]
+            assert all(s in encoded for s in segments[:-1])
+            assert any(e[:len(segments[-1])] == segments[-1] for e in encoded)
+            n_segments += len(segments)
+    # accounting: every token of every consumed document is in a row, except the crop tails counted in "dropped"
+    state = got[-1][2]
+    assert state["dropped"] > 0 and len(state["buffer"]) == buffer_size - 1  # refilled before the next pick
+    assert n_segments > 1.5 * n * B  # rows hold several documents
+    stream = [([e, i], d) for e in range(state["epoch"] + 1) for i, d in enumerate(documents(e))
+              if (e, i) < (state["epoch"], state["index"])]
+    consumed = [d for key, d in stream if key not in state["buffer"]]
+    assert len(consumed) == n_segments
+    assert sum(1 + len(d.encode()) for d in consumed) == n * B * (T + 1) + state["dropped"]
+    with pytest.raises(ValueError, match="must be positive"):
+        next(data.pretrain_batches(btok, documents, 0, T))
+
+
+def test_pretrain_resume_is_exact(btok):
+    B, T, n, buffer_size = 2, 32, 30, 8
+    docs = make_docs(40, T, seed=2)  # small: the stream wraps into new epochs every few batches
+    documents = data.shuffled(docs, seed=3)
+    full = list(itertools.islice(data.pretrain_batches(btok, documents, B, T, buffer_size=buffer_size), n))
+    assert full[-1][2]["epoch"] >= 2
+    ref = nanochat_bestfit(btok, documents, B, T, n, buffer_size)
+    for (x, y, st), (rx, ry, rdropped) in zip(full, ref):
+        np.testing.assert_array_equal(x, rx)
+        assert st["dropped"] == rdropped
+    straddles = 0
+    for k in range(1, n):
+        state = json.loads(json.dumps(full[k - 1][2]))  # states are plain JSON
+        straddles += any(e < state["epoch"] for e, _ in state["buffer"])
+        resumed = data.pretrain_batches(btok, documents, B, T, state=state, buffer_size=buffer_size)
+        for (x, y, st), (x2, y2, st2) in zip(full[k:], itertools.islice(resumed, n - k)):
+            np.testing.assert_array_equal(x, x2)
+            np.testing.assert_array_equal(y, y2)
+            assert st == st2
+    assert straddles > 0  # some saved buffers held documents of an epoch before the next position's
+    # resuming on a different (here: shorter) corpus is refused
+    state = full[-1][2]
+    with pytest.raises(ValueError, match="corpus changed"):
+        next(data.pretrain_batches(btok, ordered(docs[:2]), B, T, state=state, buffer_size=buffer_size))
+
+
+def test_pretrain_crops_long_documents(btok):
+    T, cap, bos = 16, 17, btok.bos
+    # nothing fits: the shortest buffered document is cropped, its tail dropped
+    docs = ["L" * 40, "m" * 29, "s" * 5]
+    batches = data.pretrain_batches(btok, ordered(docs), 1, T, buffer_size=2)
+    x, y, state = next(batches)
+    row = [bos] + [ord("m")] * 16
+    assert x[0].tolist() == row[:-1] and y[0].tolist() == row[1:]
+    assert state == {"epoch": 0, "index": 2, "buffer": [[0, 0]], "dropped": 30 - 17}
+    x, y, state = next(batches)  # "s" fits whole; then the two "L"s tie and the first one is cropped
+    row = [bos] + [ord("s")] * 5 + [bos] + [ord("L")] * 10
+    assert x[0].tolist() == row[:-1] and y[0].tolist() == row[1:]
+    assert state == {"epoch": 1, "index": 1, "buffer": [[1, 0]], "dropped": 13 + 41 - 11}
+    # a document longer than every row: each row is its cropped head
+    x, y, state = next(data.pretrain_batches(btok, ordered(["x" * 40]), 3, T, buffer_size=1))
+    assert (x == [bos] + [ord("x")] * 15).all() and (y[:, -1] == ord("x")).all()
+    assert state["dropped"] == 3 * (41 - cap)
+    long_docs = ["y" * (20 + 7 * i) for i in range(10)]
+    got = list(itertools.islice(data.pretrain_batches(btok, data.shuffled(long_docs), 2, T, buffer_size=3), 6))
+    for (gx, gy, gs), (rx, ry, rd) in zip(got, nanochat_bestfit(btok, data.shuffled(long_docs), 2, T, 6, 3)):
+        np.testing.assert_array_equal(gx, rx)
+        assert gs["dropped"] == rd
+        assert (gx[:, 0] == bos).all() and (gx[:, 1:] != bos).all()  # one cropped document per row
+
+
+def test_sft_packing_pads_and_masks(btok):
+    B, T, n, buffer_size = 3, 160, 12, 10
+    convs = [m for task in data.TASKS for m in itertools.islice(data.task_conversations(task, "train", seed=4), 12)]
+    convs.append([{"role": "user", "content": "long " * 10}, {"role": "assistant", "content": "ok " * 60}])
+    conversations = data.shuffled(convs, seed=6)
+    got = list(itertools.islice(data.sft_batches(btok, conversations, B, T, buffer_size=buffer_size), n))
+    ref = nanochat_sft_bestfit(btok, conversations, B, T, n, buffer_size)
+    sp, padded_rows = btok.special, 0
+    for (x, y, state), (rx, ry, lengths) in zip(got, ref):
+        assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == np.int32
+        np.testing.assert_array_equal(x, rx)
+        np.testing.assert_array_equal(y, ry)
+        assert (x[:, 0] == btok.bos).all()
+        assert ((y == -1) | (y[:, :] == np.concatenate([x[:, 1:], y[:, -1:]], axis=1))).all()
+        assert not np.isin(y, [sp[s] for s in ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
+                                               "<|output_start|>", "<|output_end|>")]).any()
+        assert (y != -1).any(axis=1).all() and state["dropped"] == 0
+        for b, content_len in enumerate(lengths):
+            if content_len <= T:  # padded with BOS, and nothing supervised from the last content token on
+                padded_rows += 1
+                assert (x[b, content_len:] == btok.bos).all()
+                assert (y[b, content_len - 1:] == -1).all()
+    assert padded_rows > 0
+    rendered = [data.render_conversation(btok, m, max_tokens=T + 1) for m in convs]
+    assert max(len(r[0]) for r in rendered) == T + 1  # the long conversation was truncated to a row
+    # resume exactly, from any state
+    for k in (1, 4, 9):
+        state = json.loads(json.dumps(got[k - 1][2]))
+        resumed = data.sft_batches(btok, conversations, B, T, state=state, buffer_size=buffer_size)
+        for (x, y, st), (x2, y2, st2) in zip(got[k:], itertools.islice(resumed, n - k)):
+            np.testing.assert_array_equal(x, x2)
+            np.testing.assert_array_equal(y, y2)
+            assert st == st2

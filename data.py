@@ -1,0 +1,648 @@
+"""
+Data for nanochat in JAX: tokenizer, corpora, packing, chat format and synthetic chat tasks. Imports no jax.
+
+- Tokenizer: byte-level BPE with nanochat's split pattern and its 9 special tokens as the last ids. We train it
+  here and encode with a `tiktoken.Encoding` built from our ranks (pretrained tiktoken files need the network).
+  Training is the fast algorithm of rustbpe / HF tokenizers: unique regex chunks with their counts, pair counts
+  updated incrementally, a pair -> chunks index and a lazy max-heap. Ties go to the smallest (left, right) pair,
+  as in rustbpe, so our merges equal nanochat's. Saved as plain JSON (no pickle, and never tiktoken's
+  `load_tiktoken_bpe`, whose cache serves stale files). Data and user text go through `encode_ordinary`: a typed
+  "<|bos|>" never becomes a special id.
+- Corpora: the default one works offline anywhere: the running interpreter's stdlib docstrings (read with `ast`,
+  each headed by its qualified name) and the language reference in `pydoc_data.topics`, about 2 MB. User data:
+  .txt, .jsonl ("text"), .parquet ("text", needs pyarrow), directories and globs, streamed one document at a
+  time. Train/val (and task train/test) splits hash each document (item), so they are disjoint and stable.
+- Packing: nanochat's BOS-aligned best fit (nanochat/dataloader.py): every row starts with <|bos|>, the largest
+  buffered document that fits goes in whole, and a row is cropped only when none fits; SFT pads instead
+  (scripts/chat_sft.py). The state is the next stream position plus the identities of the buffered documents,
+  so a resumed loader replays them and yields exactly the rows it would have yielded.
+- Chat: `render_conversation` / `render_for_completion` give nanochat's ids and masks; `use_calculator` has
+  nanochat's tool semantics but evaluates through a whitelisted `ast`, never `eval`, and `calculator_tool` is the
+  engine's per-row python block -> forced output state machine; synthetic tasks (identity,
+  calculator arithmetic, spelling and letter counting, docstring questions) with exact-match checking.
+"""
+import ast
+import collections
+import functools
+import glob
+import heapq
+import json
+import os
+import random
+import string
+import sysconfig
+import warnings
+import zlib
+
+import numpy as np
+import pydoc_data.topics
+import regex
+import tiktoken
+
+SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
+                 r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
+SPECIAL_TOKENS = ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
+                  "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>")
+
+# ------------------------------------------------------------------------------------------------ tokenizer
+
+
+class Tokenizer:
+    """nanochat's tokenizer: token bytes in rank order (rank = id) plus the special tokens as the last ids."""
+
+    def __init__(self, tokens, pat_str=SPLIT_PATTERN, specials=SPECIAL_TOKENS):
+        ranks = {t: i for i, t in enumerate(tokens)}
+        if len(ranks) != len(tokens) or any(ranks.get(bytes([b])) != b for b in range(256)):
+            raise ValueError("tokenizer tokens must be unique and start with the 256 single bytes; retrain it")
+        self.tokens, self.pat_str = list(tokens), pat_str
+        self.special = {s: len(tokens) + i for i, s in enumerate(specials)}
+        self.enc = tiktoken.Encoding("nanochat", pat_str=pat_str, mergeable_ranks=ranks,
+                                     special_tokens=self.special, explicit_n_vocab=len(tokens) + len(specials))
+        self.bos, self.n_vocab = self.special["<|bos|>"], self.enc.n_vocab
+
+    def encode(self, text):
+        """Text -> ids. Special-token strings in the text stay ordinary text."""
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids):
+        """Ids -> text; byte sequences that are not UTF-8 become U+FFFD, special ids their names."""
+        return self.enc.decode([int(i) for i in ids])
+
+    def token_bytes(self):
+        """Raw byte length of every id, 0 for the specials: the denominator of bits per byte."""
+        return np.array([len(t) for t in self.tokens] + [0] * len(self.special), np.int32)
+
+    def save(self, path):
+        """Write the tokenizer as plain JSON, atomically (temp file + rename)."""
+        state = {"version": 1, "pat_str": self.pat_str, "tokens": [t.hex() for t in self.tokens],
+                 "special_tokens": list(self.special)}
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path):
+        """Read a tokenizer written by `save`."""
+        try:
+            with open(path) as f:
+                state = json.load(f)
+            assert state["version"] == 1
+            return cls([bytes.fromhex(t) for t in state["tokens"]], state["pat_str"], state["special_tokens"])
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no tokenizer file here; train one first") from None
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise ValueError(f"{path}: not a tokenizer file written by data.Tokenizer.save; retrain it") from None
+
+
+def byte_tokenizer():
+    """nanochat's byte-level tokenizer (no merges, vocab 265), the one of the golden chat renders."""
+    return Tokenizer([bytes([i]) for i in range(256)])
+
+
+def _merge(ids, a, b, new):
+    out, i = [], 0
+    while i < len(ids):
+        if ids[i] == a and i + 1 < len(ids) and ids[i + 1] == b:  # left to right, non-overlapping
+            out.append(new)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
+def train_tokenizer(texts, vocab_size, pat_str=SPLIT_PATTERN):
+    """Train byte-level BPE on an iterable of texts; vocab_size counts the 9 specials, like nanochat."""
+    texts = [texts] if isinstance(texts, str) else texts
+    n_merges = vocab_size - 256 - len(SPECIAL_TOKENS)
+    if n_merges < 0:
+        raise ValueError(f"vocab_size {vocab_size} is too small: it needs at least {256 + len(SPECIAL_TOKENS)}")
+    pattern, chunks = regex.compile(pat_str), collections.Counter()
+    for text in texts:  # only unique chunks are kept: training never looks at the text again
+        chunks.update(pattern.findall(text))
+    if not chunks:
+        raise ValueError("no text to train the tokenizer on; check the corpus")
+    words, freq = [list(w.encode()) for w in chunks], list(chunks.values())
+    counts, where = collections.defaultdict(int), collections.defaultdict(set)
+    for i, w in enumerate(words):
+        for pair in zip(w, w[1:]):  # overlapping pairs count twice ("aaa" has (a, a) twice), as in rustbpe
+            counts[pair] += freq[i]
+            where[pair].add(i)
+    # Lazy max-heap: after a merge, old pairs only lose counts and every new pair contains the new id, so a popped
+    # entry whose count is stale is pushed back with its true count; a fresh one is the true (max, smallest) pair.
+    heap = [(-c, pair) for pair, c in counts.items()]
+    heapq.heapify(heap)
+    tokens = [bytes([i]) for i in range(256)]
+    ids = {t: i for i, t in enumerate(tokens)}
+    while len(tokens) < 256 + n_merges and heap:
+        neg, pair = heapq.heappop(heap)
+        c = counts.get(pair, 0)
+        if c != -neg:
+            if c > 0:
+                heapq.heappush(heap, (-c, pair))
+            continue
+        merged = tokens[pair[0]] + tokens[pair[1]]
+        new = ids.setdefault(merged, len(tokens))  # bytes already a token: reuse its id, tiktoken encodes by bytes
+        if new == len(tokens):
+            tokens.append(merged)
+        touched = set()
+        for i in where.pop(pair):
+            w = words[i]
+            nw = _merge(w, *pair, new)
+            if len(nw) == len(w):  # stale index entry: this chunk lost the pair to an earlier merge
+                continue
+            for p in zip(w, w[1:]):
+                counts[p] -= freq[i]
+            for p in zip(nw, nw[1:]):
+                counts[p] += freq[i]
+                if new in p:
+                    where[p].add(i)
+                    touched.add(p)
+            words[i] = nw
+        del counts[pair]
+        for p in touched:
+            heapq.heappush(heap, (-counts[p], p))
+    if len(tokens) < 256 + n_merges:
+        n_vocab = len(tokens) + len(SPECIAL_TOKENS)
+        warnings.warn(f"the text allows only {len(tokens) - 256} merges: the vocab is {n_vocab}, not {vocab_size}")
+    return Tokenizer(tokens, pat_str)
+
+# ------------------------------------------------------------------------------------------------ corpora
+
+_SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
+              "dist-packages", "__pycache__", "lib-dynload"}
+
+
+def _holdout(key, percent):
+    """Stable hash split: True for about `percent`% of keys, the same on every machine and run."""
+    return zlib.crc32(key.encode("utf-8", "replace")) % 100 < percent
+
+
+@functools.cache
+def stdlib_docstrings():
+    """(qualified name, kind, docstring) of the running interpreter's stdlib, by sorted path then source order."""
+    root, out = sysconfig.get_paths()["stdlib"], []
+
+    def visit(body, prefix):
+        for node in body:
+            if isinstance(node, ast.If):  # platform-dependent definitions (os.py) sit under if/try
+                visit(node.body + node.orelse, prefix)
+            elif isinstance(node, ast.Try):
+                visit(node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body], prefix)
+            elif isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{prefix}.{node.name}"
+                if doc := ast.get_docstring(node):
+                    out.append((name, "class" if isinstance(node, ast.ClassDef) else "function", doc))
+                if isinstance(node, ast.ClassDef):
+                    visit(node.body, name)
+
+    paths = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if x not in _SKIP_DIRS and not x.startswith("config-")]
+        paths += [os.path.relpath(os.path.join(d, f), root) for f in files if f.endswith(".py")]
+    for rel in sorted(paths):
+        module = rel[:-3].replace(os.sep, ".").removesuffix(".__init__")
+        try:
+            with open(os.path.join(root, rel), "rb") as f:
+                tree = ast.parse(f.read())  # parse and drop each tree: keeping them all makes the GC 3x slower
+        except (SyntaxError, ValueError, OSError):
+            continue
+        if doc := ast.get_docstring(tree):
+            out.append((module, "module", doc))
+        visit(tree.body, module)
+    return tuple(out)
+
+
+def _paragraphs(lines, min_chars=2000):
+    """Cut lines into documents at blank lines once a document holds min_chars: small files stay whole."""
+    doc, n = [], 0
+    for line in lines:
+        if not line.strip() and n >= min_chars:
+            yield "".join(doc).strip()
+            doc, n = [], 0
+        else:
+            doc.append(line)
+            n += len(line)
+    if doc:
+        yield "".join(doc).strip()
+
+
+def default_corpus():
+    """The offline default corpus: one document per stdlib docstring ("name\\n\\ndoc"), then the pydoc topics."""
+    docs = [f"{name}\n\n{doc}" for name, _, doc in stdlib_docstrings()]
+    topics = pydoc_data.topics.topics
+    for key in sorted(topics):
+        docs += _paragraphs(topics[key].splitlines(keepends=True))
+    return docs
+
+
+def _lines(path):
+    """Lines of a text file; invalid UTF-8 becomes U+FFFD, with one warning per file that counts it."""
+    bad = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                line = raw.decode("utf-8", errors="replace")
+                bad += line.count("\ufffd") - raw.count("\ufffd".encode())
+            yield line
+    if bad:
+        warnings.warn(f"{path}: replaced {bad} invalid UTF-8 sequences with U+FFFD; re-encode the file as UTF-8")
+
+
+def _jsonl_texts(path):
+    for n, line in enumerate(_lines(path), 1):
+        if line.strip():
+            try:
+                text = json.loads(line)["text"]
+                assert isinstance(text, str)
+            except (ValueError, KeyError, TypeError, AssertionError):
+                raise ValueError(f'{path}:{n}: expected a JSON object with a "text" string; fix or delete it') from None
+            yield text
+
+
+def _parquet_texts(path):
+    try:
+        import pyarrow.parquet as pq  # optional: only nanochat's FineWeb/ClimbMix shards need it
+    except ImportError:
+        raise ImportError(f"{path}: reading .parquet needs pyarrow: pip install pyarrow") from None
+    f = pq.ParquetFile(path)
+    for i in range(f.num_row_groups):  # one row group (about 1000 documents) in memory at a time
+        yield from f.read_row_group(i, columns=["text"]).column("text").to_pylist()
+
+
+_READERS = {".txt": lambda path: _paragraphs(_lines(path)), ".jsonl": _jsonl_texts, ".parquet": _parquet_texts}
+
+
+def _corpus_files(paths):
+    """Expand files, directories (recursive) and globs into corpus files, each group sorted."""
+    known = lambda p: os.path.isfile(p) and os.path.splitext(p)[1] in _READERS
+    files = []
+    for p in [paths] if isinstance(paths, str) else paths:
+        if os.path.isdir(p):
+            found = sorted(f for d, _, fs in os.walk(p) for f in (os.path.join(d, x) for x in fs) if known(f))
+            if not found:
+                raise ValueError(f"{p}: no .txt, .jsonl or .parquet files in this directory")
+        elif os.path.isfile(p):
+            if not known(p):
+                raise ValueError(f"{p}: unsupported file type; corpora are .txt, .jsonl or .parquet files")
+            found = [p]
+        elif any(c in p for c in "*?["):
+            found = sorted(f for f in glob.glob(p, recursive=True) if known(f))
+            if not found:
+                raise FileNotFoundError(f"{p}: the pattern matches no .txt, .jsonl or .parquet file")
+        else:
+            raise FileNotFoundError(f"{p}: no such file or directory; pass .txt/.jsonl/.parquet files, dirs or globs")
+        files += found
+    return files
+
+
+def shuffled(items, seed=0):
+    """epoch -> the items in a fresh order per (seed, epoch)."""
+    return lambda epoch: (items[i] for i in np.random.default_rng([seed, epoch]).permutation(len(items)))
+
+
+def corpus(paths=None, split="train", seed=0):
+    """epoch -> documents of one split: the default corpus reshuffled per epoch, or user files streamed in order.
+
+    1 document in 20 (by hash of its text) is "val". User files are not shuffled: nanochat's shards come
+    pre-shuffled, and the packing buffer mixes nearby documents.
+    """
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', not {split!r}")
+    want_val = split == "val"
+    if not paths:
+        return shuffled([d for d in default_corpus() if _holdout(d, 5) == want_val], seed)
+    files = _corpus_files(paths)
+    return lambda epoch: (d for f in files for d in _READERS[os.path.splitext(f)[1]](f)
+                          if d.strip() and _holdout(d, 5) == want_val)
+
+# ------------------------------------------------------------------------------------------------ packing
+
+
+def _stream(items, epoch, index):
+    """((epoch, i), item) for every item from position (epoch, index) on, epoch after epoch, forever."""
+    while True:
+        n = -1
+        for n, item in enumerate(items(epoch)):
+            if n >= index:
+                yield (epoch, n), item
+        if n < 0:
+            raise ValueError("the corpus has no documents in this split; give it more text (1 in 20 goes to val)")
+        epoch, index = epoch + 1, 0
+
+
+def _best_fit(items, encode, B, T, state, buffer_size, pad, bos):
+    """Rows of T+1 tokens by nanochat's best fit; yields (rows, masks, state) per batch of B rows."""
+    state = {"epoch": 0, "index": 0, "buffer": [], "dropped": 0} | (state or {})
+    nxt, keys, dropped = (state["epoch"], state["index"]), [tuple(k) for k in state["buffer"]], state["dropped"]
+    if B < 1 or T < 1:
+        raise ValueError(f"batch size B={B} and sequence length T={T} must be positive")
+    found, wanted = {}, set(keys)
+    if keys:  # replay the stream from the oldest buffered document to rebuild the buffer in its saved order
+        for key, item in _stream(items, *min(keys)):
+            if key >= nxt:
+                break
+            if key in wanted:
+                found[key] = encode(item)
+    if len(found) < len(wanted):
+        raise ValueError("the corpus changed since this loader state was saved; resume with the same data and seed")
+    buffer, stream, cap = [(k, *found[k]) for k in keys], _stream(items, *nxt), T + 1
+    while True:
+        rows, masks = np.full((B, cap), bos, np.int32), np.zeros((B, cap), np.int8)
+        for b in range(B):
+            pos = 0
+            while pos < cap:
+                while len(buffer) < buffer_size:
+                    key, item = next(stream)
+                    buffer.append((key, *encode(item)))
+                    nxt = (key[0], key[1] + 1)
+                lens = np.array([len(e[1]) for e in buffer])
+                fits = np.where(lens <= cap - pos, lens, 0)
+                if fits.any():
+                    j = int(fits.argmax())  # the largest that fits; ties go to the first, as in nanochat's scan
+                elif pad:
+                    break  # SFT: the rest of the row stays BOS with mask 0
+                else:
+                    j = int(lens.argmin())  # nothing fits: crop the shortest and drop its tail
+                _, ids, mask = buffer.pop(j)
+                n = min(len(ids), cap - pos)
+                rows[b, pos:pos + n], masks[b, pos:pos + n] = ids[:n], mask[:n]
+                dropped += len(ids) - n
+                pos += n
+        yield rows, masks, {"epoch": nxt[0], "index": nxt[1], "buffer": [list(e[0]) for e in buffer],
+                            "dropped": dropped}
+
+
+def pretrain_batches(tok, documents, B, T, state=None, buffer_size=1000):
+    """Endless (inputs, targets, state) of nanochat's BOS-aligned best-fit packing, int32 (B, T) each.
+
+    documents: epoch -> iterable of texts (see `corpus`). Pass the last yielded state to resume exactly.
+    Every target is supervised (nanochat does not mask BOS; bits per byte gives it 0 bytes).
+    """
+    def encode(text):
+        ids = [tok.bos] + tok.encode(text)
+        return ids, [1] * len(ids)  # the mask is unused in pretraining
+
+    for rows, _, st in _best_fit(documents, encode, B, T, state, buffer_size, False, tok.bos):
+        yield rows[:, :-1], rows[:, 1:], st
+
+
+def sft_batches(tok, conversations, B, T, state=None, buffer_size=100):
+    """Endless (inputs, targets, state) of nanochat's SFT best fit: pads with BOS, targets -1 where unsupervised."""
+    encode = lambda messages: render_conversation(tok, messages, max_tokens=T + 1)
+    for rows, masks, st in _best_fit(conversations, encode, B, T, state, buffer_size, True, tok.bos):
+        yield rows[:, :-1], np.where(masks[:, 1:] == 1, rows[:, 1:], -1).astype(np.int32), st
+
+# ------------------------------------------------------------------------------------------------ chat format
+
+_PARTS = ("text", "python", "python_output")
+
+
+def _checked(messages):
+    """nanochat's message rules, with the system message merged into the first user turn; ValueError if broken."""
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise ValueError('a conversation is a non-empty list of {"role": ..., "content": ...} messages')
+    offset = 0
+    if messages[0].get("role") == "system":
+        if (len(messages) < 2 or messages[1].get("role") != "user"
+                or not all(isinstance(m.get("content"), str) for m in messages[:2])):
+            raise ValueError("a system message must be a string followed by a user message (a string)")
+        merged = {"role": "user", "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}
+        messages, offset = [merged] + messages[2:], 1
+    for i, m in enumerate(messages):
+        role, content, want = m.get("role"), m.get("content"), ("user", "assistant")[i % 2]
+        if role != want:
+            raise ValueError(f"message {i + offset} has role {role!r} where {want!r} is due: roles must alternate "
+                             "user, assistant, ... after an optional leading system message")
+        parts = content if role == "assistant" and isinstance(content, list) else [{"type": "text", "text": content}]
+        if not all(isinstance(p, dict) and p.get("type") in _PARTS and isinstance(p.get("text"), str) for p in parts):
+            raise ValueError(f"message {i + offset}: content must be a string (assistant: or a list of "
+                             f"{{'type': one of {_PARTS}, 'text': str}} parts)")
+        if not parts or not "".join(p["text"] for p in parts).strip():
+            raise ValueError(f"message {i + offset} ({role}) is empty; give it some text or drop the turn")
+    return messages
+
+
+def render_conversation(tok, messages, max_tokens=2048):
+    """(ids, mask) of a conversation as nanochat renders it; mask 1 on the tokens the assistant is trained on."""
+    sp, ids, mask = tok.special, [], []
+
+    def add(toks, m):
+        ids.extend(toks)
+        mask.extend([m] * len(toks))
+
+    add([tok.bos], 0)
+    for m in _checked(messages):
+        content = m["content"]
+        if m["role"] == "user":
+            add([sp["<|user_start|>"], *tok.encode(content), sp["<|user_end|>"]], 0)
+            continue
+        add([sp["<|assistant_start|>"]], 0)
+        for part in [{"type": "text", "text": content}] if isinstance(content, str) else content:
+            t = tok.encode(part["text"])
+            if part["type"] == "text":
+                add(t, 1)
+            elif part["type"] == "python":  # the model writes the tool call: supervised
+                add([sp["<|python_start|>"], *t, sp["<|python_end|>"]], 1)
+            else:  # the tool's output is forced in at inference: not supervised
+                add([sp["<|output_start|>"], *t, sp["<|output_end|>"]], 0)
+        add([sp["<|assistant_end|>"]], 1)
+    return ids[:max_tokens], mask[:max_tokens]
+
+
+def render_for_completion(tok, messages):
+    """Prompt ids for generation: the conversation without its last assistant message, then <|assistant_start|>."""
+    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict) \
+            or messages[-1].get("role") != "assistant":
+        raise ValueError("render_for_completion needs a conversation ending in the assistant message to replace")
+    return render_conversation(tok, messages[:-1])[0] + [tok.special["<|assistant_start|>"]]
+
+
+def load_conversations(path):
+    """Conversations of a CustomJSON .jsonl file (nanochat's form): one JSON list of messages per line."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such conversations file (.jsonl, one JSON list of messages a line)")
+    convs = []
+    for n, line in enumerate(_lines(path), 1):
+        if line.strip():
+            try:
+                messages = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: invalid JSON ({e}); each line must be a JSON list of messages") from None
+            try:
+                _checked(messages)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
+            convs.append(messages)
+    if not convs:
+        raise ValueError(f"{path}: no conversations in this file")
+    return convs
+
+# ------------------------------------------------------------------------------------------------ calculator
+
+_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+        ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b}
+
+
+def _calc(node):
+    """Evaluate a whitelisted ast: numbers, + - * / //, unary +/-, and "str".count("str")."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float, str):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in (ast.UAdd, ast.USub):
+        v = _calc(node.operand)
+        return -v if isinstance(node.op, ast.USub) else +v
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        a, b = _calc(node.left), _calc(node.right)
+        if isinstance(a, str) or isinstance(b, str):
+            raise ValueError("no arithmetic on strings")
+        return _OPS[type(node.op)](a, b)
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "count"
+            and len(node.args) == 1 and not node.keywords):
+        s, sub = _calc(node.func.value), _calc(node.args[0])
+        if isinstance(s, str) and isinstance(sub, str):
+            return s.count(sub)
+    raise ValueError("unsupported expression")
+
+
+def use_calculator(expr):
+    """nanochat's calculator tool: the value of arithmetic or a "str".count("str") expression, else None."""
+    expr = expr.replace(",", "")  # nanochat's character filters first, so we return None where it does
+    math = all(c in "0123456789*+-/.() " for c in expr) and "**" not in expr
+    count = all(c in string.ascii_letters + string.digits + "'\"()._ " for c in expr) and ".count(" in expr
+    if not (math or count):
+        return None
+    try:
+        value = _calc(ast.parse(expr.strip(), mode="eval").body)
+        str(value)  # the engine prints it: ints past Python's 4300-digit str limit raise here, not there
+        return value
+    except (SyntaxError, ValueError, ArithmeticError, RecursionError, MemoryError):
+        return None
+
+
+def calculator_tool(tok):
+    """nanochat's tool state machine for one generation: tool(row, token) -> ids to force next into that row.
+
+    A row's `<|python_start|>expr<|python_end|>` gets `<|output_start|>result<|output_end|>` forced after it, where
+    result = use_calculator(expr); nothing is forced when that is None.
+    """
+    sp, exprs = tok.special, {}  # row -> ids since <|python_start|>, while a python block is open
+
+    def tool(row, token):
+        if token == sp["<|python_start|>"]:
+            exprs[row] = []
+        elif row in exprs and token == sp["<|python_end|>"]:
+            result = use_calculator(tok.decode(exprs.pop(row)))
+            if result is not None:
+                return [sp["<|output_start|>"], *tok.encode(str(result)), sp["<|output_end|>"]]
+        elif row in exprs:
+            exprs[row].append(token)
+        return []
+    return tool
+
+# ------------------------------------------------------------------------------------------------ tasks
+
+TASKS = ("identity", "arithmetic", "spelling", "docstring")
+_IDENTITY = (
+    (("Who are you?", "What are you?", "What is your name?", "What's your name?", "Introduce yourself.",
+      "Tell me about yourself.", "Are you a person?", "What should I call you?", "Are you ChatGPT?"),
+     "I'm nanochat, a small language model trained from scratch with a pure JAX port of Andrej Karpathy's nanochat."),
+    (("Who made you?", "Who built you?", "Who trained you?", "Who created you?", "Where do you come from?",
+      "How were you made?"),
+     "I was trained from scratch by the person who ran this nanochat JAX code, on Python documentation and a few "
+     "synthetic tasks."),
+)
+
+
+def _user_assistant(question, answer):
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+def _tool_answer(expr, text):
+    """Assistant parts: a calculator call, its output, then a sentence that ends in the result."""
+    out = str(use_calculator(expr))
+    return [{"type": "python", "text": expr}, {"type": "python_output", "text": out},
+            {"type": "text", "text": text.format(out)}]
+
+
+def _identity(rng):
+    questions = [(p + q, a) for qs, a in _IDENTITY for q in qs for p in ("", "Hi! ", "Hello. ", "Hey there! ")]
+    while True:
+        q, a = rng.choice(questions)
+        yield q, _user_assistant(q, a)
+
+
+def _arithmetic(rng):
+    words = {"+": "plus", "-": "minus", "*": "times"}
+    while True:
+        a, b, op = rng.randint(0, 999), rng.randint(0, 999), rng.choice("+-*")
+        q = rng.choice(("What is {a} {op} {b}?", "Calculate {a}{op}{b}.", "What is {a} {w} {b}?", "{a} {op} {b} = ?"))
+        expr = f"{a}{op}{b}"
+        yield expr, _user_assistant(q.format(a=a, b=b, op=op, w=words[op]), _tool_answer(expr, f"{a} {op} {b} = {{}}"))
+
+
+def _spelling(rng):
+    common = collections.Counter(w for _, _, d in stdlib_docstrings() for w in regex.findall(r"\b[a-z]{3,10}\b", d))
+    words = sorted(w for w, n in common.items() if n >= 20)  # frequent lowercase words: real English, ~1000
+    while True:
+        w = rng.choice(words)
+        if rng.random() < 0.5:
+            q = rng.choice(("Spell {w}.", "How do you spell '{w}'?", "Spell the word {w} letter by letter."))
+            yield w, _user_assistant(q.format(w=w), "-".join(w))
+        else:
+            c = rng.choice(w) if rng.random() < 0.8 else rng.choice(string.ascii_lowercase)
+            q = rng.choice(("How many '{c}' are in '{w}'?", "How many times does the letter {c} appear in {w}?",
+                            "Count the letter {c} in the word {w}."))
+            answer = _tool_answer(f"'{w}'.count('{c}')", f"Number of '{c}' in '{w}': {{}}")
+            yield w, _user_assistant(q.format(c=c, w=w), answer)
+
+
+def _docstring_items():
+    """(module.function, first sentence of its docstring) for public module-level functions of the stdlib."""
+    items = {}
+    for name, kind, doc in stdlib_docstrings():
+        m = regex.match(r"(.+?[.!?])(\s|$)", " ".join(doc.split("\n\n")[0].split()))
+        if kind == "function" and m and name.count(".") == 1 and "._" not in name and not name.startswith("_"):
+            s = m.group(1)
+            if 20 <= len(s) <= 160 and s[0].isupper() and "->" not in s:
+                items.setdefault(name, s)
+    return sorted(items.items())
+
+
+def _docstring(rng):
+    items = _docstring_items()
+    while True:
+        name, sentence = rng.choice(items)
+        q = rng.choice(("What does {} do?", "What is {} for?", "In one sentence, what does {} do?"))
+        yield name, _user_assistant(q.format(name), sentence)
+
+
+def task_conversations(task, split, seed=0):
+    """Endless conversations of one synthetic task; 'train' and 'test' draw from disjoint items (1 in 5 is test)."""
+    makers = {"identity": _identity, "arithmetic": _arithmetic, "spelling": _spelling, "docstring": _docstring}
+    if task not in makers or split not in ("train", "test"):
+        raise ValueError(f"unknown task {task!r} or split {split!r}: tasks are {TASKS}, splits 'train' and 'test'")
+    items = makers[task](random.Random(f"{task}/{split}/{seed}"))
+    return (messages for key, messages in items if _holdout(f"{task}/{key}", 20) == (split == "test"))
+
+
+def _final_answer(text, numeric):
+    text = text.rsplit("<|output_end|>", 1)[-1].replace("<|assistant_end|>", "").strip()
+    if not numeric:
+        return text
+    numbers = regex.findall(r"-?\d+(?:\.\d+)?", text)
+    return numbers[-1] if numbers else None
+
+
+def check(messages, generated):
+    """Exact match of a generated reply with the reference (last) assistant message of a task conversation.
+
+    With a calculator call in the reference, the last number of the final text is compared; else the whole
+    stripped text. `generated` may include special-token strings (a decoded completion).
+    """
+    ref = messages[-1]["content"]
+    numeric = isinstance(ref, list) and any(p["type"] == "python" for p in ref)
+    ref_text = ref if isinstance(ref, str) else ref[-1]["text"]
+    return _final_answer(generated, numeric) == _final_answer(ref_text, numeric)
