@@ -412,6 +412,37 @@ def test_resume_is_bit_identical(train_root, tmp_path):
     assert full[-1] < full[0]
 
 
+def test_debug_runs_the_same_step_unjitted(train_root, tmp_path):
+    _, _, jitted, _ = run_base(fresh_root(train_root, tmp_path / "a"), "--num-iterations", "1")
+    _, _, eager, _ = run_base(fresh_root(train_root, tmp_path / "b"), "--num-iterations", "1", "--debug")
+    np.testing.assert_allclose(eager, jitted, rtol=1e-5)
+
+
+def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch):
+    root = fresh_root(train_root, tmp_path)
+    real = train.jit_train_step
+
+    def failing(*a, **k):
+        params, opt, m = real(*a, **k)
+        return params, opt, {**m, "finite": m["finite"] & (a[4] < 3)}  # step 3 "diverges"
+
+    monkeypatch.setattr(train, "jit_train_step", failing)
+    with pytest.raises(SystemExit, match="step 3: .*not finite.*step_000002"):
+        run_base(root, "--num-iterations", "6", "--save-every", "2")
+
+    def interrupted(*a, **k):
+        if a[4] == 4:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(train, "jit_train_step", interrupted)
+    with pytest.raises(SystemExit, match="interrupted: saved .*step_000004"):
+        run_base(root, "--num-iterations", "6", "--save-every", "2", "--resume")
+    monkeypatch.setattr(train, "jit_train_step", real)
+    _, _, rest, _ = run_base(root, "--num-iterations", "6", "--resume")
+    assert len(rest) == 2 and train.latest_checkpoint(root).endswith("step_000006")
+
+
 def run_cli(root, *extra, env=None):
     cmd = [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS, "--num-iterations", "3", *extra]
     r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True, timeout=300,
