@@ -14,12 +14,18 @@ Numerically the model of karpathy/nanochat's `gpt.py` (same logits, loss and gra
 Params are fp32 masters; `compute_dtype="bfloat16"` casts them once at the top of the forward pass, while
 norm statistics, the attention softmax, logits and loss stay fp32 (nanochat's COMPUTE_DTYPE).
 
+Inference is nanochat's Engine: a preallocated KV cache written in place at a traced position (donated, so one
+compiled decode step serves every position), masks from absolute positions so sliding windows hold while decoding,
+the smear's previous embedding carried in the cache, prompts padded at the end to power-of-two buckets, greedy /
+temperature / top-k sampling with explicit keys, and tool use through a per-row callback that forces tokens.
+
 Layout: every weight is (in, out), so a layer is `x @ W`; `to/from_nanochat_state_dict` transpose to and from
 PyTorch's (out, in). Per-layer weights of one kind are stacked on a leading axis (n_layer, or the number of
 value-embedding layers for `value_embeds` and `ve_gate`), so Muon orthogonalizes them in one batched call.
 Dimension letters: B batch, T time, C n_embd, H n_head, K n_kv_head, D head_dim, V padded vocab.
 """
 
+import collections
 import dataclasses
 import functools
 import math
@@ -73,8 +79,8 @@ class Config:
         return [i for i in range(self.n_layer) if i % 2 == (self.n_layer - 1) % 2]
 
 
-# The "885K nano" that trains in minutes on a laptop CPU (vocab: bytes + nanochat's 9 special tokens).
-NANO = Config(sequence_len=256, vocab_size=265, n_layer=4, n_head=4, n_kv_head=4, n_embd=128, window_pattern="L")
+# The nano model that trains in minutes on a laptop CPU (~0.98M params; vocab: train.py's default tokenizer).
+NANO = Config(sequence_len=256, vocab_size=384, n_layer=4, n_head=4, n_kv_head=4, n_embd=128, window_pattern="L")
 
 
 def config_for_depth(depth, vocab_size, aspect_ratio=64, head_dim=128, **kwargs):
@@ -159,14 +165,23 @@ def attention_mask(q_pos, k_pos, window):
     return (back >= 0) & (back <= window)
 
 
-def smear(x, gate_w, lam):
-    """x_t += lam * sigmoid(x_t[:24] @ gate_w) * x_{t-1}, on the normed embeddings (B, T, C)."""
-    gate = lam * jax.nn.sigmoid(x[:, 1:, :SMEAR_CHANNELS] @ gate_w)  # (B, T-1, 1)
-    return jnp.concatenate([x[:, :1], x[:, 1:] + gate * x[:, :-1]], axis=1)
+def smear(x, gate_w, lam, prev=None):
+    """x_t += lam * sigmoid(x_t[:24] @ gate_w) * x_{t-1} on the normed embeddings (B, T, C).
+
+    x_{-1} is `prev` (B, C), a KV cache's last token, or nothing (zeros) at the start of a sequence: one formula
+    for training, prefill and nanochat's decode rule `x += gate(x) * prev_embedding`.
+    """
+    prev = jnp.zeros_like(x[:, :1]) if prev is None else prev[:, None]
+    gate = lam * jax.nn.sigmoid(x[..., :SMEAR_CHANNELS] @ gate_w)  # (B, T, 1)
+    return x + gate * jnp.concatenate([prev, x[:, :-1]], axis=1)
 
 
-def attention(a, i, x, ve, cos, sin, mask, cfg):
-    """Causal self-attention of layer i on the normed input x (B, T, C); ve is (ve_gate, value embedding) or None."""
+def attention(a, i, x, ve, cos, sin, mask, cfg, cache=None, start=0):
+    """Causal self-attention of layer i on the normed input x (B, T, C); ve is (ve_gate, value embedding) or None.
+
+    With a cache (k, v of (n_layer, B, K, S, D)), this chunk's k/v are written at slot `start` of layer i and the
+    queries attend over all S slots under `mask`. Returns (output (B, T, C), the updated cache or None).
+    """
     B, T, _ = x.shape
     H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
     q = (x @ a["c_q"][i]).reshape(B, T, H, D)
@@ -178,19 +193,23 @@ def attention(a, i, x, ve, cos, sin, mask, cfg):
         v = v + gate[..., None] * e.reshape(B, T, K, D)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     q, k = rms_norm(q) * QK_SCALE, rms_norm(k) * QK_SCALE
+    if cache is not None:  # in place on the donated cache: one compiled step serves every position
+        ck = jax.lax.dynamic_update_slice(cache[0], k.swapaxes(1, 2)[None], (i, 0, 0, start, 0))
+        cv = jax.lax.dynamic_update_slice(cache[1], v.swapaxes(1, 2)[None], (i, 0, 0, start, 0))
+        cache, k, v = (ck, cv), ck[i].swapaxes(1, 2), cv[i].swapaxes(1, 2)  # (B, S, K, D): folded into the matmuls
     y = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])  # GQA: K kv heads serve H query heads
-    return y.reshape(B, T, H * D) @ a["c_proj"][i]
+    return y.reshape(B, T, H * D) @ a["c_proj"][i], cache
 
 
-def hidden(params, tokens, cfg):
-    """The transformer trunk: tokens (B, T) -> final normed hidden states (B, T, C) in the compute dtype."""
-    p = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params)
+def _trunk(p, tokens, x, q_pos, cfg, cache=None):
+    """The blocks, backout and final norm: smeared embeddings x (B, T, C) at absolute positions q_pos -> (B, T, C).
+
+    Training passes no cache. Inference passes nanochat's KV cache: the mask is built from absolute positions, so
+    slots not yet written (k_pos > q_pos) are hidden and sliding windows hold during decode.
+    """
     a, m = p["h"]["attn"], p["h"]["mlp"]
-    T = tokens.shape[1]
-    pos = jnp.arange(T)
-    cos, sin = rotary(pos, cfg.head_dim)
-    x = rms_norm(p["wte"][tokens])  # (B, T, C)
-    x = smear(x, p["smear_gate"], p["smear_lambda"])
+    cos, sin = rotary(q_pos, cfg.head_dim)
+    k_pos = q_pos if cache is None else jnp.arange(cache[0].shape[3])
     x0, x_backout = x, None
     for i, window in enumerate(window_sizes(cfg)):
         x = p["resid_lambdas"][i] * x + p["x0_lambdas"][i] * x0
@@ -198,12 +217,22 @@ def hidden(params, tokens, cfg):
         if i in cfg.ve_layers:
             j = cfg.ve_layers.index(i)
             ve = (a["ve_gate"][j], p["value_embeds"][j][tokens])
-        x = x + attention(a, i, rms_norm(x), ve, cos, sin, attention_mask(pos, pos, window), cfg)
+        mask = attention_mask(q_pos, k_pos, window)
+        y, cache = attention(a, i, rms_norm(x), ve, cos, sin, mask, cfg, cache, q_pos[0])
+        x = x + y
         x = x + jnp.square(jax.nn.relu(rms_norm(x) @ m["c_fc"][i])) @ m["c_proj"][i]
         if i == cfg.n_layer // 2:
             x_backout = x
     x = x - p["backout_lambda"] * x_backout
-    return rms_norm(x)
+    return rms_norm(x), cache
+
+
+def hidden(params, tokens, cfg):
+    """The transformer trunk: tokens (B, T) -> final normed hidden states (B, T, C) in the compute dtype."""
+    p = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params)
+    x = rms_norm(p["wte"][tokens])  # (B, T, C)
+    x = smear(x, p["smear_gate"], p["smear_lambda"])
+    return _trunk(p, tokens, x, jnp.arange(tokens.shape[1]), cfg)[0]
 
 
 def logits_from_hidden(params, x, cfg):
@@ -229,6 +258,103 @@ def loss_fn(params, tokens, targets, cfg, reduction="mean"):
     if reduction == "none":
         return nll.reshape(targets.shape)
     return nll.sum() / jnp.maximum(valid.sum(), 1)  # (torch gives nan when every target is ignored)
+
+
+# ------------------------------------------------------------------------------------------------ inference
+
+
+def init_cache(cfg, batch, max_len):
+    """An empty KV cache: k, v (n_layer, B, K, max_len, D), the smear's previous embedding (B, C) and the position."""
+    shape = (cfg.n_layer, batch, cfg.n_kv_head, max_len, cfg.head_dim)  # heads before time: no transpose per step
+    return {"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype),
+            "prev": jnp.zeros((batch, cfg.n_embd), cfg.compute_dtype), "pos": jnp.zeros((), jnp.int32)}
+
+
+def forward_cached(params, tokens, cache, cfg, length=None):
+    """(logits (B, vocab_size) after the last of `length` valid tokens, advanced cache): prefill (T > 1) or decode.
+
+    tokens (B, T) go in at the cache's position. Only the first `length` (default T) are real: a prompt padded at
+    the end to a bucket length writes junk k/v past them, which later writes replace before any query can see it.
+    """
+    p = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params)
+    length = tokens.shape[1] if length is None else length
+    q_pos = cache["pos"] + jnp.arange(tokens.shape[1])
+    e = rms_norm(p["wte"][tokens])  # (B, T, C) before the smear: the next chunk's smear reads the last one
+    x = smear(e, p["smear_gate"], p["smear_lambda"], cache["prev"])
+    x, (k, v) = _trunk(p, tokens, x, q_pos, cfg, (cache["k"], cache["v"]))
+    last = lambda a: jax.lax.dynamic_index_in_dim(a, length - 1, axis=1, keepdims=False)
+    cache = {"k": k, "v": v, "prev": last(e), "pos": cache["pos"] + length}
+    return logits_from_hidden(p, last(x), cfg), cache
+
+
+def sample(logits, key, temperature, top_k=None):
+    """Next ids (B,) from logits (B, V): argmax at temperature 0, else top-k, then /temperature, then categorical."""
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    if top_k is not None and top_k < logits.shape[-1]:
+        vals, idx = jax.lax.top_k(scaled, top_k)
+        picked = jnp.take_along_axis(idx, jax.random.categorical(key, vals)[:, None], axis=-1)[:, 0]
+    else:
+        picked = jax.random.categorical(key, scaled)
+    return jnp.where(temperature > 0, picked, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "num_samples", "top_k"))
+def prefill(params, tokens, length, key, temperature, cfg, max_len, num_samples=1, top_k=None):
+    """One prompt (1, T), the first `length` real, into a fresh cache of max_len copied to num_samples rows.
+
+    Returns (each row's sampled first token (num_samples,), the logits it was drawn from, the cache).
+    """
+    logits, c = forward_cached(params, tokens, init_cache(cfg, 1, max_len), cfg, length)
+    rows = lambda a, axis: jnp.repeat(a, num_samples, axis=axis)
+    cache = {"k": rows(c["k"], 1), "v": rows(c["v"], 1), "prev": rows(c["prev"], 0), "pos": c["pos"]}
+    logits = rows(logits, 0)
+    return sample(logits, jax.random.fold_in(key, c["pos"]), temperature, top_k), logits, cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "top_k"), donate_argnames="cache")
+def decode(params, column, cache, key, temperature, cfg, top_k=None):
+    """Feed one token per row (B,) and sample the next: (ids (B,), logits (B, vocab_size), cache), one dispatch."""
+    logits, cache = forward_cached(params, column[:, None], cache, cfg)
+    return sample(logits, jax.random.fold_in(key, cache["pos"]), temperature, top_k), logits, cache
+
+
+def _bucket(n):
+    return max(16, 1 << (n - 1).bit_length())  # powers of two: a growing chat compiles once per doubling
+
+
+def generate(params, cfg, prompt_ids, *, max_tokens, key, temperature=1.0, top_k=None, num_samples=1, stop_ids=(),
+             tool=None):
+    """nanochat's Engine.generate: yields (token_column, mask_column), lists of num_samples ints, one per step.
+
+    Prefill at batch 1, then decode all rows together. A row is done once it emits a stop id; all rows keep going
+    until every row is done, max_tokens, or the context (cfg.sequence_len) is full. `tool(row, token)` (e.g.
+    data.calculator_tool(tok), a fresh one per call) sees every emitted token and returns ids to force into that
+    row, one per step with mask 0, instead of sampling (nanochat's forced_tokens deque).
+    """
+    n = len(prompt_ids)
+    if not 0 < n < cfg.sequence_len:
+        raise ValueError(f"the prompt has {n} tokens; it must have 1 to {cfg.sequence_len - 1} (the model's context)")
+    max_tokens = min(max_tokens, cfg.sequence_len - n)
+    if max_tokens < 1:
+        return
+    max_len = min(_bucket(n + max_tokens), cfg.sequence_len)
+    tokens = np.zeros((1, min(_bucket(n), max_len)), np.int32)  # padded at the end: positions stay true
+    tokens[0, :n] = prompt_ids
+    params = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params)  # once, not at every decode step
+    sampled, _, cache = prefill(params, tokens, n, key, temperature, cfg, max_len, num_samples, top_k)
+    forced, done, stop_ids = [collections.deque() for _ in range(num_samples)], [False] * num_samples, set(stop_ids)
+    for step in range(max_tokens):
+        column, masks = [], []
+        for row, token in enumerate(np.asarray(sampled).tolist()):  # the one host sync per token
+            masks.append(0 if forced[row] else 1)
+            column.append(forced[row].popleft() if forced[row] else token)
+            done[row] = done[row] or column[-1] in stop_ids
+            if tool is not None:
+                forced[row].extend(tool(row, column[-1]))
+        yield column, masks
+        if all(done) or step == max_tokens - 1:
+            return
+        sampled, _, cache = decode(params, np.asarray(column, np.int32), cache, key, temperature, cfg, top_k)
 
 
 def param_shapes(cfg):

@@ -5,17 +5,23 @@ were made); tolerances are the ones that README justifies from fp32-vs-fp64 reru
 """
 
 import collections
+import dataclasses
+import html
+import http.client
 import inspect
 import itertools
 import json
 import os
 import pathlib
+import pickle
 import random
 import re
 import shutil
 import socket
 import subprocess
 import sys
+import threading
+import zipfile
 
 import chex
 import jax
@@ -23,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import chat
 import data
 import muon
 import nanochat as nc
@@ -1287,3 +1294,435 @@ def test_sft_packing_pads_and_masks(btok):
             np.testing.assert_array_equal(x, x2)
             np.testing.assert_array_equal(y, y2)
             assert st == st2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inference: the KV-cache engine, tool use, chat.py's CLI and web server, nanochat checkpoint import
+
+GEN_CFG = nc.Config(sequence_len=512, vocab_size=300, n_layer=4, n_head=2, n_kv_head=1, n_embd=64, window_pattern="SL")
+WINDOW_CFG = nc.Config(sequence_len=256, vocab_size=100, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
+                       window_pattern="SL")  # windows [128, 256]: a 160-token generation crosses the short one
+CHAT_CFG = nc.Config(sequence_len=256, vocab_size=265, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
+                     window_pattern="L")  # the byte tokenizer's vocab
+full_forward = jax.jit(nc.forward, static_argnames="cfg")
+
+
+def random_params(cfg, seed):
+    """Random params with every path alive, drawn in numpy (no init compile): matrices N(0, 1/fan_in)."""
+    rng = np.random.default_rng(seed)
+    draw = lambda s: rng.normal(0, s.shape[-2] ** -0.5 if len(s.shape) > 1 else 0.3, s.shape).astype(np.float32)
+    params = jax.tree.map(draw, nc.param_shapes(cfg))
+    params["resid_lambdas"] += 1.0
+    return jax.tree.map(jnp.asarray, params)
+
+
+def generated(params, cfg, prompt, **kwargs):
+    """(token columns, mask columns) of one generate call, as (steps, num_samples) arrays."""
+    kwargs = {"max_tokens": 24, "key": jax.random.key(0), "temperature": 0.0, **kwargs}
+    steps = list(nc.generate(params, cfg, list(prompt), **kwargs))
+    return np.array([c for c, _ in steps]), np.array([m for _, m in steps])
+
+# ---------------------------------------------------------------------------------------------------------------
+# The engine
+
+
+@pytest.fixture(scope="module")
+def gen_golden():
+    g = np.load(TESTDATA / "nanochat_golden.npz")
+    params = nc.from_nanochat_state_dict({k[6:]: g[k] for k in g.files if k.startswith("param/")}, GEN_CFG)
+    return params, np.load(TESTDATA / "nanochat_generate.npz")
+
+
+def stepped(params, cfg, prompt, bucket, max_len, feed):
+    """Logits of prefill (prompt padded to `bucket`) and of each decode step fed `feed`, through the jitted steps
+    that `generate` runs with the same shapes (so nothing compiles twice)."""
+    padded = np.zeros((1, bucket), np.int32)
+    padded[0, :len(prompt)] = prompt
+    key = jax.random.key(0)
+    _, logits, cache = nc.prefill(params, padded, len(prompt), key, 0.0, cfg, max_len, 1, None)
+    out = [logits[0]]
+    for t in feed:
+        _, logits, cache = nc.decode(params, np.array([t], np.int32), cache, key, 0.0, cfg, None)
+        out.append(logits[0])
+    return np.array(out), cache
+
+
+def test_golden_generate_equals_nanochat_engine(gen_golden):
+    params, g = gen_golden
+    tokens, masks = generated(params, GEN_CFG, g["prompt"])  # 17 + 24 tokens: prefill bucket 32, cache 64
+    assert tokens[:, 0].tolist() == g["engine_tokens"].tolist() == g["naive_tokens"].tolist()
+    assert masks.all()
+    logits, cache = stepped(params, GEN_CFG, g["prompt"], 32, 64, g["engine_tokens"])
+    np.testing.assert_allclose(logits[0], g["prefill_last_logits"], rtol=0, atol=2e-5)
+    np.testing.assert_allclose(logits[1:], g["decode_logits"], rtol=0, atol=2e-5)  # the step after the last too
+    assert int(cache["pos"]) == 17 + 24
+
+
+@pytest.fixture(scope="module")
+def window_model():
+    params = random_params(WINDOW_CFG, 3)
+    prompt = np.random.default_rng(4).integers(0, WINDOW_CFG.vocab_size, 260)
+    return params, prompt
+
+
+def test_kv_decode_equals_full_forward_with_sliding_window(window_model):
+    params, prompt = window_model
+    assert nc.window_sizes(WINDOW_CFG) == [128, 256]
+    tokens, _ = generated(params, WINDOW_CFG, prompt[:100], max_tokens=60)  # prefill bucket 128, cache 256
+    seq = np.concatenate([prompt[:100], tokens[:, 0]])[None]  # 160 tokens: layer 0's 128-token window binds
+    full = np.asarray(full_forward(params, seq, WINDOW_CFG))[0]
+    assert full[99:159].argmax(-1).tolist() == tokens[:, 0].tolist()  # greedy with the cache = naive greedy
+    logits, _ = stepped(params, WINDOW_CFG, prompt[:100], 128, 256, tokens[:-1, 0])
+    np.testing.assert_allclose(logits, full[99:159], rtol=0, atol=2e-5)
+    # the window matters: full attention gives other logits past 128 tokens, so the cache really honoured it
+    unwindowed = nc.Config(**{**WINDOW_CFG.__dict__, "window_pattern": "L"})
+    other = np.asarray(full_forward(params, seq, unwindowed))[0]
+    np.testing.assert_allclose(other[:129], full[:129], rtol=0, atol=1e-5)
+    assert np.abs(other[140:] - full[140:]).max() > 1e-3
+
+
+def test_prompt_buckets_do_not_change_results_or_recompile(window_model):
+    params, prompt = window_model
+    key = jax.random.key(0)
+    padded = np.pad(prompt[None, :100], ((0, 0), (0, 28)), constant_values=7)  # junk after the prompt
+    _, bucketed, c2 = nc.prefill(params, padded, 100, key, 0.0, WINDOW_CFG, 256, 1, None)
+    _, exact, c1 = nc.prefill(params, prompt[None, :100], 100, key, 0.0, WINDOW_CFG, 256, 1, None)
+    np.testing.assert_allclose(bucketed, exact, rtol=0, atol=1e-5)
+    assert int(c1["pos"]) == int(c2["pos"]) == 100
+    np.testing.assert_array_equal(c1["prev"], c2["prev"])  # the smear carries the last real token
+    np.testing.assert_allclose(c1["k"][..., :100, :], c2["k"][..., :100, :], rtol=0, atol=1e-5)
+    _, after_exact, _ = nc.decode(params, np.array([5], np.int32), c1, key, 0.0, WINDOW_CFG, None)
+    _, after_bucketed, _ = nc.decode(params, np.array([5], np.int32), c2, key, 0.0, WINDOW_CFG, None)
+    np.testing.assert_allclose(after_bucketed, after_exact, rtol=0, atol=1e-5)  # the junk slot 100 is overwritten
+    compiled = nc.prefill._cache_size(), nc.decode._cache_size()
+    for n in (97, 110, 120):  # one prompt bucket (128) and one cache size (256): a growing chat does not recompile
+        generated(params, WINDOW_CFG, prompt[:n], max_tokens=60)
+    assert (nc.prefill._cache_size(), nc.decode._cache_size()) == compiled
+
+
+def test_sampling_keys_rows_and_top_k(window_model):
+    params, prompt = window_model
+    sample = lambda seed, **kw: generated(params, WINDOW_CFG, prompt[:20], max_tokens=12, key=jax.random.key(seed),
+                                          **{"temperature": 1.0, "num_samples": 4, **kw})[0]
+    a, b, c = sample(1), sample(1), sample(2)
+    assert a.shape == (12, 4)
+    np.testing.assert_array_equal(a, b)  # same key, same samples
+    assert not np.array_equal(a, c)  # another key, other samples
+    assert len({tuple(r) for r in a.T}) > 1  # rows sample independently
+    greedy = sample(3, temperature=0.0)
+    assert (greedy == greedy[:, :1]).all()
+    np.testing.assert_array_equal(sample(4, top_k=1), greedy)  # top-k 1 is greedy at any temperature
+
+
+def test_stops_and_limits(window_model):
+    params, prompt = window_model
+    run = lambda **kw: generated(params, WINDOW_CFG, prompt[:20], max_tokens=12, num_samples=4, **kw)[0]
+    greedy = run()[:, 0].tolist()
+    stopped = run(stop_ids=[greedy[3]])
+    assert stopped[:, 0].tolist() == greedy[:greedy.index(greedy[3]) + 1]  # the stop token comes, then the end
+    rows = run(temperature=1.0, stop_ids=[greedy[0]])
+    assert len(rows) == 12 or all(greedy[0] in r for r in rows.T)  # rows keep going until every row is done
+    assert len(generated(params, WINDOW_CFG, prompt[:250], max_tokens=100)[0]) == 6  # the context is full
+    with pytest.raises(ValueError, match="context"):
+        generated(params, WINDOW_CFG, np.tile(prompt, 2)[:256])
+
+
+def test_calculator_tool_state_machine():
+    bt = data.byte_tokenizer()
+    sp = bt.special
+    tool = data.calculator_tool(bt)
+    call = lambda row, expr: [tool(row, t) for t in [sp["<|python_start|>"], *bt.encode(expr), sp["<|python_end|>"]]]
+    assert tool(0, bt.encode("a")[0]) == [] and tool(0, sp["<|python_end|>"]) == []  # outside a block: nothing
+    *before, out = call(0, "12*34")
+    assert not any(before) and out == [sp["<|output_start|>"], *bt.encode("408"), sp["<|output_end|>"]]
+    assert call(1, "'strawberry'.count('r')")[-1][1:-1] == bt.encode("3")
+    assert call(0, "__import__('os').system('true')")[-1] == []  # not a calculator expression: nothing is forced
+    assert call(0, "2**1000000")[-1] == []
+    # rows are independent: row 1 opens a block while row 0 is inside another
+    tool(0, sp["<|python_start|>"])
+    tool(0, bt.encode("7")[0])
+    tool(1, sp["<|python_start|>"])
+    tool(1, bt.encode("1")[0])
+    assert tool(0, sp["<|python_end|>"])[1:-1] == bt.encode("7")
+    assert tool(1, sp["<|python_end|>"])[1:-1] == bt.encode("1")
+
+
+def test_tool_output_is_forced_with_mask_zero(chat_model):
+    params, cfg, bt, _ = chat_model
+    sp = bt.special
+    calculator = data.calculator_tool(bt)
+    script = [sp["<|python_start|>"], *bt.encode("6*7"), sp["<|python_end|>"]]
+    seen = []
+
+    def tool(row, token):  # a model that writes a python block after its first token, fed to the real calculator
+        seen.append(token)
+        return (script if len(seen) == 1 else []) + calculator(row, token)
+
+    tokens, masks = generated(params, cfg, chat_prompt(bt, HI), max_tokens=32, top_k=50, tool=tool)
+    forced = script + [sp["<|output_start|>"], *bt.encode("42"), sp["<|output_end|>"]]
+    assert tokens[1:1 + len(forced), 0].tolist() == forced
+    assert masks[:, 0].tolist() == [1] + [0] * len(forced) + [1] * (32 - 1 - len(forced))
+    assert seen == tokens[:, 0].tolist()  # the tool saw every emitted token
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real nanochat checkpoints
+
+
+def test_nanochat_checkpoint_import():
+    root = TESTDATA / "nanochat_checkpoint"
+    e = np.load(root / "expected.npz")
+    params, cfg, tk = chat.load_nanochat_checkpoint(str(root))  # the NANOCHAT_BASE_DIR: finds base_checkpoints/d2
+    assert cfg == nc.Config(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=1, n_embd=64,
+                            window_pattern="L")
+    assert [tk.bos] + tk.encode("Return the") == e["prompt_ids"][0].tolist() and tk.bos == 503
+    batch = np.concatenate([e["text_ids"], np.pad(e["prompt_ids"], ((0, 0), (0, 59)))])  # causal: pads are harmless
+    logits = np.asarray(full_forward(params, batch, cfg))
+    np.testing.assert_allclose(logits[1:, :5], e["logits"], rtol=0, atol=5e-5)
+    np.testing.assert_allclose(logits[:1], e["text_logits"], rtol=0, atol=5e-5)
+    lse = np.log(np.exp(logits[0, :-1].astype(np.float64)).sum(-1))
+    nll = lse - logits[0, np.arange(63), e["text_ids"][0, 1:]]
+    np.testing.assert_allclose(nll.mean(), e["text_loss"], rtol=0, atol=1e-5)
+    tokens, _ = generated(params, cfg, e["prompt_ids"][0], max_tokens=20)
+    assert tokens[:, 0].tolist() == e["greedy_ids"].tolist() == e["naive_greedy_ids"].tolist()
+    assert tk.decode(e["prompt_ids"][0].tolist() + tokens[:, 0].tolist()) == \
+        "<|bos|>Return the string obtained by replacing the leftmost\nnon"
+    model_dir = root / "base_checkpoints" / "d2"  # the model directory itself works too
+    again, _, _ = chat.load_nanochat_checkpoint(str(model_dir))
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, again, params)))
+    sd = chat.read_torch_state_dict(model_dir / "model_000100.pt")
+    assert sd["transformer.wte.weight"].dtype.name == "bfloat16" and sd["lm_head.weight"].dtype == np.float32
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_malicious_pickles_are_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = pickle.dumps(collections.OrderedDict({"w": _Evil(marker)}), protocol=2)  # an allowed global first
+    with zipfile.ZipFile(tmp_path / "model_000001.pt", "w") as z:
+        z.writestr("model_000001/data.pkl", evil)
+        z.writestr("model_000001/byteorder", "little")
+    with pytest.raises(pickle.UnpicklingError, match=r"refusing to load posix\.system"):
+        chat.read_torch_state_dict(tmp_path / "model_000001.pt")
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer.pkl").write_bytes(pickle.dumps(_Evil(marker)))
+    with pytest.raises(pickle.UnpicklingError, match="refusing"):
+        chat.load_nanochat_tokenizer(tmp_path / "tokenizer" / "tokenizer.pkl")
+    (tmp_path / "meta_000001.json").write_text(json.dumps({"model_config": dataclasses.asdict(CHAT_CFG)}))
+    code, _, err = run_chat(["--nanochat-checkpoint", str(tmp_path)])
+    assert code == 1 and "refusing to load posix.system" in err and len(err.splitlines()) == 1
+    assert not marker.exists()  # nothing ran
+
+# ---------------------------------------------------------------------------------------------------------------
+# chat.py: terminal and web
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A tiny random model saved as train.py saves an SFT checkpoint: (params, cfg, tokenizer, checkpoints root)."""
+    params, bt = random_params(CHAT_CFG, 7), data.byte_tokenizer()
+    root = tmp_path_factory.mktemp("run") / "checkpoints"
+    meta = {"stage": "sft", "step": 5, "config": dataclasses.asdict(CHAT_CFG), "tokenizer": "tokenizer.json"}
+    step_dir = train.save_checkpoint(str(root / "sft"), 5, params, None, meta)
+    bt.save(os.path.join(step_dir, "tokenizer.json"))
+    return params, CHAT_CFG, bt, root
+
+
+HI = [{"role": "user", "content": "hello"}]
+HELLO = [{"role": "system", "content": "Hi."}, {"role": "user", "content": "hello"}]  # <= 16 tokens, as HI
+
+
+def chat_prompt(bt, messages):
+    return data.render_conversation(bt, messages)[0] + [bt.special["<|assistant_start|>"]]
+
+
+def expected_reply(model, messages, max_tokens=32):
+    """The greedy reply text, its token count and the prompt's that chat.py must produce for these messages."""
+    params, cfg, bt, _ = model
+    prompt = chat_prompt(bt, messages)
+    out = list(chat.reply_tokens(params, cfg, bt, prompt, jax.random.key(0), max_tokens, 0.0, 50))
+    return "".join(p or "" for _, p in out), len(out), len(prompt)
+
+
+def run_chat(args, stdin="", cwd=None):
+    """(exit code, stdout, stderr) of `python chat.py ARGS` fed stdin; output decoded as is (no newline changes)."""
+    r = subprocess.run([sys.executable, str(pathlib.Path(__file__).parent / "chat.py"), *args], input=stdin.encode(),
+                       capture_output=True, cwd=cwd, env={**os.environ, "PYTHONIOENCODING": "utf-8"}, timeout=300)
+    return r.returncode, r.stdout.decode(), r.stderr.decode()
+
+
+def test_cli_scripted(chat_model, tmp_path):
+    params, cfg, bt, root = chat_model
+    load = chat.load_checkpoint(str(root))  # the newest step of the root: what `python chat.py` picks
+    assert load[1] == cfg and all(jax.tree.leaves(jax.tree.map(np.array_equal, load[0], params)))
+    reply, _, _ = expected_reply(chat_model, HI)
+    cache = ["--compile-cache", str(tmp_path / "xla"), "-t", "0", "-m", "32"]
+    code, out, err = run_chat(cache, "hello\nclear\nhello\nquit\n", cwd=root.parent)  # default: ./checkpoints
+    assert code == 0, err
+    assert out.count(f"Assistant: {reply}\n") == 2 and "Conversation cleared." in out  # clear starts over
+    code, out, err = run_chat(["--checkpoint", str(root / "sft" / "step_000005"), "-p", "hello", *cache])
+    assert code == 0 and out == f"\nAssistant: {reply}\n", err
+    code, out, err = run_chat(cache, "", cwd=tmp_path)
+    assert code == 1 and "python train.py" in err and len(err.splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def server(chat_model):
+    params, cfg, bt, _ = chat_model
+    srv = chat.make_server(params, cfg, bt, "127.0.0.1", 0, max_tokens=32, temperature=0.0)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def request(srv, method, path, body=None, raw=None, headers=None):
+    """(status, content type, body text) of one request to the test server."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=120)
+    conn.request(method, path, raw if raw is not None else None if body is None else json.dumps(body),
+                 headers or {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    out = r.status, r.getheader("Content-Type"), r.read().decode()
+    conn.close()
+    return out
+
+
+def events(text):
+    """The JSON payloads of a server-sent event stream, which must end with `data: [DONE]`."""
+    blocks = text.split("\n\n")
+    assert blocks[-2:] == ["data: [DONE]", ""] and all(b.startswith("data: ") for b in blocks[:-1])
+    return [json.loads(b[6:]) for b in blocks[:-2]]
+
+
+def test_api_completion_and_models(server, chat_model):
+    reply, n_out, n_in = expected_reply(chat_model, HELLO)
+    status, ctype, body = request(server, "POST", "/v1/chat/completions", {"model": "x", "messages": HELLO})
+    assert status == 200 and ctype == "application/json"
+    r = json.loads(body)
+    assert r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-") and r["model"] == "nanochat"
+    assert r["choices"] == [{"index": 0, "message": {"role": "assistant", "content": reply},
+                             "finish_reason": "length" if n_out == 32 else "stop"}]
+    assert r["usage"] == {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+    status, _, body = request(server, "GET", "/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "nanochat"
+    status, ctype, body = request(server, "GET", "/?q=hi")
+    assert status == 200 and ctype.startswith("text/html") and "<textarea" in body and "/v1/chat/completions" in body
+
+
+def test_api_streaming(server, chat_model):
+    reply, n_out, n_in = expected_reply(chat_model, HELLO)
+    req = {"messages": HELLO, "stream": True, "max_tokens": 32, "stream_options": {"include_usage": True}}
+    status, ctype, body = request(server, "POST", "/v1/chat/completions", req)
+    assert status == 200 and ctype.startswith("text/event-stream")
+    chunks = events(body)
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-2]) == reply
+    assert chunks[-2]["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "length" if n_out == 32 else "stop"}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == n_out
+
+
+def test_api_seed_and_content_parts(server):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]
+    reply = lambda messages, seed: json.loads(request(server, "POST", "/v1/chat/completions", {
+        "messages": messages, "temperature": 1.0, "seed": seed})[2])["choices"][0]["message"]["content"]
+    assert reply(parts, 5) == reply(HI, 5) != reply(HI, 6)  # OpenAI's text parts are the same message
+
+
+@pytest.mark.parametrize("body, status, match", [
+    ("{not json", 400, "not valid JSON"),
+    ([1, 2], 400, "'messages'"),
+    ({"messages": []}, 400, "'messages'"),
+    ({"messages": [{"role": "user", "content": "hi"}] * 501}, 400, "1 to 500"),
+    ({"messages": [{"role": "assistant", "content": "hi"}]}, 400, "last message"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, 400, "alternate"),
+    ({"messages": [{"role": "user", "content": "  "}]}, 400, "empty"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "string"),
+    ({"messages": HELLO, "max_tokens": 0}, 400, "'max_tokens'"),
+    ({"messages": HELLO, "max_tokens": 5000}, 400, "'max_tokens'"),
+    ({"messages": HELLO, "max_completion_tokens": 2.5}, 400, "'max_completion_tokens'"),
+    ({"messages": HELLO, "temperature": 3}, 400, "'temperature'"),
+    ({"messages": HELLO, "stream": "yes"}, 400, "'stream'"),
+    ({"messages": HELLO, "n": 2}, 400, "'n'"),
+    ({"messages": [{"role": "user", "content": "x" * 300}]}, 400, "context"),
+    ({"messages": [{"role": "user", "content": "x" * (1 << 20)}]}, 413, "limit"),
+])
+def test_api_errors(server, body, status, match):
+    raw = body if isinstance(body, str) else json.dumps(body)
+    got, ctype, text = request(server, "POST", "/v1/chat/completions", raw=raw)
+    err = json.loads(text)["error"]
+    assert got == status and ctype == "application/json" and re.search(match, err["message"]), err
+    assert err["type"] == "invalid_request_error"
+
+
+def test_api_bad_paths_and_headers(server):
+    assert request(server, "GET", "/nope")[0] == 404 and request(server, "POST", "/v1/completions", {})[0] == 404
+    conn = socket.create_connection(server.server_address, timeout=60)
+    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n")  # no Content-Length
+    assert conn.makefile("rb").readline().split()[1] == b"411"
+    conn.close()
+    assert request(server, "GET", "/v1/models")[0] == 200  # still serving
+
+
+def test_api_concurrent_streams_do_not_interleave(server, chat_model):
+    convs = [[{"role": "user", "content": x}] for x in ("cats?", "the sea")]
+    expect = [expected_reply(chat_model, c)[0] for c in convs]
+    assert expect[0] != expect[1]
+    results = [None, None]
+
+    def go(i):
+        results[i] = request(server, "POST", "/v1/chat/completions", {"messages": convs[i], "stream": True})
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for (status, _, body), reply in zip(results, expect):
+        chunks = events(body)
+        assert status == 200 and len({c["id"] for c in chunks}) == 1
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == reply
+
+
+def test_api_disconnect_frees_the_model(server, chat_model, capsys):
+    messages = [{"role": "user", "content": "go on"}]
+    _, n_out, _ = expected_reply(chat_model, messages, 200)
+    assert n_out == 200  # this model does not stop by itself: the disconnect must stop it
+    body = json.dumps({"messages": messages, "stream": True, "max_tokens": 200}).encode()
+    conn = socket.create_connection(server.server_address, timeout=60)
+    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    received = b""
+    while b"data: " not in received:
+        received += conn.recv(4096)
+    conn.close()  # mid-stream
+    status, _, text = request(server, "POST", "/v1/chat/completions", {"messages": HELLO})  # the lock is free
+    reply = json.loads(text)["choices"][0]["message"]["content"]
+    assert status == 200 and reply == expected_reply(chat_model, HELLO)[0]
+    log = capsys.readouterr().err
+    n = int(re.search(r"client went away after (\d+) tokens", log)[1])
+    assert n < 200
+
+
+def test_browser_streams_a_reply(server, chat_model, tmp_path):
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("no chromium binary (apt-get install -y chromium)")
+    reply = expected_reply(chat_model, HI)[0]  # the server's default temperature here is 0: the page gets this
+    assert request(server, "POST", "/v1/chat/completions", {"messages": HI, "stream": True})[0] == 200  # compiled
+    url = f"http://127.0.0.1:{server.server_address[1]}/?q=hello"  # the page sends q as the first message
+    r = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-sync",
+                        "--disable-background-networking", "--disable-component-update", "--disable-quic",
+                        f"--user-data-dir={tmp_path}", "--virtual-time-budget=30000", "--dump-dom", url],
+                       capture_output=True, text=True, timeout=120)
+    log = re.search(r'<div id="log">(.*?)</div>\s*<form', r.stdout, re.S)
+    assert log, r.stdout[-2000:] + r.stderr[-2000:]
+    bubbles = [(cls, html.unescape(text)) for cls, text in re.findall(r'<div class="msg ([a-z ]+)">(.*?)</div>', log[1],
+                                                                         re.S)]
+    assert bubbles == [("user", "hello"), ("assistant", reply)]  # streamed in full; "typing" is gone

@@ -224,19 +224,18 @@ def gather_states(states):
 # ------------------------------------------------------------------------------------------------ evaluation
 
 
-def generate_ids(params, cfg, tok, prompt, max_tokens, key=None, temperature=0.0):
-    """Greedy (or sampled) continuation ids of one prompt through the KV-cache engine, with the calculator."""
-    out = []
-    stop = (tok.special["<|assistant_end|>"], tok.bos)
-    for column, _ in nc.generate(params, cfg, prompt, max_tokens=max_tokens, key=key or jax.random.key(0),
-                                 temperature=temperature, stop_ids=stop, tool=data.calculator_tool(tok)):
-        if column[0] in stop:
+def generate_ids(params, cfg, tok, prompt, max_tokens):
+    """Greedy continuation ids of one prompt through the KV-cache engine, with the calculator tool."""
+    out, stop = [], (tok.special["<|assistant_end|>"], tok.bos)
+    for (t,), _ in nc.generate(params, cfg, prompt, max_tokens=max_tokens, key=jax.random.key(0), temperature=0.0,
+                               stop_ids=stop, tool=data.calculator_tool(tok)):
+        if t in stop:
             break
-        out.append(column[0])
+        out.append(t)
     return out
 
 
-def evaluate_tasks(params, cfg, tok, n=50, seed=0, max_tokens=64):
+def evaluate_tasks(params, cfg, tok, n=50, seed=0, max_tokens=160):
     """Exact-match accuracy per synthetic task on n conversations of its held-out split."""
     acc = {}
     for task in data.TASKS:
@@ -260,7 +259,7 @@ def sgemm_peak():
 # ------------------------------------------------------------------------------------------------ a training run
 
 
-def horizon(args, cfg, rows_per_step):
+def horizon(args, cfg, rows_per_step, num_iterations):
     """nanochat's scaling rules: (num_iterations, tokens per step, batch lr scale, scaled Muon weight decay)."""
     n_scaling = lambda c: sum(nc.num_scaling_params(c)[k] for k in ("transformer_matrices", "lm_head"))
     target_tokens = args.target_param_data_ratio * n_scaling(cfg)
@@ -269,13 +268,14 @@ def horizon(args, cfg, rows_per_step):
     batch = args.total_batch_size
     if batch <= 0:  # Power Lines (arXiv 2505.13738): B_opt grows as D^0.383
         batch = max(2 ** round(math.log2(b_ref * (target_tokens / d_ref) ** 0.383)), rows_per_step * cfg.sequence_len)
-    if args.num_iterations > 0:
-        steps = args.num_iterations
+    if num_iterations > 0:
+        steps = num_iterations
     elif args.target_flops > 0:
         steps = round(args.target_flops / (nc.estimate_flops(cfg) * batch))
     else:
         steps = int(target_tokens) // batch
-    return steps, batch, (batch / b_ref) ** 0.5, args.weight_decay * (batch / b_ref) ** 0.5 * d_ref / target_tokens
+    lr_scale = (batch / b_ref) ** 0.5 if args.batch_lr_scale < 0 else args.batch_lr_scale
+    return steps, batch, lr_scale, args.weight_decay * (batch / b_ref) ** 0.5 * d_ref / target_tokens
 
 
 def train_stage(args, stage, tok, root):
@@ -300,7 +300,8 @@ def train_stage(args, stage, tok, root):
         sys.exit(f"--data-shards {n_shards} must be a multiple of the {jax.process_count()} processes and divide "
                  f"the {args.device_batch_size * jax.device_count()} rows of a micro-batch")
     rows = args.device_batch_size * jax.device_count()  # global rows per micro-batch
-    steps, batch, lr_scale, wd = horizon(args, cfg, rows)
+    num_iterations = args.sft_iterations if stage == "sft" else args.num_iterations
+    steps, batch, lr_scale, wd = horizon(args, cfg, rows, num_iterations)
     if batch % (rows * T):
         sys.exit(f"--total-batch-size {batch} must be a multiple of device_batch_size x devices x T = {rows * T}")
     A = batch // (rows * T)
@@ -413,8 +414,15 @@ def get_tokenizer(args, root):
     path = os.path.join(root, "tokenizer.json")
     if os.path.isfile(path) and args.stage != "tokenizer":
         return data.Tokenizer.load(path)
+    def capped(docs, total=0):  # nanochat's tok_train: docs cropped to 10,000 chars, 2e9 chars at most
+        for doc in docs:
+            if total >= args.tokenizer_max_chars:
+                return
+            total += len(doc[:10_000])
+            yield doc[:10_000]
+
     t = time.perf_counter()
-    tok = data.train_tokenizer(data.corpus(args.data, "train")(0), args.vocab_size)
+    tok = data.train_tokenizer(capped(data.corpus(args.data, "train")(0)), args.vocab_size)
     os.makedirs(root, exist_ok=True)
     if jax.process_index() == 0:
         tok.save(path)
@@ -430,6 +438,7 @@ def parse_args(argv=None):
     a("--sft-data", nargs="*", default=[], help="extra SFT conversations, CustomJSON .jsonl files")
     a("--out", default="checkpoints", help="root directory of the tokenizer and checkpoints")
     a("--vocab-size", type=int, default=384, help="tokenizer vocab size, nanochat's 9 special tokens included")
+    a("--tokenizer-max-chars", type=float, default=2e9, help="characters of the corpus the tokenizer trains on")
     g = p.add_argument_group("model (nanochat's depth dial; the defaults are the 'nano' preset)")
     g.add_argument("--depth", type=int, default=4)
     g.add_argument("--aspect-ratio", type=int, default=32, help="width = depth x aspect ratio, in whole heads")
@@ -438,17 +447,19 @@ def parse_args(argv=None):
     g.add_argument("--window-pattern", default="L", help="e.g. SSSL: S = quarter context, L = full")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     g = p.add_argument_group("horizon and batch")
-    g.add_argument("--num-iterations", type=int, default=600, help="base steps (-1: from flops or ratio)")
-    g.add_argument("--sft-iterations", type=int, default=300, help="SFT steps")
+    g.add_argument("--num-iterations", type=int, default=300, help="base steps (-1: from flops or ratio)")
+    g.add_argument("--sft-iterations", type=int, default=120, help="SFT steps")
     g.add_argument("--target-flops", type=float, default=-1.0)
     g.add_argument("--target-param-data-ratio", type=float, default=12.0, help="tokens per scaling parameter")
-    g.add_argument("--device-batch-size", type=int, default=32, help="rows per device per micro-batch")
-    g.add_argument("--total-batch-size", type=int, default=8192, help="tokens per step (-1: nanochat's auto rule)")
-    g = p.add_argument_group("optimization (nanochat's defaults; lrs are scaled by sqrt(batch / 2^19))")
+    g.add_argument("--device-batch-size", type=int, default=16, help="rows per device per micro-batch")
+    g.add_argument("--total-batch-size", type=int, default=4096, help="tokens per step (-1: nanochat's auto rule)")
+    g = p.add_argument_group("optimization (nanochat's defaults)")
     g.add_argument("--embedding-lr", type=float, default=0.3)
     g.add_argument("--unembedding-lr", type=float, default=0.008)
     g.add_argument("--matrix-lr", type=float, default=0.02)
     g.add_argument("--scalar-lr", type=float, default=0.5)
+    g.add_argument("--batch-lr-scale", type=float, default=1.0, help="multiplies every lr but the smear's; -1: "
+                   "nanochat's sqrt(total batch / 2^19), for its recipes (1 trains the small default model faster)")
     g.add_argument("--weight-decay", type=float, default=0.28, help="Muon weight decay before nanochat's scaling")
     g.add_argument("--warmup-steps", type=int, default=40)
     g.add_argument("--warmdown-ratio", type=float, default=0.65)
@@ -458,7 +469,7 @@ def parse_args(argv=None):
     g.add_argument("--eval-every", type=int, default=100, help="val bpb every N steps (0: never)")
     g.add_argument("--eval-steps", type=int, default=8, help="val batches per evaluation")
     g.add_argument("--eval-tasks", type=int, default=50, help="held-out conversations per chat task after SFT")
-    g.add_argument("--sample-every", type=int, default=200, help="print samples every N steps (0: never)")
+    g.add_argument("--sample-every", type=int, default=100, help="print samples every N steps (0: never)")
     g.add_argument("--save-every", type=int, default=-1, help="checkpoint every N steps (the last always)")
     g.add_argument("--keep", type=int, default=3, help="checkpoints kept per stage")
     g.add_argument("--resume", action="store_true", help="continue from the stage's newest checkpoint, exactly")

@@ -1,0 +1,504 @@
+"""Chat with a nanochat model: in the terminal, in the browser, or through an OpenAI-compatible API.
+
+    python chat.py                          # terminal chat with the newest checkpoint (checkpoints/sft, else base)
+    python chat.py -p "What is 12*34?"      # one shot: print the reply and exit
+    python chat.py --serve                  # web chat at http://127.0.0.1:8000/, OpenAI API at .../v1
+    python chat.py --checkpoint checkpoints/base/step_000600 -t 0
+    python chat.py --nanochat-checkpoint ~/.cache/nanochat    # a PyTorch nanochat run, read without torch
+
+- Engine: `nanochat.generate` (KV cache, jitted prefill and decode) with nanochat's calculator tool: when the model
+  writes <|python_start|>expr<|python_end|>, <|output_start|>result<|output_end|> is forced into the stream.
+- Terminal (nanochat's chat_cli): the conversation is kept as token ids across turns, tool calls included;
+  tokens are printed as they come through an incremental UTF-8 decoder, so a character split over tokens
+  is printed whole. `clear` starts over, `quit` ends; -t temperature (0.6), -k top-k (50).
+- Web: a stdlib ThreadingHTTPServer. GET / is a one-page chat that streams replies (`/?q=Hi` sends Hi as the
+  first message). POST /v1/chat/completions (with "stream": true, server-sent chat.completion.chunk events and
+  `data: [DONE]`; otherwise one chat.completion with usage) and GET /v1/models follow OpenAI's API, so its
+  clients work unchanged. One lock around the model: requests queue, streams never interleave, and a client
+  that disconnects stops its generation. Oversized bodies get 413; bad JSON or messages, too many messages,
+  max_tokens out of range and prompts longer than the context get 400, each with an OpenAI-style JSON error.
+- Real nanochat checkpoints without torch: the model_<step>.pt zip is read by a restricted unpickler that
+  resolves only the four globals a state_dict needs, so a pickle naming anything else (os.system, ...) is
+  refused before it can run; storages are raw little-endian bytes in the zip (fp32, or bf16 as a GPU run
+  writes them). tokenizer.pkl (a pickled tiktoken Encoding) is read the same way, allowing only its state.
+"""
+
+import argparse
+import codecs
+import collections
+import dataclasses
+import glob
+import http.server
+import json
+import os
+import pickle
+import re
+import secrets
+import sys
+import threading
+import time
+import urllib.parse
+import uuid
+import zipfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import data
+import nanochat as nc
+import train
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+
+def load_checkpoint(path="checkpoints"):
+    """(params, cfg, tok) of a checkpoint written by train.py: a step directory, or the newest under a root."""
+    step_dir = path if os.path.isfile(os.path.join(path, "meta.json")) else train.latest_checkpoint(path)
+    if step_dir is None:
+        raise FileNotFoundError(f"no checkpoint in {path}/: train one first with `python train.py`")
+    with open(os.path.join(step_dir, "meta.json")) as f:
+        meta = json.load(f)
+    params = train.load_tree(os.path.join(step_dir, "params.msgpack"))  # not the optimizer state: 2x the size
+    cfg, tok = nc.Config(**meta["config"]), data.Tokenizer.load(os.path.join(step_dir, meta["tokenizer"]))
+    return jax.tree.map(jnp.asarray, params), cfg, tok
+
+
+class _Unpickler(pickle.Unpickler):
+    """Resolves only the globals in `allowed`; anything else is refused before it can be called."""
+
+    def __init__(self, file, path, allowed, storage=None):
+        super().__init__(file)
+        self.path, self.allowed, self.storage = path, allowed, storage
+
+    def find_class(self, module, name):
+        if (module, name) not in self.allowed:
+            raise pickle.UnpicklingError(f"{self.path}: refusing to load {module}.{name}: nanochat's files hold only "
+                                         "tensors, dicts and tokenizer state, so this one is corrupt or malicious")
+        return self.allowed[module, name]
+
+    def persistent_load(self, pid):
+        if self.storage is None or not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
+            raise pickle.UnpicklingError(f"{self.path}: unexpected persistent id; not a torch checkpoint")
+        return self.storage(*pid[1:])
+
+
+def _rebuild_tensor(storage, offset, size, stride, *_):
+    """torch._utils._rebuild_tensor_v2 for numpy: a copy of the strided view, bounds-checked."""
+    end = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1 if all(size) else offset
+    if offset < 0 or min(stride, default=0) < 0 or end > storage.size:
+        raise pickle.UnpicklingError("corrupt checkpoint: a tensor runs past its storage")
+    return np.array(np.lib.stride_tricks.as_strided(storage[offset:], size, [s * storage.itemsize for s in stride]))
+
+
+_STORAGES = {name: np.dtype(dt).newbyteorder("<") for name, dt in (
+    ("FloatStorage", np.float32), ("BFloat16Storage", jnp.bfloat16), ("HalfStorage", np.float16),
+    ("DoubleStorage", np.float64), ("IntStorage", np.int32), ("LongStorage", np.int64))}
+_TORCH_GLOBALS = {("collections", "OrderedDict"): collections.OrderedDict,
+                  ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+                  **{("torch", name): dtype for name, dtype in _STORAGES.items()}}
+
+
+def read_torch_state_dict(path):
+    """A `torch.save`d state_dict (zip format) as {name: numpy array}, without torch and without running code."""
+    with zipfile.ZipFile(path) as z:
+        pkl = next((n for n in z.namelist() if n.endswith("/data.pkl")), None)
+        if pkl is None:
+            raise ValueError(f"{path}: not a torch zip checkpoint (no data.pkl); re-save it with torch >= 1.6")
+        prefix = pkl[:-len("data.pkl")]
+        if prefix + "byteorder" in z.namelist() and z.read(prefix + "byteorder") != b"little":
+            raise ValueError(f"{path}: a big-endian checkpoint; convert it on a little-endian machine")
+
+        def storage(dtype, key, location, numel):
+            if not isinstance(dtype, np.dtype):
+                raise pickle.UnpicklingError(f"{path}: a storage of unknown type")
+            return np.frombuffer(z.read(f"{prefix}data/{key}"), dtype, count=numel)
+
+        with z.open(pkl) as f:
+            sd = _Unpickler(f, path, _TORCH_GLOBALS, storage).load()
+    if not isinstance(sd, dict) or not all(isinstance(v, np.ndarray) for v in sd.values()):
+        raise ValueError(f"{path}: not a state_dict of tensors")
+    return dict(sd)
+
+
+class _EncodingState:
+    """Stands in for tiktoken.core.Encoding while unpickling: keeps the state dict, runs nothing."""
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+def load_nanochat_tokenizer(path):
+    """nanochat's tokenizer.pkl (a pickled tiktoken Encoding) as a data.Tokenizer, read without unpickling code."""
+    with open(path, "rb") as f:
+        st = getattr(_Unpickler(f, path, {("tiktoken.core", "Encoding"): _EncodingState}).load(), "state", None)
+    if not isinstance(st, dict) or not all(isinstance(st.get(k), dict) for k in ("mergeable_ranks", "special_tokens")):
+        raise ValueError(f"{path}: not a pickled tiktoken Encoding")
+    ranks, specials = st["mergeable_ranks"], st["special_tokens"]
+    tokens = sorted(ranks, key=ranks.get)
+    if [ranks[t] for t in tokens] != list(range(len(tokens))) or set(specials) != set(data.SPECIAL_TOKENS):
+        raise ValueError(f"{path}: not a nanochat tokenizer (ranks 0..N-1 and nanochat's 9 special tokens)")
+    tok = data.Tokenizer(tokens, st["pat_str"], sorted(specials, key=specials.get))
+    if tok.special != specials:
+        raise ValueError(f"{path}: the special tokens must take the ids right after the merges, as nanochat's do")
+    return tok
+
+
+def _steps(d):
+    files = os.listdir(d) if os.path.isdir(d) else []
+    return sorted(int(m[1]) for f in files if (m := re.fullmatch(r"model_(\d+)\.pt", f)))
+
+
+def load_nanochat_checkpoint(path, step=None):
+    """(params, cfg, tok) of a PyTorch nanochat run: a dir of model_<step>.pt files, or its NANOCHAT_BASE_DIR."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no such directory; pass a nanochat checkpoint directory")
+    if not _steps(path):  # a base dir: nanochat's pick, the largest d<N> tag of the first source that has one
+        depth = lambda d: int(m[1]) if (m := re.fullmatch(r"d(\d+)", os.path.basename(d))) else -1
+        for source in ("chatsft", "chatrl", "base"):
+            if tags := [d for d in glob.glob(os.path.join(path, f"{source}_checkpoints", "*")) if _steps(d)]:
+                path = max(tags, key=depth)
+                break
+        else:
+            raise FileNotFoundError(f"{path}: no model_<step>.pt here nor in {{chatsft,chatrl,base}}_checkpoints/*/")
+    step = _steps(path)[-1] if step is None else step
+    with open(os.path.join(path, f"meta_{step:06d}.json")) as f:
+        config = {"window_pattern": "L", **json.load(f)["model_config"]}  # nanochat's patch for old checkpoints
+    cfg = nc.Config(**{f.name: config[f.name] for f in dataclasses.fields(nc.Config) if f.name in config})
+    sd = read_torch_state_dict(os.path.join(path, f"model_{step:06d}.pt"))
+    sd = {k.removeprefix("_orig_mod."): v for k, v in sd.items()}  # saved from a torch.compile'd module
+    sd.setdefault("resid_lambdas", np.ones(cfg.n_layer, np.float32))  # more of build_model's patches
+    sd.setdefault("x0_lambdas", np.zeros(cfg.n_layer, np.float32))
+    params = nc.from_nanochat_state_dict(sd, cfg)
+    found = [p for up in ("", "..", "../..", "../../..") if os.path.isfile(p := os.path.join(path, up, "tokenizer",
+                                                                                                "tokenizer.pkl"))]
+    if not found:
+        raise FileNotFoundError(f"{path}: no tokenizer/tokenizer.pkl here or in the 3 directories above")
+    tok = load_nanochat_tokenizer(found[0])
+    if tok.n_vocab != cfg.vocab_size:
+        raise ValueError(f"{found[0]}: {tok.n_vocab} tokens, but the model has vocab_size {cfg.vocab_size}")
+    return params, cfg, tok
+
+# ------------------------------------------------------------------------------------------------ terminal
+
+
+def reply_tokens(params, cfg, tok, prompt, key, max_tokens=256, temperature=0.6, top_k=50):
+    """One assistant turn as (token id, the text it completes), calculator on; a stop token comes last, text None."""
+    stops = (tok.special["<|assistant_end|>"], tok.bos)
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds back a character's first bytes
+    for (t,), _ in nc.generate(params, cfg, prompt, max_tokens=max_tokens, key=key, temperature=temperature,
+                               top_k=top_k or None, stop_ids=stops, tool=data.calculator_tool(tok)):
+        yield t, None if t in stops else utf8.decode(tok.enc.decode_single_token_bytes(t))
+
+
+def _typed():
+    while True:
+        try:
+            yield input("\nUser: ")
+        except EOFError:
+            return
+
+
+def chat_cli(params, cfg, tok, prompt=None, max_tokens=256, temperature=0.6, top_k=50, seed=42):
+    """nanochat's chat_cli: read a turn, stream the reply; `clear` starts over, `quit` ends; a prompt: one shot."""
+    sp, key, conversation = tok.special, jax.random.key(seed), [tok.bos]
+    if prompt is None:
+        print("nanochat: type 'clear' to start a new conversation, 'quit' to end it")
+    for turn, text in enumerate([prompt] if prompt is not None else _typed()):
+        text = text.strip()
+        if text.lower() in ("quit", "exit"):
+            return
+        if text.lower() == "clear":
+            conversation = [tok.bos]
+            print("Conversation cleared.")
+            continue
+        ids = conversation + [sp["<|user_start|>"], *tok.encode(text), sp["<|user_end|>"], sp["<|assistant_start|>"]]
+        if not text or len(ids) >= cfg.sequence_len:
+            print(f"(that makes {len(ids)} tokens and the context is {cfg.sequence_len}: type 'clear' to start over)"
+                  if text else "(type a message, 'clear' or 'quit')")
+            continue
+        print("\nAssistant: ", end="", flush=True)
+        out = []
+        for t, piece in reply_tokens(params, cfg, tok, ids, jax.random.fold_in(key, turn), max_tokens, temperature,
+                                     top_k):
+            out.append(t)
+            print(piece or "", end="", flush=True)
+        print()
+        conversation = ids + out + ([] if out[-1:] == [sp["<|assistant_end|>"]] else [sp["<|assistant_end|>"]])
+
+# ------------------------------------------------------------------------------------------------ web
+
+MAX_BODY, MAX_MESSAGES, MAX_TOKENS = 1 << 20, 500, 4096
+
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>nanochat</title>
+<style>
+body { margin: 0; height: 100vh; display: flex; flex-direction: column; font: 16px/1.5 system-ui, sans-serif; }
+#log, form { width: 100%; max-width: 48em; margin: 0 auto; padding: 1em; box-sizing: border-box; }
+#log { flex: 1; overflow-y: auto; }
+.msg { white-space: pre-wrap; overflow-wrap: anywhere; margin: .5em 0; padding: .5em .9em; border-radius: 1em;
+       width: fit-content; max-width: 85%; }
+.user { background: #dbeafe; margin-left: auto; }
+.assistant { background: #f3f4f6; }
+.typing:empty::after { content: "..."; }
+.error { color: #b91c1c; }
+form { display: flex; gap: .5em; }
+textarea { flex: 1; font: inherit; padding: .5em; resize: none; }
+</style></head><body>
+<div id="log"></div>
+<form id="form"><textarea id="input" rows="2" autofocus
+  placeholder="Message nanochat (Enter sends, Shift+Enter for a new line, /clear starts over)"></textarea>
+<button>Send</button></form>
+<script>
+const log = document.getElementById("log"), form = document.getElementById("form");
+const input = document.getElementById("input"), messages = [];
+let busy = false;
+
+function bubble(cls, text) {
+  const div = document.createElement("div");
+  div.className = "msg " + cls;
+  div.textContent = text;
+  log.appendChild(div);
+  log.scrollTop = log.scrollHeight;
+  return div;
+}
+
+async function send(text) {
+  if (text === "/clear") { messages.length = 0; log.replaceChildren(); return; }
+  busy = true;
+  messages.push({role: "user", content: text});
+  bubble("user", text);
+  const out = bubble("assistant typing", "");
+  let reply = "";
+  try {
+    const res = await fetch("/v1/chat/completions", {method: "POST", headers: {"Content-Type": "application/json"},
+                                                    body: JSON.stringify({messages, stream: true})});
+    if (!res.ok) throw new Error((await res.json()).error.message);
+    const reader = res.body.getReader(), decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const {done, value} = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, {stream: true});
+      const lines = buffer.split("\\n");
+      buffer = lines.pop();  // a partial line waits for its end
+      for (const line of lines) {
+        if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
+        const delta = JSON.parse(line.slice(6)).choices[0]?.delta?.content;
+        if (delta) { reply += delta; out.textContent = reply; log.scrollTop = log.scrollHeight; }
+      }
+    }
+  } catch (e) {
+    out.textContent += (reply ? "\\n" : "") + "Error: " + e.message;
+    out.classList.add("error");
+  }
+  out.classList.remove("typing");
+  if (reply.trim()) {
+    messages.push({role: "assistant", content: reply});
+  } else {
+    messages.pop();  // no reply: drop the turn, so roles still alternate
+    out.textContent ||= "(no reply)";
+  }
+  busy = false;
+}
+
+form.onsubmit = e => {
+  e.preventDefault();
+  const text = input.value.trim();
+  if (text && !busy) { input.value = ""; send(text); }
+};
+input.onkeydown = e => { if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); form.requestSubmit(); } };
+const q = new URLSearchParams(location.search).get("q");  // a shareable prompt link: /?q=Hello
+if (q) send(q);
+</script></body></html>
+"""
+
+
+class _Reject(Exception):
+    """A request the client must fix: an HTTP status and a message that says what to change."""
+
+    def __init__(self, status, message, code=None):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def _option(req, name, lo, hi, default, kind=(int, float)):
+    value = req.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, kind) or not lo <= value <= hi:
+        raise _Reject(400, f"'{name}' must be {'an integer' if kind is int else 'a number'} from {lo} to {hi}")
+    return value
+
+
+def _plain(m):
+    """A user or system message's content parts ([{"type": "text", "text": ...}], as OpenAI allows) as one string."""
+    parts = m.get("content") if isinstance(m, dict) and m.get("role") != "assistant" else None
+    text = lambda p: p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None
+    if isinstance(parts, list) and all(isinstance(text(p), str) for p in parts):
+        return {**m, "content": "".join(map(text, parts))}
+    return m
+
+
+def parse_request(body, cfg, tok, defaults):
+    """(prompt ids, options) of a /v1/chat/completions body; _Reject(400) says what is wrong with it."""
+    try:
+        req = json.loads(body)
+    except ValueError as e:
+        raise _Reject(400, f"the body is not valid JSON ({e})") from None
+    messages = req.get("messages") if isinstance(req, dict) else None
+    if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_MESSAGES:
+        raise _Reject(400, f"'messages' must be a list of 1 to {MAX_MESSAGES} messages")
+    messages = [_plain(m) for m in messages]
+    if not isinstance(messages[-1], dict) or messages[-1].get("role") != "user":
+        raise _Reject(400, "the last message must be the user's: the model replies to it")
+    try:
+        ids = data.render_conversation(tok, messages, MAX_BODY)[0] + [tok.special["<|assistant_start|>"]]
+    except ValueError as e:
+        raise _Reject(400, str(e)) from None
+    if len(ids) >= cfg.sequence_len:
+        raise _Reject(400, f"the conversation is {len(ids)} tokens and the model's context {cfg.sequence_len}: "
+                      "send fewer or shorter messages", "context_length_exceeded")
+    if not isinstance(req.get("stream", False), bool):
+        raise _Reject(400, "'stream' must be true or false")
+    _option(req, "n", 1, 1, 1, int)  # one choice per request
+    name = "max_completion_tokens" if "max_completion_tokens" in req else "max_tokens"  # OpenAI's newer name
+    return ids, dict(stream=req.get("stream", False), seed=_option(req, "seed", 0, 2**63 - 1, None, int),
+                     max_tokens=_option(req, name, 1, MAX_TOKENS, defaults["max_tokens"], int),
+                     temperature=_option(req, "temperature", 0, 2, defaults["temperature"]),
+                     top_k=_option(req, "top_k", 0, 200, defaults["top_k"], int),  # each value compiles once
+                     usage=bool((req.get("stream_options") or {}).get("include_usage")))
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server_version = "nanochat-jax"
+
+    def _send(self, status, ctype, body):
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, status, obj):
+        self._send(status, "application/json", json.dumps(obj).encode())
+
+    def _error(self, status, message, code=None):
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        self._json(status, {"error": {"message": message, "type": kind, "param": None, "code": code}})
+
+    def _event(self, obj):
+        self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
+
+    def do_GET(self):
+        path = urllib.parse.urlsplit(self.path).path
+        if path == "/":
+            self._send(200, "text/html; charset=utf-8", PAGE.encode())
+        elif path == "/v1/models":
+            self._json(200, {"object": "list", "data": [{"id": self.server.name, "object": "model",
+                                                         "created": self.server.created, "owned_by": "nanochat"}]})
+        else:
+            self._error(404, f"nothing at {path}: the chat is at /, the API at /v1/chat/completions and /v1/models")
+
+    def do_POST(self):
+        params, cfg, tok = self.server.model
+        try:
+            n = self.headers.get("Content-Length", "")
+            if not n.isdigit():
+                raise _Reject(411, "send a Content-Length header (the body's size in bytes)")
+            if int(n) > MAX_BODY:
+                if int(n) <= 8 * MAX_BODY:  # read it anyway, so the client gets the 413 rather than a reset
+                    self.rfile.read(int(n))
+                raise _Reject(413, f"the body is {n} bytes and the limit {MAX_BODY}: send fewer or shorter messages")
+            body = self.rfile.read(int(n))
+            if urllib.parse.urlsplit(self.path).path != "/v1/chat/completions":
+                raise _Reject(404, "POST to /v1/chat/completions")
+            prompt, opts = parse_request(body, cfg, tok, self.server.defaults)
+        except _Reject as e:
+            return self._error(e.status, str(e), e.code)
+        self._complete(prompt, **opts)
+
+    def _complete(self, prompt, stream, seed, max_tokens, temperature, top_k, usage):
+        params, cfg, tok = self.server.model
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.server.name}
+        chunk = lambda delta, finish=None: {**head, "object": "chat.completion.chunk",
+                                            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        key = jax.random.key(secrets.randbits(32) if seed is None else seed % 2**32)  # 32-bit seeds without x64
+        pieces, finish = [], "length"
+        with self.server.lock:  # one generation at a time: the model and its caches are not shared
+            try:
+                if stream:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+                    self.send_header("Cache-Control", "no-cache")
+                    self.end_headers()
+                    self._event(chunk({"role": "assistant", "content": ""}))
+                for t, piece in reply_tokens(params, cfg, tok, prompt, key, max_tokens, temperature, top_k):
+                    finish = "stop" if piece is None else finish
+                    pieces.append(piece or "")
+                    if stream and piece:
+                        self._event(chunk({"content": piece}))
+                counts = {"prompt_tokens": len(prompt), "completion_tokens": len(pieces),
+                          "total_tokens": len(prompt) + len(pieces)}
+                if stream:
+                    self._event(chunk({}, finish))
+                    if usage:
+                        self._event({**head, "object": "chat.completion.chunk", "choices": [], "usage": counts})
+                    self.wfile.write(b"data: [DONE]\n\n")
+                else:
+                    self._json(200, {**head, "object": "chat.completion", "usage": counts, "choices": [{
+                        "index": 0, "message": {"role": "assistant", "content": "".join(pieces)},
+                        "finish_reason": finish}]})
+            except (BrokenPipeError, ConnectionResetError):
+                self.log_message("client went away after %d tokens: generation stopped", len(pieces))
+
+
+def make_server(params, cfg, tok, host="127.0.0.1", port=8000, name="nanochat", **defaults):
+    """The web chat and API server (port 0: any free port); defaults: max_tokens, temperature, top_k."""
+    server = http.server.ThreadingHTTPServer((host, port), _Handler)
+    server.model, server.name, server.lock = (params, cfg, tok), name, threading.Lock()
+    server.created = int(time.time())
+    server.defaults = {"max_tokens": 512, "temperature": 0.6, "top_k": 50, **defaults}
+    return server
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default="checkpoints", help="a step directory of train.py, or a checkpoints root")
+    p.add_argument("--nanochat-checkpoint", metavar="DIR", help="a PyTorch nanochat run: its model_<step>.pt "
+                   "directory or its NANOCHAT_BASE_DIR")
+    p.add_argument("-p", "--prompt", help="reply to this one message and exit")
+    p.add_argument("-t", "--temperature", type=float, default=0.6, help="0 is greedy")
+    p.add_argument("-k", "--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("-m", "--max-tokens", type=int, default=512, help="most tokens per reply")
+    p.add_argument("--seed", type=int, default=42, help="terminal sampling seed (the server draws one per request)")
+    p.add_argument("--serve", action="store_true", help="serve the web chat and the OpenAI-compatible API")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--compile-cache", default=os.path.expanduser("~/.cache/nanochat_jax/xla"),
+                   help="persistent XLA compilation cache ('' to disable)")
+    args = p.parse_args()
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    sys.stdout.reconfigure(errors="replace")  # a terminal that cannot show a character gets '?', not a crash
+    source = args.nanochat_checkpoint or args.checkpoint
+    try:
+        params, cfg, tok = (load_nanochat_checkpoint(source) if args.nanochat_checkpoint else load_checkpoint(source))
+    except (OSError, ValueError, KeyError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
+        sys.exit(f"chat.py: {e}")
+    if not args.serve:
+        return chat_cli(params, cfg, tok, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed)
+    server = make_server(params, cfg, tok, args.host, args.port, max_tokens=args.max_tokens,
+                         temperature=args.temperature, top_k=args.top_k)
+    url = f"http://{args.host}:{server.server_address[1]}"
+    print(f"chat at {url}/ ; OpenAI-compatible API at {url}/v1 (model 'nanochat'); Ctrl+C stops")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
