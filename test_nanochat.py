@@ -359,6 +359,56 @@ def test_schedules_follow_nanochat():
                 assert g == pytest.approx(w, abs=1e-6), (i, got, want)
 
 
+@pytest.mark.parametrize("depth, tokens, batch, iters, lr_scale, wd", [
+    # nanochat's scaling rules at vocab 32768, ratio 12 (nanochat_spec.md section 1.7)
+    (12, 1.321e9, 2**19, 2520, 1.0, 0.280), (20, 5.222e9, 2**20, 4980, 1.4142, 0.100),
+    (26, 11.021e9, 2**20, 10510, 1.4142, 0.0475),
+])
+def test_horizon_follows_nanochat(depth, tokens, batch, iters, lr_scale, wd):
+    args = train.parse_args(["--num-iterations", "-1", "--total-batch-size", "-1", "--batch-lr-scale", "-1"])
+    cfg = nc.config_for_depth(depth, 32768)
+    steps, b, scale, weight_decay = train.horizon(args, cfg, 32, -1)
+    assert (steps, b) == (iters, batch) and float(f"{steps * b:.4g}") == pytest.approx(tokens, rel=2e-3)
+    assert scale == pytest.approx(lr_scale, abs=1e-4) and weight_decay == pytest.approx(wd, rel=1e-2)
+    args.target_flops = 1e18
+    assert train.horizon(args, cfg, 32, -1)[0] == round(1e18 / (nc.estimate_flops(cfg) * batch))
+    assert train.horizon(args, cfg, 32, 7)[0] == 7  # --num-iterations wins
+
+
+def test_bits_per_byte(tiny_params):
+    params = perturbed(tiny_params, jax.random.key(11))
+    x = np.asarray(jax.random.randint(jax.random.key(12), (2, 16), 0, TINY.vocab_size))
+    y = np.roll(x, -1, axis=1)
+    y[0, 3] = -1
+    token_bytes = np.arange(TINY.vocab_size) % 4  # ids with 0 bytes (specials) count neither nats nor bytes
+    nats = np.asarray(loss_fn(params, x, y, TINY, reduction="none"))
+    nb = np.where(y >= 0, token_bytes[np.maximum(y, 0)], 0)
+    want = (nats * (nb > 0)).sum() / (np.log(2) * nb.sum())
+    got = train.evaluate_bpb(params, TINY, iter([(x, y, None)] * 3), jnp.asarray(token_bytes), 2)
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_task_evaluation_scores_exact_matches(monkeypatch):
+    btok = data.byte_tokenizer()
+    cfg = nc.Config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=1, n_kv_head=1, n_embd=32)
+    answers = {}  # a stand-in model that knows every reference answer of two tasks and none of the others
+
+    def oracle(params, cfg, prompt, **kw):
+        ref = answers.get(tuple(prompt), [])
+        for t in ref + [btok.special["<|assistant_end|>"]]:
+            yield [t], [1]
+
+    for task in data.TASKS:
+        for c in itertools.islice(data.task_conversations(task, "test"), 5):
+            ids, mask = data.render_conversation(btok, c)
+            prompt = data.render_for_completion(btok, c)
+            if task in ("identity", "arithmetic"):
+                answers[tuple(prompt)] = [t for t, m in zip(ids[len(prompt):], mask[len(prompt):]) if m][:-1]
+    monkeypatch.setattr(nc, "generate", oracle)
+    acc = train.evaluate_tasks(None, cfg, btok, n=5)
+    assert acc == {"identity": 1.0, "arithmetic": 1.0, "spelling": 0.0, "docstring": 0.0}
+
+
 def test_step_never_recompiles(tiny_params):
     step = jax.jit(chex.assert_max_traces(train.train_step, n=1), static_argnames="cfg")
     s = dict(num_iterations=10, warmup_steps=2, warmdown_ratio=0.5, final_lr_frac=0.0, momentum_start=0.85,
