@@ -279,7 +279,7 @@ def horizon(args, cfg, rows_per_step, num_iterations):
 
 
 def train_stage(args, stage, tok, root):
-    """Run one stage ("base" or "sft") to its horizon; returns (params, cfg, losses, meta)."""
+    """Run one stage ("base" or "sft") to its horizon; returns (params, cfg, this run's losses, info)."""
     out_dir = os.path.join(root, stage)
     resume = latest_checkpoint(root, (stage,)) if args.resume else None
     if stage == "sft":
@@ -321,7 +321,8 @@ def train_stage(args, stage, tok, root):
     states, step = [None] * per_process, 0
     if resume:
         params, opt_state, meta = load_checkpoint(resume)
-        step, sched, lrs = meta["step"], meta["schedule"], meta["lrs"]
+        step, sched, lrs = meta["step"], meta["schedule"], meta["lrs"]  # the run's own horizon and lrs
+        steps = sched["num_iterations"]
         states = meta["data_states"][shards[0]:shards[0] + per_process]
         key = jax.random.wrap_key_data(np.array(meta["key"], np.uint32))
         print(f"resuming {resume} at step {step}")
