@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import threading
+import xml.etree.ElementTree as ET
 import zipfile
 
 import chex
@@ -33,6 +34,7 @@ import chat
 import data
 import muon
 import nanochat as nc
+import scaling
 import train
 
 TESTDATA = pathlib.Path(__file__).parent / "testdata"
@@ -1776,3 +1778,128 @@ def test_browser_streams_a_reply(server, chat_model, tmp_path):
     bubbles = [(cls, html.unescape(text)) for cls, text in re.findall(r'<div class="msg ([a-z ]+)">(.*?)</div>', log[1],
                                                                          re.S)]
     assert bubbles == [("user", "hello"), ("assistant", reply)]  # streamed in full; "typing" is gone
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scaling.py: fits on synthetic data with known exponents, SVG plots, resumable sweeps
+
+E0, A0, B0, ALPHA0, BETA0 = 1.7, 400.0, 410.0, 0.34, 0.28  # Chinchilla-like truth
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def chinchilla_rows(noise=0.003, seed=0):
+    """IsoFLOP runs drawn from L = E + A/N^alpha + B/D^beta (C = 6ND), 7 sizes per budget around the optimum."""
+    rng, rows = np.random.default_rng(seed), []
+    G = (ALPHA0 * A0 / (BETA0 * B0)) ** (1 / (ALPHA0 + BETA0))
+    for C in (1e17, 3e17, 1e18, 3e18):
+        for f in np.geomspace(1 / 8, 8, 7):
+            N = f * G * (C / 6) ** (BETA0 / (ALPHA0 + BETA0))
+            D = C / (6 * N)
+            L = (E0 + A0 / N**ALPHA0 + B0 / D**BETA0) * np.exp(rng.normal(0, noise))
+            rows.append({"flops_budget": C, "params_transformer": N, "params_lm_head": 0.0, "params_total": N,
+                         "tokens_trained": D, "val_bpb": L})
+    return rows
+
+
+def inside(x, ci):
+    return ci[0] <= x <= ci[1]
+
+
+def test_isoflop_recovers_exponents():
+    rows = chinchilla_rows()
+    iso = scaling.fit_isoflop(rows)
+    ci = scaling.bootstrap(scaling.fit_isoflop, rows, ["a", "b", "ratio"], 100, 0, group=lambda r: r["flops_budget"])
+    a_true = BETA0 / (ALPHA0 + BETA0)
+    assert inside(a_true, ci["a"]) and inside(1 - a_true, ci["b"]), (ci, a_true)
+    assert abs(iso["a"] - a_true) < 0.02 and abs(iso["a"] + iso["b"] - 1) < 1e-6  # D = C / 6N exactly
+    assert ci["ratio"][0] < iso["ratio"] < ci["ratio"][1]
+
+
+def test_chinchilla_fit_recovers_parameters():
+    rows = chinchilla_rows()
+    N, D, L = (np.array([r[k] for r in rows]) for k in ("params_total", "tokens_trained", "val_bpb"))
+    starts = np.array(list(itertools.product([0, 5, 10], [0.5, 1.0], [0, 5, 10], [0.5, 1.0], [0.0, 0.5])), float)
+    fit = scaling.fit_chinchilla(N, D, L, starts=starts)
+    refit = lambda rs: scaling.fit_chinchilla([r["params_total"] for r in rs], [r["tokens_trained"] for r in rs],
+                                              [r["val_bpb"] for r in rs], starts=fit["theta"][None])
+    ci = scaling.bootstrap(refit, rows, ["alpha", "beta", "E"], 60, 0)
+    for k, true in (("alpha", ALPHA0), ("beta", BETA0), ("E", E0)):
+        assert inside(true, ci[k]) and inside(fit[k], ci[k]), (k, fit[k], ci[k])
+    assert abs(fit["alpha"] - ALPHA0) < 0.03 and abs(fit["beta"] - BETA0) < 0.03
+
+
+def test_chinchilla_fit_exact_on_noiseless_data():
+    rows = chinchilla_rows(noise=0.0)
+    N, D, L = (np.array([r[k] for r in rows]) for k in ("params_total", "tokens_trained", "val_bpb"))
+    fit = scaling.fit_chinchilla(N, D, L, starts=np.array([[5.0, 0.5, 5.0, 0.5, 0.0], [10.0, 1.0, 0.0, 0.5, 0.5]]))
+    np.testing.assert_allclose([fit["E"], fit["alpha"], fit["beta"]], [E0, ALPHA0, BETA0], rtol=1e-3)
+
+
+def test_power_law_recovers_alpha():
+    rng = np.random.default_rng(1)
+    N = np.geomspace(1e5, 1e8, 8)
+    L = (E0 + A0 * N**-ALPHA0) * np.exp(rng.normal(0, 0.003, 8))
+    rows = [{"N": n, "L": l} for n, l in zip(N, L)]
+    fit = scaling.fit_power(N, L)
+    ci = scaling.bootstrap(lambda rs: scaling.fit_power([r["N"] for r in rs], [r["L"] for r in rs],
+                                                        starts=fit["theta"][None]), rows, ["alpha", "E"], 100, 0)
+    assert inside(ALPHA0, ci["alpha"]) and inside(E0, ci["E"]), (fit, ci)
+
+
+def test_fits_are_deterministic():
+    rows = chinchilla_rows()
+    f = lambda: scaling.bootstrap(scaling.fit_isoflop, rows, ["a"], 20, 3, group=lambda r: r["flops_budget"])
+    assert f() == f()
+
+
+def test_svg_is_well_formed(tmp_path):
+    path = scaling.svg_plot(str(tmp_path / "p.svg"), [
+        {"x": [1e5, 1e6, 1e7], "y": [3.0, 2.5, 2.7], "label": "C = 1e12"},
+        {"x": [1e5, 1e7], "y": [3.1, 2.8], "label": "C = <2e12> & more"},
+        {"x": np.geomspace(1e5, 1e7, 20), "y": np.linspace(3, 2.6, 20), "kind": "line", "label": "fit"}],
+        "title", "N", "bpb", logy=True)
+    root = ET.parse(path).getroot()
+    assert root.tag == SVG + "svg"
+    assert len(root.findall(SVG + "polyline")) == 1 and len(root.findall(SVG + "circle")) == 5
+    texts = [t.text for t in root.findall(SVG + "text")]
+    assert "1e6" in texts and "C = <2e12> & more" in texts and "title" in texts  # decade ticks, escaped legend
+
+
+def test_sweep_resume_skips_finished_runs(tmp_path):
+    csv_path, calls = str(tmp_path / "scale_c.csv"), []
+
+    def fake(spec):
+        calls.append(spec)
+        return {"depth": spec["depth"], "model_dim": 32 * spec["depth"], "params_transformer": 1000 * spec["depth"],
+                "params_lm_head": 10, "params_total": 2000, "tokens_trained": 1e4, "val_bpb": 3.0 / spec["depth"],
+                "train_time_sec": 1.0}
+
+    specs = scaling.plan("scale_c", [1, 2, 3], budgets=[1e10, 2e10])
+    assert len(specs) == 6 and all(s["num_iterations"] >= 1 for s in specs)
+    rows = scaling.run_sweep(specs, csv_path, fake, seed=0)
+    assert len(calls) == 6 and len(rows) == 6 and set(rows[0]) == set(scaling.COLUMNS)
+    scaling.run_sweep(specs, csv_path, fake, seed=0)
+    assert len(calls) == 6  # everything done: nothing reruns
+    with open(csv_path) as f:
+        lines = f.readlines()
+    with open(csv_path, "w") as f:  # an interrupted sweep: the last row never got written
+        f.writelines(lines[:-1])
+    scaling.run_sweep(specs, csv_path, fake, seed=0)
+    assert len(calls) == 7 and calls[-1]["depth"] == specs[-1]["depth"]
+    scaling.run_sweep(specs, csv_path, fake, seed=1)  # another seed is another run
+    assert len(calls) == 13 and len(scaling.read_results(csv_path)) == 12
+
+
+def test_tiny_real_sweep(tmp_path):
+    out = str(tmp_path / "res")
+    argv = ["--sweep", "scale_c", "--depths", "1", "2", "--budgets", "1.5e9", "--out", out, "--batch", "512",
+            "--seq-len", "32", "--vocab-size", "300", "--bootstrap", "5",
+            "--train-args", "--tokenizer-max-chars 200000 --eval-steps 2 --compile-cache="]
+    scaling.main(argv)
+    rows = scaling.read_results(os.path.join(out, "scale_c.csv"))
+    assert [r["depth"] for r in rows] == [1, 2] and all(np.isfinite(r["val_bpb"]) for r in rows)
+    assert all(r["num_iterations"] >= 2 and r["tokens_trained"] == 512 * r["num_iterations"] for r in rows)
+    ET.parse(os.path.join(out, "isoflop.svg"))
+    mtime = os.path.getmtime(os.path.join(out, "scale_c.csv"))
+    scaling.main(argv)  # resumed: both runs are in the CSV, nothing trains
+    assert os.path.getmtime(os.path.join(out, "scale_c.csv")) == mtime
