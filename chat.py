@@ -57,9 +57,7 @@ def load_checkpoint(path="checkpoints"):
     step_dir = path if os.path.isfile(os.path.join(path, "meta.json")) else train.latest_checkpoint(path)
     if step_dir is None:
         raise FileNotFoundError(f"no checkpoint in {path}/: train one first with `python train.py`")
-    with open(os.path.join(step_dir, "meta.json")) as f:
-        meta = json.load(f)
-    params = train.load_tree(os.path.join(step_dir, "params.msgpack"))  # not the optimizer state: 2x the size
+    params, _, meta = train.load_checkpoint(step_dir, optimizer=False)
     cfg, tok = nc.Config(**meta["config"]), data.Tokenizer.load(os.path.join(step_dir, meta["tokenizer"]))
     return jax.tree.map(jnp.asarray, params), cfg, tok
 

@@ -108,14 +108,14 @@ def save_checkpoint(root, step, params, opt_state, meta, keep=3):
     return final
 
 
-def load_checkpoint(path):
+def load_checkpoint(path, optimizer=True):
     """(params, opt_state or None, meta) of a step directory written by save_checkpoint."""
     if not os.path.isfile(os.path.join(path, "meta.json")):
         raise FileNotFoundError(f"{path}: not a checkpoint directory (no meta.json); train one with train.py")
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     opt_path = os.path.join(path, "opt.msgpack")
-    opt_state = load_tree(opt_path) if os.path.isfile(opt_path) else None
+    opt_state = load_tree(opt_path) if optimizer and os.path.isfile(opt_path) else None  # 2x the params' size
     return load_tree(os.path.join(path, "params.msgpack")), opt_state, meta
 
 
@@ -246,6 +246,7 @@ def evaluate_tasks(params, cfg, tok, n=50, seed=0, max_tokens=160):
     return acc
 
 
+@functools.cache
 def sgemm_peak():
     """FLOP/s of a 1024^2 fp32 matmul on the default device: the peak that MFU is measured against."""
     a = jnp.ones((1024, 1024), jnp.float32)
@@ -286,7 +287,7 @@ def train_stage(args, stage, tok, root):
         base = latest_checkpoint(root, ("base",))
         if base is None:
             sys.exit(f"no base checkpoint under {root}/base: run `python train.py --stage base` first")
-        base_params, _, base_meta = load_checkpoint(base)
+        base_params, _, base_meta = load_checkpoint(base, optimizer=False)
         cfg = nc.Config(**base_meta["config"])
     else:
         cfg = nc.config_for_depth(args.depth, tok.n_vocab, args.aspect_ratio, args.head_dim,
