@@ -16,11 +16,13 @@ import pathlib
 import pickle
 import random
 import re
+import select
 import shutil
 import socket
 import subprocess
 import sys
 import threading
+import time
 import xml.etree.ElementTree as ET
 import zipfile
 
@@ -1762,6 +1764,51 @@ def test_api_disconnect_frees_the_model(server, chat_model, capsys):
     assert n < 200
 
 
+def devtools_evaluate(chromium, url, user_data_dir, expression, timeout=90):
+    """Open url in headless chromium and return the value of an awaited JS expression, in real time.
+
+    Speaks the DevTools protocol over --remote-debugging-pipe (commands on fd 3, replies on fd 4, NUL-separated JSON);
+    --virtual-time-budget would race ahead of a stream that a slow machine has not finished sending."""
+    to_chrome, from_chrome = os.pipe(), os.pipe()
+    proc = subprocess.Popen(["bash", "-c", f'exec "$@" 3<&{to_chrome[0]} 4>&{from_chrome[1]}', "bash", chromium,
+                             "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-sync",
+                             "--disable-background-networking", "--disable-component-update", "--disable-quic",
+                             "--remote-debugging-pipe", f"--user-data-dir={user_data_dir}", url],
+                            pass_fds=(to_chrome[0], from_chrome[1]), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    os.close(to_chrome[0]), os.close(from_chrome[1])
+    writer, reader = os.fdopen(to_chrome[1], "wb"), os.fdopen(from_chrome[0], "rb")
+    deadline, ids = time.monotonic() + timeout, itertools.count(1)
+
+    def call(method, session=None, **params):
+        n = next(ids)
+        writer.write(json.dumps({"id": n, "method": method, "params": params}
+                                | ({"sessionId": session} if session else {})).encode() + b"\0")
+        writer.flush()
+        buffer = b""
+        while True:  # skip events and replies to other calls
+            assert select.select([reader], [], [], max(0.0, deadline - time.monotonic()))[0], "chromium timed out"
+            chunk = reader.read1(1 << 16)
+            assert chunk, "chromium exited: " + proc.stderr.read().decode()[-2000:]
+            buffer += chunk
+            *messages, buffer = buffer.split(b"\0")
+            for message in map(json.loads, messages):
+                if message.get("id") == n:
+                    return message
+
+    try:
+        page = next(t for t in call("Target.getTargets")["result"]["targetInfos"] if t["type"] == "page")
+        session = call("Target.attachToTarget", targetId=page["targetId"], flatten=True)["result"]["sessionId"]
+        while True:  # the first tries may land in about:blank, whose context the navigation destroys
+            r = call("Runtime.evaluate", session, expression=expression, awaitPromise=True, returnByValue=True)
+            if "result" in r and "exceptionDetails" not in r["result"]:
+                return r["result"]["result"]["value"]
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+        writer.close(), reader.close()
+
+
 def test_browser_streams_a_reply(server, chat_model, tmp_path):
     chromium = shutil.which("chromium")
     if chromium is None:
@@ -1769,15 +1816,12 @@ def test_browser_streams_a_reply(server, chat_model, tmp_path):
     reply = expected_reply(chat_model, HI)[0]  # the server's default temperature here is 0: the page gets this
     assert request(server, "POST", "/v1/chat/completions", {"messages": HI, "stream": True})[0] == 200  # compiled
     url = f"http://127.0.0.1:{server.server_address[1]}/?q=hello"  # the page sends q as the first message
-    r = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-sync",
-                        "--disable-background-networking", "--disable-component-update", "--disable-quic",
-                        f"--user-data-dir={tmp_path}", "--virtual-time-budget=30000", "--dump-dom", url],
-                       capture_output=True, text=True, timeout=120)
-    log = re.search(r'<div id="log">(.*?)</div>\s*<form', r.stdout, re.S)
-    assert log, r.stdout[-2000:] + r.stderr[-2000:]
-    bubbles = [(cls, html.unescape(text)) for cls, text in re.findall(r'<div class="msg ([a-z ]+)">(.*?)</div>', log[1],
-                                                                         re.S)]
-    assert bubbles == [("user", "hello"), ("assistant", reply)]  # streamed in full; "typing" is gone
+    done = """new Promise(resolve => { const poll = setInterval(() => {  // the reply is finished when "typing" is gone
+      if (document.querySelector(".assistant") && !document.querySelector(".typing")) {
+        clearInterval(poll); resolve([...document.querySelectorAll("#log .msg")].map(m => [m.className, m.textContent]));
+      } }, 50); })"""
+    bubbles = devtools_evaluate(chromium, url, tmp_path, done)
+    assert bubbles == [["msg user", "hello"], ["msg assistant", reply]]  # streamed in full
 
 
 # ---------------------------------------------------------------------------------------------------------------
