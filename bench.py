@@ -3,21 +3,33 @@ Benchmarks that print one JSON line each, so numbers can be compared across mach
 
     python bench.py tokenizer    # BPE training on ~5 MB of the default corpus to vocab 4096, then encode speed
     python bench.py decode       # KV-cache generation: 16-token prompt, 200 new tokens at batch 1 and 8
+    python bench.py train        # the whole training step (fwd, bwd, MuonAdamW) of the performance issue's configs
 
 Speed is measured here, never in a timed unit test.
 """
+import time
+
+START = time.time()  # time to first step counts from here: imports, init, trace, compile and the step
+
 import argparse
 import json
+import os
+import resource
 import statistics
-import time
+import subprocess
+import sys
+import tempfile
 
 import jax
 import numpy as np
 
 import data
+import muon
 import nanochat as nc
+import train
 
-# The performance issue's configs (PyTorch nanochat baselines were measured on the same shapes).
+# The performance issue's configs (PyTorch nanochat baselines were measured on the same shapes) and batch sizes.
+BATCH = {"nano-char": (32, 256), "nano": (32, 256), "d6": (8, 512)}
 CONFIGS = {
     "nano-char": nc.Config(sequence_len=256, vocab_size=65, n_layer=4, n_head=4, n_kv_head=4, n_embd=128,
                            window_pattern="L"),
@@ -79,7 +91,58 @@ def bench_decode(args):
                               "prefill_tok_per_s": round(16 / prefill_s)}), flush=True)
 
 
-MODES = {"tokenizer": bench_tokenizer, "decode": bench_decode}
+def train_step_timing(name, steps, warmup=3):
+    """In this process: time from process start to the first finished step, then the median step time."""
+    cfg, (B, T) = CONFIGS[name], BATCH[name]
+    params = nc.init_params(cfg, jax.random.key(0))
+    opt_state = muon.init(params)
+    rng = np.random.default_rng(0)
+    x, y = (rng.integers(0, cfg.vocab_size, (1, B, T), dtype=np.int32) for _ in range(2))
+    sched = dict(num_iterations=1000, warmup_steps=0, warmdown_ratio=0.4, final_lr_frac=0.0, momentum_start=0.85,
+                 momentum=0.97, momentum_end=0.90, momentum_warmup=400, weight_decay=0.2)  # train.py's defaults
+    lrs = dict(unembedding_lr=0.008, embedding_lr=0.3, matrix_lr=0.02, scalar_lr=0.5)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        params, opt_state, m = train.jit_train_step(params, opt_state, x, y, i, sched, lrs, cfg=cfg)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+        if i == 0:
+            first = time.time() - START
+    return {"first_step_s": first, "step_s": statistics.median(times[warmup:]), "loss": float(m["loss"]),
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def bench_train(args):
+    """Each config in a fresh process with an empty compilation cache (cold), then again with it filled (warm)."""
+    peak = train.sgemm_peak()
+    for name in args.configs:
+        cfg, (B, T) = CONFIGS[name], BATCH[name]
+        runs = []
+        with tempfile.TemporaryDirectory() as cache:
+            for _ in ("cold", "warm"):
+                out = subprocess.run([sys.executable, __file__, "train-child", "--configs", name, "--steps",
+                                      str(args.steps)], env=dict(os.environ, BENCH_CACHE=cache),
+                                     capture_output=True, text=True, check=True).stdout
+                runs.append(json.loads(out.splitlines()[-1]))
+        tok_s = B * T / statistics.median(r["step_s"] for r in runs)
+        gflops = nc.estimate_flops(cfg) * tok_s / 1e9
+        print(json.dumps({"bench": "train", "config": name, "params": nc.num_scaling_params(cfg)["total"],
+                          "batch": [B, T], "dtype": cfg.compute_dtype, "tok_per_s": round(tok_s),
+                          "step_ms": round(B * T / tok_s * 1e3, 1), "gflop_per_s": round(gflops, 1),
+                          "sgemm_peak_gflop_per_s": round(peak / 1e9, 1), "mfu": round(gflops * 1e9 / peak, 3),
+                          "first_step_cold_s": round(runs[0]["first_step_s"], 2),
+                          "first_step_warm_s": round(runs[1]["first_step_s"], 2),
+                          "peak_rss_gb": round(max(r["peak_rss_gb"] for r in runs), 2),
+                          "loss": round(runs[-1]["loss"], 4)}), flush=True)
+
+
+def bench_train_child(args):
+    train.setup_process(os.environ["BENCH_CACHE"])
+    print(json.dumps(train_step_timing(args.configs[0], args.steps)))
+
+
+MODES = {"tokenizer": bench_tokenizer, "decode": bench_decode, "train": bench_train, "train-child": bench_train_child}
 
 
 def main():
@@ -88,8 +151,11 @@ def main():
     p.add_argument("--mb", type=float, default=5.0, help="tokenizer: MB of text to train on")
     p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer: vocab size, specials included")
     p.add_argument("--repeats", type=int, default=3, help="runs; the median time is reported")
-    p.add_argument("--configs", nargs="*", default=["nano", "d6"], choices=sorted(CONFIGS), help="decode: models")
+    p.add_argument("--configs", nargs="*", choices=sorted(CONFIGS),
+                   help="models (default: train all three, decode nano and d6)")
+    p.add_argument("--steps", type=int, default=10, help="train: timed steps after 3 warm-up steps")
     args = p.parse_args()
+    args.configs = args.configs or (list(CONFIGS) if args.mode == "train" else ["nano", "d6"])
     MODES[args.mode](args)
 
 

@@ -477,9 +477,7 @@ def main():
     p.add_argument("--compile-cache", default=os.path.expanduser("~/.cache/nanochat_jax/xla"),
                    help="persistent XLA compilation cache ('' to disable)")
     args = p.parse_args()
-    if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    train.setup_process(args.compile_cache)
     sys.stdout.reconfigure(errors="replace")  # a terminal that cannot show a character gets '?', not a crash
     source = args.nanochat_checkpoint or args.checkpoint
     try:

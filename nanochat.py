@@ -38,6 +38,7 @@ import numpy as np
 ROPE_BASE = 100000.0
 SOFTCAP = 15.0
 QK_SCALE = 1.2
+ATTENTION_BLOCK = 128  # queries per attention block without a cache: fully masked key blocks are skipped
 SMEAR_CHANNELS = 24  # the smear gate reads this many channels of the current token
 VE_GATE_CHANNELS = 12  # the value-embedding gate reads this many channels of the block input
 EPS = float(np.finfo(np.float32).eps)  # F.rms_norm's default eps for fp32
@@ -197,7 +198,14 @@ def attention(a, i, x, ve, cos, sin, mask, cfg, cache=None, start=0):
         ck = jax.lax.dynamic_update_slice(cache[0], k.swapaxes(1, 2)[None], (i, 0, 0, start, 0))
         cv = jax.lax.dynamic_update_slice(cache[1], v.swapaxes(1, 2)[None], (i, 0, 0, start, 0))
         cache, k, v = (ck, cv), ck[i].swapaxes(1, 2), cv[i].swapaxes(1, 2)  # (B, S, K, D): folded into the matmuls
-    y = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])  # GQA: K kv heads serve H query heads
+        y = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])  # GQA: K kv heads serve H query heads
+    else:  # positions 0..T-1: a block of queries needs only the keys from its window's start to its own end
+        blocks, window = [], window_sizes(cfg)[i]
+        for s in range(0, T, ATTENTION_BLOCK):
+            e, lo = s + ATTENTION_BLOCK, max(0, s - window)
+            blocks.append(jax.nn.dot_product_attention(q[:, s:e], k[:, lo:e], v[:, lo:e],
+                                                       mask=mask[None, None, s:e, lo:e]))
+        y = jnp.concatenate(blocks, axis=1)
     return y.reshape(B, T, H * D) @ a["c_proj"][i], cache
 
 

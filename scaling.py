@@ -280,7 +280,7 @@ def model_row(cfg):
             "params_transformer": p["transformer_matrices"], "params_scalars": p["scalars"], "params_total": p["total"]}
 
 
-def plan(sweep, depths, budgets=(), tokens=(), batch=2048, vocab_size=384, aspect_ratio=32, head_dim=32, T=128):
+def plan(sweep, depths, budgets=(), tokens=(), batch=2048, vocab_size=384, aspect_ratio=16, head_dim=16, T=128):
     """Run specs {flops_budget, depth, model_dim, num_iterations} of a sweep: scale_c crosses depths with FLOP budgets
     (num_iterations = C / (flops per token x batch)); scale_n and scale_d cross depths with token counts."""
     import nanochat as nc
@@ -312,7 +312,7 @@ def run_sweep(specs, csv_path, runner, seed=0):
     return read_results(csv_path)
 
 
-def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_ratio=32, head_dim=32, T=128,
+def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_ratio=16, head_dim=16, T=128,
                  eval_steps=16, extra=()):
     """A runner for run_sweep: train.train_stage("base") in-process, one checkpoint root per run under out/runs."""
     import train
@@ -321,9 +321,7 @@ def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_r
               str(batch), "--eval-steps", str(eval_steps), "--sample-every", "0", "--keep", "1", "--resume",
               "--stage", "base", *extra]
     args = train.parse_args(common + ["--out", out])
-    if args.compile_cache:  # as train.main: a resumed sweep skips the compiles (in one process jit's cache does)
-        train.jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        train.jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    train.setup_process(args.compile_cache)  # as train.main: a resumed sweep skips the compiles
     tok = train.get_tokenizer(args, out)  # one tokenizer for every run
 
     def run(spec):
@@ -421,8 +419,8 @@ def analyze(sweep, rows, out, convention="kaplan", n_boot=200, seed=0):
 
 # ------------------------------------------------------------------------------------------------ main
 
-DEFAULTS = {"scale_c": {"depths": [1, 2, 3, 4, 5], "budgets": [2.5e11, 5e11, 1e12], "tokens": []},
-            "scale_n": {"depths": [1, 2, 3, 4, 5], "budgets": [], "tokens": [1e6]},
+DEFAULTS = {"scale_c": {"depths": [2, 3, 4, 5, 6], "budgets": [1.25e11, 2.5e11, 5e11, 1e12], "tokens": []},
+            "scale_n": {"depths": [2, 3, 4, 5, 6], "budgets": [], "tokens": [1e6]},
             "scale_d": {"depths": [2], "budgets": [], "tokens": [1.25e5, 2.5e5, 5e5, 1e6, 2e6]}}
 
 
@@ -439,11 +437,13 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=2048, help="tokens per step")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--vocab-size", type=int, default=384)
-    p.add_argument("--aspect-ratio", type=int, default=32)
-    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--aspect-ratio", type=int, default=16, help="model_dim = depth x aspect ratio")
+    p.add_argument("--head-dim", type=int, default=16)
     p.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the 90%% intervals")
     p.add_argument("--fit-only", action="store_true", help="fit and plot the existing CSV, train nothing")
-    p.add_argument("--train-args", default="", help="extra train.py flags for every run, e.g. '--weight-decay 0'")
+    p.add_argument("--weight-decay", type=float, default=0.0,
+                   help="train.py's --weight-decay (nanochat: 0.2), scaled by nanochat's rule; see the notes above")
+    p.add_argument("--train-args", default="", help="extra train.py flags for every run, e.g. '--matrix-lr 0.03'")
     a = p.parse_args(argv)
     d = DEFAULTS[a.sweep]
     depths, budgets, tokens = a.depths or d["depths"], a.budgets or d["budgets"], a.tokens or d["tokens"]
@@ -454,8 +454,9 @@ def main(argv=None):
     t = time.perf_counter()
     if not a.fit_only:
         specs = plan(a.sweep, depths, budgets, tokens, a.batch, a.vocab_size, a.aspect_ratio, a.head_dim, a.seq_len)
+        extra = ["--weight-decay", str(a.weight_decay), *a.train_args.split()]
         runner = train_runner(a.out, a.batch, min(16, a.batch // a.seq_len), a.vocab_size, a.aspect_ratio,
-                              a.head_dim, a.seq_len, extra=a.train_args.split())
+                              a.head_dim, a.seq_len, extra=extra)
         run_sweep(specs, csv_path, runner, a.seed)
     rows = read_results(csv_path)
     if not rows:

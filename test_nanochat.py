@@ -1818,7 +1818,8 @@ def test_browser_streams_a_reply(server, chat_model, tmp_path):
     url = f"http://127.0.0.1:{server.server_address[1]}/?q=hello"  # the page sends q as the first message
     done = """new Promise(resolve => { const poll = setInterval(() => {  // the reply is finished when "typing" is gone
       if (document.querySelector(".assistant") && !document.querySelector(".typing")) {
-        clearInterval(poll); resolve([...document.querySelectorAll("#log .msg")].map(m => [m.className, m.textContent]));
+        clearInterval(poll);
+        resolve([...document.querySelectorAll("#log .msg")].map(m => [m.className, m.textContent]));
       } }, 50); })"""
     bubbles = devtools_evaluate(chromium, url, tmp_path, done)
     assert bubbles == [["msg user", "hello"], ["msg assistant", reply]]  # streamed in full

@@ -18,6 +18,7 @@
 """
 
 import argparse
+import ctypes
 import dataclasses
 import functools
 import itertools
@@ -489,11 +490,26 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def setup_process(compile_cache):
+    """Process-wide speed settings: the persistent XLA compilation cache ('' for none), and glibc malloc keeping freed
+    memory. XLA on the CPU takes its buffers from malloc, and glibc maps every block of 32 MiB or more afresh and
+    unmaps it on free, so each step page-faulted its large activations back in: 8,192 faults and 25 ms of system time
+    per 32 MiB elementwise op (7 ms of work), and a nano-char step 1.5x slower. Heap-only allocation reuses them."""
+    if compile_cache:
+        jax.config.update("jax_compilation_cache_dir", compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl): nothing to tune
+        return
+    libc.mallopt(-4, 0)  # M_MMAP_MAX: never mmap
+    libc.mallopt(-1, -1)  # M_TRIM_THRESHOLD: never give freed heap back
+    libc.mallopt(-8, 1)  # M_ARENA_MAX
+
+
 def main(argv=None):
     args = parse_args(argv)
-    if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    setup_process(args.compile_cache)
     if args.coordinator or args.distributed:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts; GPUs and TPUs ignore it
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
