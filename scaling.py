@@ -20,10 +20,12 @@
   is a batched Levenberg-Marquardt on the Huber's IRLS weights (every start at once); a = beta / (alpha + beta).
   The same machinery fits L(N) = E + A N^-alpha (scale_n) and L(D) = E + B D^-beta (scale_d).
 - 90% intervals: percentile bootstrap over runs (resampled within each budget for the isoFLOP fit).
-- Default scale_c (DEFAULTS): depths 1-5 at aspect ratio 32, head_dim 32, T = 128, vocab 384, 2,048 tokens per step,
-  budgets 2.5e11, 5e11, 1e12 FLOPs: 15 runs, about 12-15 min on 2 CPU cores (~1.4-2e10 FLOP/s, 20-40 s to
-  compile each depth once, ~8 s of setup and eval per run).
-  The embedded corpus is ~2M characters, so the longest runs repeat it a few times.
+- Default scale_c (DEFAULTS): depths 2-6 at aspect ratio 16 and head_dim 16 (N = 37K-700K, about 2x apart), T = 128,
+  vocab 384, 2,048 tokens per step, budgets 2.5e11-2e12 FLOPs (4 budgets, 2x apart): 20 runs, 19 min of training on
+  2 CPU cores (about 21 min in all). The embedded corpus is ~2M characters, so the longest runs repeat it a few times.
+- Weight decay: nanochat scales the Muon weight decay as 0.28 sqrt(B / 2^19) D_REF / D (calibrated at d12 with
+  half-million-token batches). For the default grid that is wd 3 (d6) to 57 (d2): lr * wd reaches 1.1, where a
+  decay step shrinks a weight past zero. The sweep trains without it by default (--weight-decay 0.28 restores it).
 - Plots are SVG written here (log axes, ticks, legend): isoflop.svg, optima.svg, loss_vs_params.svg,
   loss_vs_tokens.svg.
 """
@@ -297,8 +299,9 @@ def plan(sweep, depths, budgets=(), tokens=(), batch=2048, vocab_size=384, aspec
     return specs
 
 
-def run_sweep(specs, csv_path, runner, seed=0):
-    """Run every spec whose row is not yet in csv_path, appending each row as it finishes; returns all rows."""
+def run_sweep(specs, csv_path, runner, seed=0, write=True):
+    """Run every spec whose row is not yet in csv_path, appending each row as it finishes (if write: one process of
+    a multi-host run writes); returns all rows."""
     done = {run_key(r) for r in read_results(csv_path)}
     for i, spec in enumerate(specs):
         spec = dict(spec, seed=seed)
@@ -307,7 +310,8 @@ def run_sweep(specs, csv_path, runner, seed=0):
             continue
         print(f"[{i + 1}/{len(specs)}] run: {spec}", flush=True)
         row = runner(spec)
-        append_result(csv_path, dict(spec, **row))
+        if write:
+            append_result(csv_path, dict(spec, **row))
         done.add(run_key(spec))
     return read_results(csv_path)
 
@@ -322,6 +326,7 @@ def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_r
               "--stage", "base", *extra]
     args = train.parse_args(common + ["--out", out])
     train.setup_process(args.compile_cache)  # as train.main: a resumed sweep skips the compiles
+    train.init_distributed(args)  # a sweep on a pod: every host runs this same sweep, process 0 writes the results
     tok = train.get_tokenizer(args, out)  # one tokenizer for every run
 
     def run(spec):
@@ -419,7 +424,7 @@ def analyze(sweep, rows, out, convention="kaplan", n_boot=200, seed=0):
 
 # ------------------------------------------------------------------------------------------------ main
 
-DEFAULTS = {"scale_c": {"depths": [2, 3, 4, 5, 6], "budgets": [1.25e11, 2.5e11, 5e11, 1e12], "tokens": []},
+DEFAULTS = {"scale_c": {"depths": [2, 3, 4, 5, 6], "budgets": [2.5e11, 5e11, 1e12, 2e12], "tokens": []},
             "scale_n": {"depths": [2, 3, 4, 5, 6], "budgets": [], "tokens": [1e6]},
             "scale_d": {"depths": [2], "budgets": [], "tokens": [1.25e5, 2.5e5, 5e5, 1e6, 2e6]}}
 
@@ -442,7 +447,7 @@ def main(argv=None):
     p.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the 90%% intervals")
     p.add_argument("--fit-only", action="store_true", help="fit and plot the existing CSV, train nothing")
     p.add_argument("--weight-decay", type=float, default=0.0,
-                   help="train.py's --weight-decay (nanochat: 0.2), scaled by nanochat's rule; see the notes above")
+                   help="train.py's --weight-decay (nanochat: 0.28), scaled by nanochat's rule; see the notes above")
     p.add_argument("--train-args", default="", help="extra train.py flags for every run, e.g. '--matrix-lr 0.03'")
     a = p.parse_args(argv)
     d = DEFAULTS[a.sweep]
@@ -457,7 +462,10 @@ def main(argv=None):
         extra = ["--weight-decay", str(a.weight_decay), *a.train_args.split()]
         runner = train_runner(a.out, a.batch, min(16, a.batch // a.seq_len), a.vocab_size, a.aspect_ratio,
                               a.head_dim, a.seq_len, extra=extra)
-        run_sweep(specs, csv_path, runner, a.seed)
+        import jax  # after train_runner, which joins a multi-host run
+        run_sweep(specs, csv_path, runner, a.seed, write=jax.process_index() == 0)
+        if jax.process_index():
+            return None  # process 0 writes, fits and plots
     rows = read_results(csv_path)
     if not rows:
         p.error(f"no results in {csv_path}: run without --fit-only first")

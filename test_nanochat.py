@@ -1933,18 +1933,23 @@ def test_sweep_resume_skips_finished_runs(tmp_path):
     assert len(calls) == 7 and calls[-1]["depth"] == specs[-1]["depth"]
     scaling.run_sweep(specs, csv_path, fake, seed=1)  # another seed is another run
     assert len(calls) == 13 and len(scaling.read_results(csv_path)) == 12
+    scaling.run_sweep(specs[:1], csv_path, fake, seed=2, write=False)  # a multi-host run's other processes
+    assert len(calls) == 14 and len(scaling.read_results(csv_path)) == 12
 
 
 def test_tiny_real_sweep(tmp_path):
+    def sweep(out, *depths):
+        scaling.main(["--sweep", "scale_c", "--depths", *depths, "--budgets", "1.5e9", "--out", out, "--batch", "512",
+                      "--seq-len", "32", "--vocab-size", "300", "--bootstrap", "5",
+                      "--train-args", "--tokenizer-max-chars 200000 --eval-steps 2 --compile-cache="])
+        return scaling.read_results(os.path.join(out, "scale_c.csv"))
+
     out = str(tmp_path / "res")
-    argv = ["--sweep", "scale_c", "--depths", "1", "2", "--budgets", "1.5e9", "--out", out, "--batch", "512",
-            "--seq-len", "32", "--vocab-size", "300", "--bootstrap", "5",
-            "--train-args", "--tokenizer-max-chars 200000 --eval-steps 2 --compile-cache="]
-    scaling.main(argv)
-    rows = scaling.read_results(os.path.join(out, "scale_c.csv"))
+    rows = sweep(out, "1", "2")
     assert [r["depth"] for r in rows] == [1, 2] and all(np.isfinite(r["val_bpb"]) for r in rows)
     assert all(r["num_iterations"] >= 2 and r["tokens_trained"] == 512 * r["num_iterations"] for r in rows)
     ET.parse(os.path.join(out, "isoflop.svg"))
     mtime = os.path.getmtime(os.path.join(out, "scale_c.csv"))
-    scaling.main(argv)  # resumed: both runs are in the CSV, nothing trains
+    sweep(out, "1", "2")  # resumed: both runs are in the CSV, nothing trains
     assert os.path.getmtime(os.path.join(out, "scale_c.csv")) == mtime
+    assert sweep(str(tmp_path / "again"), "1")[0]["val_bpb"] == rows[0]["val_bpb"]  # same seed: the same numbers
