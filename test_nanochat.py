@@ -1915,11 +1915,11 @@ def test_sweep_resume_skips_finished_runs(tmp_path):
 
     def fake(spec):
         calls.append(spec)
-        return {"depth": spec["depth"], "model_dim": 32 * spec["depth"], "params_transformer": 1000 * spec["depth"],
+        return {"depth": spec["depth"], "model_dim": spec["model_dim"], "params_transformer": 1000 * spec["depth"],
                 "params_lm_head": 10, "params_total": 2000, "tokens_trained": 1e4, "val_bpb": 3.0 / spec["depth"],
                 "train_time_sec": 1.0}
 
-    specs = scaling.plan("scale_c", [1, 2, 3], budgets=[1e10, 2e10])
+    specs = scaling.plan("scale_c", [2, 3, 4], budgets=[1e10, 2e10])
     assert len(specs) == 6 and all(s["num_iterations"] >= 1 for s in specs)
     rows = scaling.run_sweep(specs, csv_path, fake, seed=0)
     assert len(calls) == 6 and len(rows) == 6 and set(rows[0]) == set(scaling.COLUMNS)
@@ -1940,8 +1940,8 @@ def test_sweep_resume_skips_finished_runs(tmp_path):
 def test_tiny_real_sweep(tmp_path):
     def sweep(out, *depths):
         scaling.main(["--sweep", "scale_c", "--depths", *depths, "--budgets", "1.5e9", "--out", out, "--batch", "512",
-                      "--seq-len", "32", "--vocab-size", "300", "--bootstrap", "5",
-                      "--train-args", "--tokenizer-max-chars 200000 --eval-steps 2 --compile-cache="])
+                      "--seq-len", "32", "--vocab-size", "300", "--aspect-ratio", "32", "--head-dim", "32",
+                      "--bootstrap", "5", "--train-args", "--tokenizer-max-chars 200000 --eval-steps 2 --compile-cache="])
         return scaling.read_results(os.path.join(out, "scale_c.csv"))
 
     out = str(tmp_path / "res")
