@@ -98,9 +98,8 @@ def train_step_timing(name, steps, warmup=3):
     opt_state = muon.init(params)
     rng = np.random.default_rng(0)
     x, y = (rng.integers(0, cfg.vocab_size, (1, B, T), dtype=np.int32) for _ in range(2))
-    sched = dict(num_iterations=1000, warmup_steps=0, warmdown_ratio=0.4, final_lr_frac=0.0, momentum_start=0.85,
-                 momentum=0.97, momentum_end=0.90, momentum_warmup=400, weight_decay=0.2)  # train.py's defaults
-    lrs = dict(unembedding_lr=0.008, embedding_lr=0.3, matrix_lr=0.02, scalar_lr=0.5)
+    # train.py's default settings; a nonzero Muon weight decay, so the cautious decay runs as in pretraining
+    sched, lrs = train.base_schedule(train.parse_args([]), 1000, 1.0, 0.2)
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()

@@ -280,6 +280,16 @@ def horizon(args, cfg, rows_per_step, num_iterations):
     return steps, batch, lr_scale, args.weight_decay * (batch / b_ref) ** 0.5 * d_ref / target_tokens
 
 
+def base_schedule(args, steps, lr_scale, wd):
+    """The pretraining step's schedule settings and learning rates (the train step's `sched` and `lrs`)."""
+    sched = dict(num_iterations=steps, warmup_steps=args.warmup_steps, warmdown_ratio=args.warmdown_ratio,
+                 final_lr_frac=args.final_lr_frac, momentum_start=0.85, momentum=0.97, momentum_end=0.90,
+                 momentum_warmup=400, weight_decay=wd)
+    lrs = dict(unembedding_lr=args.unembedding_lr * lr_scale, embedding_lr=args.embedding_lr * lr_scale,
+               matrix_lr=args.matrix_lr * lr_scale, scalar_lr=args.scalar_lr * lr_scale)
+    return sched, lrs
+
+
 def train_stage(args, stage, tok, root):
     """Run one stage ("base" or "sft") to its horizon; returns (params, cfg, this run's losses, info)."""
     out_dir = os.path.join(root, stage)
@@ -307,11 +317,7 @@ def train_stage(args, stage, tok, root):
     if batch % (rows * T):
         sys.exit(f"--total-batch-size {batch} must be a multiple of device_batch_size x devices x T = {rows * T}")
     A = batch // (rows * T)
-    sched = dict(num_iterations=steps, warmup_steps=args.warmup_steps, warmdown_ratio=args.warmdown_ratio,
-                 final_lr_frac=args.final_lr_frac, momentum_start=0.85, momentum=0.97, momentum_end=0.90,
-                 momentum_warmup=400, weight_decay=wd)
-    lrs = dict(unembedding_lr=args.unembedding_lr * lr_scale, embedding_lr=args.embedding_lr * lr_scale,
-               matrix_lr=args.matrix_lr * lr_scale, scalar_lr=args.scalar_lr * lr_scale)
+    sched, lrs = base_schedule(args, steps, lr_scale, wd)
     if stage == "sft":  # nanochat's chat_sft: 0.8x lrs, no warmup, linear warmdown over the last half to 0, no wd
         sched.update(warmup_steps=0, warmdown_ratio=0.5, final_lr_frac=0.0, momentum=0.95, momentum_end=0.95,
                      momentum_warmup=300, weight_decay=0.0)
