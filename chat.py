@@ -10,7 +10,8 @@
   writes <|python_start|>expr<|python_end|>, <|output_start|>result<|output_end|> is forced into the stream.
 - Terminal (nanochat's chat_cli): the conversation is kept as token ids across turns, tool calls included;
   tokens are printed as they come through an incremental UTF-8 decoder, so a character split over tokens
-  is printed whole. `clear` starts over, `quit` ends; -t temperature (0.6), -k top-k (50).
+  is printed whole (and one cut off by the reply's end as U+FFFD). `clear` starts over, `quit` ends; -t
+  temperature (0.6), -k top-k (50).
 - Web: a stdlib ThreadingHTTPServer. GET / is a one-page chat that streams replies (`/?q=Hi` sends Hi as the
   first message). POST /v1/chat/completions (with "stream": true, server-sent chat.completion.chunk events and
   `data: [DONE]`; otherwise one chat.completion with usage) and GET /v1/models follow OpenAI's API, so its
@@ -181,19 +182,28 @@ def load_nanochat_checkpoint(path, step=None):
 
 
 def reply_tokens(params, cfg, tok, prompt, key, max_tokens=256, temperature=0.6, top_k=50):
-    """One assistant turn as (token id, the text it completes), calculator on; a stop token comes last, text None."""
-    stops = (tok.special["<|assistant_end|>"], tok.bos)
+    """One assistant turn as (token id, the text it completes), calculator on; a stop token comes last, text None.
+
+    A character cut off by the end of the reply comes before that as (None, U+FFFD), rather than vanishing."""
+    stops, stop = (tok.special["<|assistant_end|>"], tok.bos), None
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds back a character's first bytes
     for (t,), _ in nc.generate(params, cfg, prompt, max_tokens=max_tokens, key=key, temperature=temperature,
                                top_k=top_k or None, stop_ids=stops, tool=data.calculator_tool(tok)):
-        yield t, None if t in stops else utf8.decode(tok.enc.decode_single_token_bytes(t))
+        if t in stops:
+            stop = t
+            break
+        yield t, utf8.decode(tok.enc.decode_single_token_bytes(t))
+    if tail := utf8.decode(b"", final=True):
+        yield None, tail
+    if stop is not None:
+        yield stop, None
 
 
 def _typed():
     while True:
         try:
             yield input("\nUser: ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):  # Ctrl+D or Ctrl+C at the prompt ends the chat
             return
 
 
@@ -219,7 +229,7 @@ def chat_cli(params, cfg, tok, prompt=None, max_tokens=256, temperature=0.6, top
         out = []
         for t, piece in reply_tokens(params, cfg, tok, ids, jax.random.fold_in(key, turn), max_tokens, temperature,
                                      top_k):
-            out.append(t)
+            out += [] if t is None else [t]
             print(piece or "", end="", flush=True)
         print()
         conversation = ids + out + ([] if out[-1:] == [sp["<|assistant_end|>"]] else [sp["<|assistant_end|>"]])
@@ -343,7 +353,7 @@ def parse_request(body, cfg, tok, defaults):
     """(prompt ids, options) of a /v1/chat/completions body; _Reject(400) says what is wrong with it."""
     try:
         req = json.loads(body)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise _Reject(400, f"the body is not valid JSON ({e})") from None
     messages = req.get("messages") if isinstance(req, dict) else None
     if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_MESSAGES:
@@ -360,13 +370,16 @@ def parse_request(body, cfg, tok, defaults):
                       "send fewer or shorter messages", "context_length_exceeded")
     if not isinstance(req.get("stream", False), bool):
         raise _Reject(400, "'stream' must be true or false")
+    usage = req.get("stream_options")
+    if usage is not None and not (isinstance(usage, dict) and isinstance(usage.get("include_usage", False), bool)):
+        raise _Reject(400, """'stream_options' must be an object such as {"include_usage": true}""")
     _option(req, "n", 1, 1, 1, int)  # one choice per request
     name = "max_completion_tokens" if "max_completion_tokens" in req else "max_tokens"  # OpenAI's newer name
     return ids, dict(stream=req.get("stream", False), seed=_option(req, "seed", 0, 2**63 - 1, None, int),
                      max_tokens=_option(req, name, 1, MAX_TOKENS, defaults["max_tokens"], int),
                      temperature=_option(req, "temperature", 0, 2, defaults["temperature"]),
                      top_k=_option(req, "top_k", 0, 200, defaults["top_k"], int),  # each value compiles once
-                     usage=bool((req.get("stream_options") or {}).get("include_usage")))
+                     usage=bool(usage and usage.get("include_usage")))
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -403,7 +416,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         params, cfg, tok = self.server.model
         try:
             n = self.headers.get("Content-Length", "")
-            if not n.isdigit():
+            if not re.fullmatch(r"[0-9]{1,18}", n):  # not isdigit(): int() refuses '²' and 5000 digits
                 raise _Reject(411, "send a Content-Length header (the body's size in bytes)")
             if int(n) > MAX_BODY:
                 if int(n) <= 8 * MAX_BODY:  # read it anyway, so the client gets the 413 rather than a reset
@@ -423,7 +436,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         chunk = lambda delta, finish=None: {**head, "object": "chat.completion.chunk",
                                             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
         key = jax.random.key(secrets.randbits(32) if seed is None else seed % 2**32)  # 32-bit seeds without x64
-        pieces, finish = [], "length"
+        pieces, n, finish = [], 0, "length"
         with self.server.lock:  # one generation at a time: the model and its caches are not shared
             try:
                 if stream:
@@ -434,11 +447,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     self._event(chunk({"role": "assistant", "content": ""}))
                 for t, piece in reply_tokens(params, cfg, tok, prompt, key, max_tokens, temperature, top_k):
                     finish = "stop" if piece is None else finish
+                    n += t is not None  # (None, U+FFFD) is a cut-off character, not a token
                     pieces.append(piece or "")
                     if stream and piece:
                         self._event(chunk({"content": piece}))
-                counts = {"prompt_tokens": len(prompt), "completion_tokens": len(pieces),
-                          "total_tokens": len(prompt) + len(pieces)}
+                counts = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
                 if stream:
                     self._event(chunk({}, finish))
                     if usage:
@@ -449,7 +462,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                         "index": 0, "message": {"role": "assistant", "content": "".join(pieces)},
                         "finish_reason": finish}]})
             except (BrokenPipeError, ConnectionResetError):
-                self.log_message("client went away after %d tokens: generation stopped", len(pieces))
+                self.log_message("client went away after %d tokens: generation stopped", n)
 
 
 def make_server(params, cfg, tok, host="127.0.0.1", port=8000, name="nanochat", **defaults):
@@ -477,23 +490,30 @@ def main():
     p.add_argument("--compile-cache", default=os.path.expanduser("~/.cache/nanochat_jax/xla"),
                    help="persistent XLA compilation cache ('' to disable)")
     args = p.parse_args()
+    if args.temperature < 0 or args.top_k < 0 or args.max_tokens < 1:
+        sys.exit("error: -t and -k must be 0 or more, -m 1 or more")
     train.setup_process(args.compile_cache)
     sys.stdout.reconfigure(errors="replace")  # a terminal that cannot show a character gets '?', not a crash
     source = args.nanochat_checkpoint or args.checkpoint
     try:
         params, cfg, tok = (load_nanochat_checkpoint(source) if args.nanochat_checkpoint else load_checkpoint(source))
     except (OSError, ValueError, KeyError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
-        sys.exit(f"chat.py: {e}")
-    if not args.serve:
-        return chat_cli(params, cfg, tok, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed)
-    server = make_server(params, cfg, tok, args.host, args.port, max_tokens=args.max_tokens,
-                         temperature=args.temperature, top_k=args.top_k)
-    url = f"http://{args.host}:{server.server_address[1]}"
-    print(f"chat at {url}/ ; OpenAI-compatible API at {url}/v1 (model 'nanochat'); Ctrl+C stops")
+        sys.exit(f"error: {e}")
+    if args.serve:
+        try:
+            server = make_server(params, cfg, tok, args.host, args.port, max_tokens=args.max_tokens,
+                                 temperature=args.temperature, top_k=args.top_k)
+        except (OSError, OverflowError) as e:  # the port is taken, the host unknown, ...
+            sys.exit(f"error: cannot serve on {args.host}:{args.port} ({e}): choose another --host or --port")
+        url = f"http://{args.host}:{server.server_address[1]}"
+        print(f"chat at {url}/ ; OpenAI-compatible API at {url}/v1 (model 'nanochat'); Ctrl+C stops")
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        if args.serve:
+            server.serve_forever()
+        else:
+            chat_cli(params, cfg, tok, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed)
+    except KeyboardInterrupt:  # Ctrl+C ends the chat or the server: no traceback
+        print()
 
 
 if __name__ == "__main__":

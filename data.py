@@ -214,16 +214,20 @@ def stdlib_docstrings():
     return tuple(out)
 
 
-def _paragraphs(lines, min_chars=2000):
-    """Cut lines into documents at blank lines once a document holds min_chars: small files stay whole."""
+def _paragraphs(lines, min_chars=2000, max_chars=20000):
+    """Cut lines into documents at blank lines once a document holds min_chars (small files stay whole), and at
+    any line end past max_chars, so text without blank lines streams instead of becoming one huge document."""
     doc, n = [], 0
     for line in lines:
         if not line.strip() and n >= min_chars:
             yield "".join(doc).strip()
             doc, n = [], 0
-        else:
-            doc.append(line)
-            n += len(line)
+            continue
+        doc.append(line)
+        n += len(line)
+        if n >= max_chars:
+            yield "".join(doc).strip()
+            doc, n = [], 0
     if doc:
         yield "".join(doc).strip()
 
@@ -269,8 +273,10 @@ def _parquet_texts(path):
     except ImportError:
         raise ImportError(f"{path}: reading .parquet needs pyarrow: pip install pyarrow") from None
     f = pq.ParquetFile(path)
+    if "text" not in f.schema_arrow.names:
+        raise ValueError(f'{path}: no "text" column (it has {f.schema_arrow.names}); pass nanochat-style shards')
     for i in range(f.num_row_groups):  # one row group (about 1000 documents) in memory at a time
-        yield from f.read_row_group(i, columns=["text"]).column("text").to_pylist()
+        yield from (t for t in f.read_row_group(i, columns=["text"]).column("text").to_pylist() if t is not None)
 
 
 _READERS = {".txt": lambda path: _paragraphs(_lines(path)), ".jsonl": _jsonl_texts, ".parquet": _parquet_texts}

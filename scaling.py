@@ -35,6 +35,7 @@ import csv
 import itertools
 import math
 import os
+import sys
 import time
 import warnings
 import xml.sax.saxutils
@@ -475,4 +476,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, FileNotFoundError, ImportError) as e:  # bad input (a path, a size): one line, no traceback
+        sys.exit(f"error: {e}")

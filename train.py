@@ -27,6 +27,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 
@@ -86,8 +87,9 @@ def checkpoint_dirs(root):
     return sorted(os.path.join(root, d) for d in os.listdir(root) if re.fullmatch(r"step_\d{6}", d))
 
 
-def save_checkpoint(root, step, params, opt_state, meta, keep=3):
-    """Write root/step_NNNNNN/{params,opt}.msgpack + meta.json via a temp dir; keep the newest `keep`."""
+def save_checkpoint(root, step, params, opt_state, meta, keep=3, files=None):
+    """Write root/step_NNNNNN/{params,opt}.msgpack + meta.json (+ `files`: name -> writer(path)) via a temp dir, so
+    a step directory is complete or absent; keep the newest `keep`."""
     final = os.path.join(root, f"step_{step:06d}")
     tmp = f"{final}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -98,6 +100,8 @@ def save_checkpoint(root, step, params, opt_state, meta, keep=3):
             save_tree(os.path.join(tmp, "opt.msgpack"), opt_state)
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
+        for name, write in (files or {}).items():
+            write(os.path.join(tmp, name))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -155,8 +159,8 @@ def train_step(params, opt_state, inputs, targets, step, sched, lrs, cfg):
     grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), (inputs, targets))
     grads = jax.tree.map(lambda g: g / inputs.shape[0], grads)  # nanochat divides each micro-loss by A
     lrm, momentum, weight_decay = schedules(step, sched)
-    params, opt_state = muon.update(grads, opt_state, params, lr_mult=lrm, momentum=momentum,
-                                    weight_decay=weight_decay, **lrs)
+    params, opt_state = muon.update(grads, opt_state, params, lr_mult=lrm, momentum=momentum,  # Polar Express
+                                    weight_decay=weight_decay, muon_dtype=cfg.compute_dtype, **lrs)  # in bf16 too
     finite = jnp.isfinite(losses).all() & jnp.all(jnp.array([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
     return params, opt_state, {"loss": losses.mean(), "lrm": lrm, "finite": finite}
 
@@ -358,7 +362,7 @@ def train_stage(args, stage, tok, root):
           f"{jax.device_count()} devices, lr scale {lr_scale:.3f}, Muon wd {sched['weight_decay']:.3g}")
     step_fn = train_step if args.debug else jit_train_step
     os.makedirs(out_dir, exist_ok=True)
-    log = open(os.path.join(out_dir, "metrics.jsonl"), "a")
+    log = open(os.path.join(out_dir, "metrics.jsonl") if jax.process_index() == 0 else os.devnull, "a")
     losses, smooth, last_saved, val_bpb, t_run, start_step = [], 0.0, resume, None, time.perf_counter(), step
 
     def save(step, states):
@@ -367,13 +371,24 @@ def train_stage(args, stage, tok, root):
                 "data_states": gather_states(states), "key": np.asarray(jax.random.key_data(key)).tolist(),
                 "schedule": sched, "lrs": lrs, "val_bpb": val_bpb, "args": vars(args)}
         if jax.process_index() == 0:
-            path = save_checkpoint(out_dir, step, params, opt_state, meta, keep=args.keep)
-            tok.save(os.path.join(path, "tokenizer.json"))
-            last_saved = path
+            files = {"tokenizer.json": tok.save}  # inside the atomic write: chat.py needs it beside the weights
+            last_saved = save_checkpoint(out_dir, step, params, opt_state, meta, args.keep, files)
 
+    # Ctrl-C only sets a flag, read where params, step and data position agree (a KeyboardInterrupt inside the step
+    # would save updated params under the old step, or donated buffers); a second Ctrl-C aborts at once
+    stop = []
+
+    def on_sigint(*_):
+        stop.append(True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    sigint = signal.signal(signal.SIGINT, on_sigint)
     try:
         while True:
             last = step == steps
+            if stop:
+                save(step, states)
+                sys.exit(f"interrupted: saved {last_saved}; continue with --resume")
             if args.eval_every > 0 and (step % args.eval_every == 0 or last):
                 val_bpb = evaluate_bpb(params, cfg, val(), token_bytes, args.eval_steps)
                 print(f"step {step:5d} | val bpb {val_bpb:.4f}")
@@ -396,8 +411,9 @@ def train_stage(args, stage, tok, root):
             loss = float(m["loss"])
             dt = time.perf_counter() - t0
             if not bool(m["finite"]):
-                sys.exit(f"step {step}: loss {loss} is not finite; the last good checkpoint is {last_saved}. "
-                         "Lower the learning rates or resume from it with --resume")
+                saved = (f"the last good checkpoint is {last_saved} (--resume continues from it)" if last_saved else
+                         "no checkpoint was saved yet (--save-every N saves one every N steps)")
+                sys.exit(f"step {step}: loss {loss} is not finite; {saved}. Lower the learning rates")
             step, states = step + 1, next_states
             losses.append(loss)
             smooth = 0.9 * smooth + 0.1 * loss
@@ -408,10 +424,8 @@ def train_stage(args, stage, tok, root):
                   f"{tps:,.0f} tok/s | MFU {100 * tps * flops / peak:.1f}% | eta {eta / 60:.1f} min", flush=True)
             log.write(json.dumps({"step": step, "loss": loss, "lrm": float(m["lrm"]), "dt": dt, "tok_per_s": tps})
                       + "\n")
-    except KeyboardInterrupt:
-        save(step, states)
-        sys.exit(f"interrupted: saved {last_saved}; continue with --resume")
     finally:
+        signal.signal(signal.SIGINT, sigint)
         log.close()
     return params, cfg, losses, {"val_bpb": val_bpb, "steps": steps, "time": time.perf_counter() - t_run}
 
@@ -439,58 +453,62 @@ def get_tokenizer(args, root):
     return tok
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the docstring's layout and shows every flag's default."""
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     a = p.add_argument
     a("--stage", default="all", choices=["all", "tokenizer", "base", "sft"], help="what to run (all: every stage)")
-    a("--data", nargs="*", default=[], help=".txt/.jsonl/.parquet files, dirs or globs (default: embedded corpus)")
+    a("--data", nargs="*", default=[], help=".txt/.jsonl/.parquet files, dirs or globs; none: the embedded corpus")
     a("--sft-data", nargs="*", default=[], help="extra SFT conversations, CustomJSON .jsonl files")
     a("--out", default="checkpoints", help="root directory of the tokenizer and checkpoints")
     a("--vocab-size", type=int, default=384, help="tokenizer vocab size, nanochat's 9 special tokens included")
     a("--tokenizer-max-chars", type=float, default=2e9, help="characters of the corpus the tokenizer trains on")
     g = p.add_argument_group("model (nanochat's depth dial; the defaults are the 'nano' preset)")
-    g.add_argument("--depth", type=int, default=4)
+    g.add_argument("--depth", type=int, default=4, help="transformer layers; width and heads follow from it")
     g.add_argument("--aspect-ratio", type=int, default=32, help="width = depth x aspect ratio, in whole heads")
-    g.add_argument("--head-dim", type=int, default=32)
-    g.add_argument("--max-seq-len", type=int, default=256)
+    g.add_argument("--head-dim", type=int, default=32, help="attention head size")
+    g.add_argument("--max-seq-len", type=int, default=256, help="context length T of training and chat")
     g.add_argument("--window-pattern", default="L", help="e.g. SSSL: S = quarter context, L = full")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     g = p.add_argument_group("horizon and batch")
     g.add_argument("--num-iterations", type=int, default=300, help="base steps (-1: from flops or ratio)")
     g.add_argument("--sft-iterations", type=int, default=120, help="SFT steps")
-    g.add_argument("--target-flops", type=float, default=-1.0)
+    g.add_argument("--target-flops", type=float, default=-1.0, help="base training FLOPs (-1: use the ratio)")
     g.add_argument("--target-param-data-ratio", type=float, default=12.0, help="tokens per scaling parameter")
     g.add_argument("--device-batch-size", type=int, default=16, help="rows per device per micro-batch")
     g.add_argument("--total-batch-size", type=int, default=4096, help="tokens per step (-1: nanochat's auto rule)")
     g = p.add_argument_group("optimization (nanochat's defaults)")
-    g.add_argument("--embedding-lr", type=float, default=0.3)
-    g.add_argument("--unembedding-lr", type=float, default=0.008)
-    g.add_argument("--matrix-lr", type=float, default=0.02)
-    g.add_argument("--scalar-lr", type=float, default=0.5)
+    g.add_argument("--embedding-lr", type=float, default=0.3, help="AdamW lr of wte and the value embeddings")
+    g.add_argument("--unembedding-lr", type=float, default=0.008, help="AdamW lr of lm_head")
+    g.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr of the transformer's matrices")
+    g.add_argument("--scalar-lr", type=float, default=0.5, help="AdamW lr of the per-layer residual scalars")
     g.add_argument("--batch-lr-scale", type=float, default=1.0, help="multiplies every lr but the smear's; -1: "
                    "nanochat's sqrt(total batch / 2^19), for its recipes (1 trains the small default model faster)")
     g.add_argument("--weight-decay", type=float, default=0.28, help="Muon weight decay before nanochat's scaling")
-    g.add_argument("--warmup-steps", type=int, default=40)
-    g.add_argument("--warmdown-ratio", type=float, default=0.65)
-    g.add_argument("--final-lr-frac", type=float, default=0.05)
+    g.add_argument("--warmup-steps", type=int, default=40, help="base lr warmup steps (SFT: none)")
+    g.add_argument("--warmdown-ratio", type=float, default=0.65, help="fraction of base steps of lr decay (SFT: 0.5)")
+    g.add_argument("--final-lr-frac", type=float, default=0.05, help="base lr at the end, as a fraction (SFT: 0)")
     g.add_argument("--init-lr-frac", type=float, default=0.8, help="SFT lrs as a fraction of the base lrs")
     g = p.add_argument_group("evaluation, checkpoints, debugging")
     g.add_argument("--eval-every", type=int, default=100, help="val bpb every N steps (0: never)")
     g.add_argument("--eval-steps", type=int, default=8, help="val batches per evaluation")
     g.add_argument("--eval-tasks", type=int, default=50, help="held-out conversations per chat task after SFT")
     g.add_argument("--sample-every", type=int, default=100, help="print samples every N steps (0: never)")
-    g.add_argument("--save-every", type=int, default=-1, help="checkpoint every N steps (the last always)")
+    g.add_argument("--save-every", type=int, default=-1, help="checkpoint every N steps (-1: only the last)")
     g.add_argument("--keep", type=int, default=3, help="checkpoints kept per stage")
     g.add_argument("--resume", action="store_true", help="continue from the stage's newest checkpoint, exactly")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="init, data order and SFT mixture seed")
     g.add_argument("--debug", action="store_true", help="run the step un-jitted with NaN checks (print works)")
     g.add_argument("--compile-cache", default=os.path.expanduser("~/.cache/nanochat_jax/xla"),
                    help="persistent XLA compilation cache ('' to disable)")
     g = p.add_argument_group("scale out")
-    g.add_argument("--data-shards", type=int, default=0, help="document shards (default: one per process)")
+    g.add_argument("--data-shards", type=int, default=0, help="document shards (0: one per process)")
     g.add_argument("--coordinator", default=None, help="host:port of process 0, for multi-host jax.distributed")
-    g.add_argument("--num-processes", type=int, default=None)
-    g.add_argument("--process-id", type=int, default=None)
+    g.add_argument("--num-processes", type=int, default=None, help="processes of a --coordinator run")
+    g.add_argument("--process-id", type=int, default=None, help="this process's rank, 0 to --num-processes - 1")
     g.add_argument("--distributed", action="store_true", help="jax.distributed.initialize() from the environment "
                    "(TPU pods, SLURM)")
     return p.parse_args(argv)
@@ -540,4 +558,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, FileNotFoundError, ImportError) as e:  # bad input (a path, a size): one line, no traceback
+        sys.exit(f"error: {e}")
