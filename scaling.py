@@ -455,6 +455,8 @@ def main(argv=None):
     depths, budgets, tokens = a.depths or d["depths"], a.budgets or d["budgets"], a.tokens or d["tokens"]
     if a.sweep == "scale_c" and not budgets or a.sweep != "scale_c" and not tokens:
         p.error(f"--sweep {a.sweep} needs {'--budgets' if a.sweep == 'scale_c' else '--tokens'}")
+    if min(depths) < 1 or min(budgets + tokens) <= 0:
+        p.error("--depths must be 1 or more, --budgets and --tokens positive")
     os.makedirs(a.out, exist_ok=True)
     csv_path = os.path.join(a.out, f"{a.sweep}.csv")
     t = time.perf_counter()

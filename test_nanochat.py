@@ -2094,6 +2094,13 @@ def test_fits_are_deterministic():
     assert f() == f()
 
 
+@pytest.mark.parametrize("flags", [["--depths", "0"], ["--budgets", "-1"], ["--sweep", "scale_d", "--tokens", "0"]])
+def test_sweep_bad_sizes_are_refused(flags, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        scaling.main([*flags, "--out", str(tmp_path)])
+    assert "must be 1 or more" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
 def test_svg_is_well_formed(tmp_path):
     path = scaling.svg_plot(str(tmp_path / "p.svg"), [
         {"x": [1e5, 1e6, 1e7], "y": [3.0, 2.5, 2.7], "label": "C = 1e12"},
