@@ -166,6 +166,22 @@ def attention_mask(q_pos, k_pos, window):
     return (back >= 0) & (back <= window)
 
 
+def attend(q, k, v, mask):
+    """Softmax attention of q (B, Tq, H, D) over k, v (B, Tk, K, D) under mask (Tq, Tk); K kv heads serve H (GQA).
+
+    Heads go first so every matmul is a plain batched one. The softmax has no max pass: q and k are RMS-normed and
+    scaled by 1.2, so |score| <= 1.44 sqrt(D) and exp cannot overflow (fp32 scores; 8-9% off a CPU training step).
+    """
+    B, Tq, H, D = q.shape
+    K = k.shape[2]
+    q = q.reshape(B, Tq, K, H // K, D).transpose(0, 2, 3, 1, 4)  # (B, K, H/K, Tq, D)
+    k, v = (a.transpose(0, 2, 1, 3)[:, :, None] for a in (k, v))  # (B, K, 1, Tk, D)
+    scores = jnp.matmul(q, k.mT, preferred_element_type=jnp.float32) / D**0.5  # (B, K, H/K, Tq, Tk)
+    p = jnp.where(mask, jnp.exp(scores), 0.0)
+    y = jnp.matmul(p.astype(v.dtype), v, preferred_element_type=jnp.float32) / p.sum(-1, keepdims=True)
+    return y.astype(v.dtype).transpose(0, 3, 1, 2, 4).reshape(B, Tq, H, D)
+
+
 def smear(x, gate_w, lam, prev=None):
     """x_t += lam * sigmoid(x_t[:24] @ gate_w) * x_{t-1} on the normed embeddings (B, T, C).
 
@@ -198,13 +214,12 @@ def attention(a, i, x, ve, cos, sin, mask, cfg, cache=None, start=0):
         ck = jax.lax.dynamic_update_slice(cache[0], k.swapaxes(1, 2)[None], (i, 0, 0, start, 0))
         cv = jax.lax.dynamic_update_slice(cache[1], v.swapaxes(1, 2)[None], (i, 0, 0, start, 0))
         cache, k, v = (ck, cv), ck[i].swapaxes(1, 2), cv[i].swapaxes(1, 2)  # (B, S, K, D): folded into the matmuls
-        y = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])  # GQA: K kv heads serve H query heads
+        y = attend(q, k, v, mask)
     else:  # positions 0..T-1: a block of queries needs only the keys from its window's start to its own end
         blocks, window = [], window_sizes(cfg)[i]
         for s in range(0, T, ATTENTION_BLOCK):
             e, lo = s + ATTENTION_BLOCK, max(0, s - window)
-            blocks.append(jax.nn.dot_product_attention(q[:, s:e], k[:, lo:e], v[:, lo:e],
-                                                       mask=mask[None, None, s:e, lo:e]))
+            blocks.append(attend(q[:, s:e], k[:, lo:e], v[:, lo:e], mask[s:e, lo:e]))
         y = jnp.concatenate(blocks, axis=1)
     return y.reshape(B, T, H * D) @ a["c_proj"][i], cache
 
