@@ -70,6 +70,7 @@ def bench_tokenizer(args):
 
 def bench_decode(args):
     """nanochat's Engine benchmark: a 16-token prompt, 200 sampled tokens (temperature 1), batch 1 and 8."""
+    peak = train.sgemm_peak()
     for name in args.configs:
         cfg = CONFIGS[name]
         params = nc.init_params(cfg, jax.random.key(0))
@@ -78,7 +79,9 @@ def bench_decode(args):
         for batch in (1, 8):
             run = lambda: sum(1 for _ in nc.generate(params, cfg, prompt, max_tokens=200, key=jax.random.key(1),
                                                      num_samples=batch))
-            run()  # compile
+            t0 = time.perf_counter()
+            run()  # the first call compiles prefill and decode
+            first_s = time.perf_counter() - t0
             times = []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
@@ -91,10 +94,14 @@ def bench_decode(args):
             for _ in range(10):
                 pre()
             prefill_s = (time.perf_counter() - t0) / 10
+            tok_s = batch * steps / statistics.median(times)
+            gflops = nc.estimate_flops(cfg) / 3 * tok_s / 1e9  # the forward third of nanochat's training count
             print(json.dumps({"bench": "decode", "config": name, "params": nc.num_scaling_params(cfg)["total"],
-                              "batch": batch, "new_tokens": steps, "decode_tok_per_s": round(
-                                  batch * steps / statistics.median(times)), "prefill_ms": round(prefill_s * 1e3, 2),
-                              "prefill_tok_per_s": round(16 / prefill_s)}), flush=True)
+                              "batch": batch, "new_tokens": steps, "decode_tok_per_s": round(tok_s),
+                              "gflop_per_s": round(gflops, 2), "mfu": round(gflops * 1e9 / peak, 4),
+                              "first_generate_s": round(first_s, 2), "prefill_ms": round(prefill_s * 1e3, 2),
+                              "prefill_tok_per_s": round(16 / prefill_s), "peak_rss_gb": round(
+                                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}), flush=True)
 
 
 def train_step_timing(name, steps, warmup=3):
