@@ -46,10 +46,12 @@ def bench_tokenizer(args):
     """Train the BPE on `--mb` MB of distinct text (the default corpus, then the stdlib's own source files); median
     times of training and encoding."""
     n, pieces = int(args.mb * 1e6), data.default_corpus()
+    size = sum(map(len, pieces))
     for path in sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-        if sum(map(len, pieces)) >= n:
+        if size >= n:
             break
         pieces.append(path.read_text(errors="replace"))
+        size += len(pieces[-1])
     text = "\n\n".join(pieces)[:n]
     times = []
     for _ in range(args.repeats):
