@@ -89,7 +89,7 @@ def bench_decode(args):
                 t0 = time.perf_counter()
                 steps = run()
                 times.append(time.perf_counter() - t0)
-            pre = lambda: jax.block_until_ready(nc.prefill(nc.per_layer(params), tokens, 16, jax.random.key(1), 1.0,
+            pre = lambda: jax.block_until_ready(nc.prefill(nc.unstack(params, cfg), tokens, 16, jax.random.key(1), 1.0,
                                                            cfg, 256, batch))  # as generate calls it
             pre()
             t0 = time.perf_counter()
@@ -110,7 +110,7 @@ def train_step_timing(name, steps, warmup=3):
     """In this process: time from process start to the first finished step, then the median step time."""
     cfg, (B, T) = CONFIGS[name], BATCH[name]
     params = nc.init_params(cfg, jax.random.key(0))
-    opt_state = muon.init(params)
+    opt_state = muon.init(params, *nc.param_groups(params))
     rng = np.random.default_rng(0)
     x, y = (rng.integers(0, cfg.vocab_size, (1, B, T), dtype=np.int32) for _ in range(2))
     # train.py's default settings; a nonzero Muon weight decay, so the cautious decay runs as in pretraining

@@ -1,7 +1,8 @@
 """nanochat's GPT as pure JAX functions over a plain dict of arrays.
 
 Numerically the model of karpathy/nanochat's `gpt.py` (same logits, loss and gradients for the same weights):
-- RoPE, base 100000, split halves, rotating by -theta like nanochat; then QK RMS-norm and q, k *= 1.2
+- RoPE (arXiv 2104.09864), base 100000, split halves, rotating by -theta like nanochat; then QK RMS-norm and
+  q, k *= 1.2 (so attention scores are bounded: see `attend_cpu`)
 - parameter-free RMSNorm (eps = fp32 machine epsilon, as F.rms_norm), also right after the token embedding
 - ReLU^2 MLP (4x), no biases, untied wte / lm_head, GQA, vocab padded to a multiple of 64 and cropped
 - sliding windows from a pattern like "SSSL": S = a quarter of the context rounded up to 128, the last layer is L
@@ -14,6 +15,11 @@ Numerically the model of karpathy/nanochat's `gpt.py` (same logits, loss and gra
 Params are fp32 masters; `compute_dtype="bfloat16"` casts them once at the top of the forward pass, while
 norm statistics, the attention softmax, logits and loss stay fp32 (nanochat's COMPUTE_DTYPE).
 
+Reading order: `init_params` (the pytree), `param_groups` (how the optimizer treats each leaf), then `block`, one
+layer over one layer's weights, which training, prefill and decode share; `attend` is the plain attention they
+all mean. Training calls `causal_attention`, which picks the backend's fast route to the same numbers (cuDNN's
+fused kernel on GPU, `attend_cpu` on a CPU); the tests hold each route to `attend`.
+
 Inference is nanochat's Engine: a preallocated KV cache written in place at a traced position (donated, so one
 compiled decode step serves every position), masks from absolute positions so sliding windows hold while decoding,
 the smear's previous embedding carried in the cache, prompts padded at the end to power-of-two buckets, greedy /
@@ -21,8 +27,9 @@ temperature / top-k sampling with explicit keys, and tool use through a per-row 
 
 Layout: every weight is (in, out), so a layer is `x @ W`; `to/from_nanochat_state_dict` transpose to and from
 PyTorch's (out, in). Per-layer weights of one kind are stacked on a leading axis (n_layer, or the number of
-value-embedding layers for `value_embeds` and `ve_gate`), so Muon orthogonalizes them in one batched call.
-Dimension letters: B batch, T time, C n_embd, H n_head, K n_kv_head, D head_dim, V padded vocab.
+value-embedding layers for `value_embeds` and `ve_gate`), so Muon orthogonalizes them in one batched call;
+`unstack` slices them into per-layer dicts for `block`. Activations and the KV cache are time-major everywhere.
+Dimension letters: B batch, T time (S cache slots), C n_embd, H n_head, K n_kv_head, D head_dim, V padded vocab.
 """
 
 import collections
@@ -38,7 +45,6 @@ import numpy as np
 ROPE_BASE = 100000.0
 SOFTCAP = 15.0
 QK_SCALE = 1.2
-ATTENTION_BLOCK = 128  # queries per attention block without a cache: fully masked key blocks are skipped
 SMEAR_CHANNELS = 24  # the smear gate reads this many channels of the current token
 VE_GATE_CHANNELS = 12  # the value-embedding gate reads this many channels of the block input
 EPS = float(np.finfo(np.float32).eps)  # F.rms_norm's default eps for fp32
@@ -139,6 +145,28 @@ def init_params(cfg, key):
     }
 
 
+def param_groups(params, lr_mult=1.0, momentum=0.95, weight_decay=0.0, unembedding_lr=0.004, embedding_lr=0.2,
+                 matrix_lr=0.02, scalar_lr=0.5, muon_dtype="float32"):
+    """nanochat's setup_optimizer as data for muon.py: (labels, a pytree like params naming each leaf's group;
+    groups, each group's hyper-parameters). lr_mult, momentum and weight_decay are what the schedules change."""
+    scale = (params["wte"].shape[1] / 768) ** -0.5  # embeddings and head: lr / sqrt(n_embd / 768)
+    adamw = lambda lr, b1, b2, wd: dict(kind="adamw", lr=lr * lr_mult, betas=(b1, b2), eps=1e-10, weight_decay=wd)
+    groups = {
+        "h": dict(kind="muon", lr=matrix_lr * lr_mult, momentum=momentum, weight_decay=weight_decay, beta2=0.9,
+                  dtype=muon_dtype),  # every block matrix, ve_gate included
+        "lm_head": adamw(unembedding_lr * scale, 0.8, 0.96, 0.01),
+        "wte": adamw(embedding_lr * scale, 0.8, 0.995, 0.001),
+        "value_embeds": adamw(embedding_lr * scale * 0.5, 0.8, 0.995, 0.01),
+        "resid_lambdas": adamw(scalar_lr * 0.01, 0.8, 0.95, 0.05),
+        "x0_lambdas": adamw(scalar_lr, 0.96, 0.95, 0.0),
+        "smear": adamw(0.2, 0.8, 0.95, 0.0),  # smear_gate/_lambda, backout_lambda: a fixed lr, no width scaling
+    }
+    labels = {k: jax.tree.map(lambda _: k if k in groups else "smear", v) for k, v in params.items()}
+    return labels, groups
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
 def rms_norm(x):
     """Parameter-free RMSNorm with fp32 statistics."""
     x32 = x.astype(jnp.float32)
@@ -167,21 +195,47 @@ def attention_mask(q_pos, k_pos, window):
 
 
 def attend(q, k, v, mask):
-    """Softmax attention of q (B, Tq, H, D) over k, v (B, Tk, K, D) under mask (Tq, Tk); K kv heads serve H (GQA).
+    """Softmax attention of q (B, Tq, H, D) over k, v (B, Tk, K, D) under mask (Tq, Tk): the plain reference.
 
-    Heads go first inside, so every matmul is a plain batched one (taking k, v heads-first, like the cache, made
-    training 5-10% slower: per-block transposes fuse into the matmuls, one up-front transpose does not). The softmax
-    has no max pass: q and k are RMS-normed and scaled by 1.2, so |score| <= 1.44 sqrt(D) and exp cannot overflow
-    (fp32 scores; 8-9% off a CPU training step).
+    K kv heads serve H query heads (GQA). Scores and softmax in fp32 (the max is subtracted), weights cast back.
     """
-    B, Tq, H, D = q.shape
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
+
+
+def causal_attention(q, k, v, window):
+    """attend() over positions 0..T-1 (training), by the backend's fastest route to the same numbers: cuDNN's fused
+    flash attention on a GPU in bf16, `attend_cpu` on a CPU, the plain version elsewhere."""
+    backend, pos = jax.default_backend(), jnp.arange(q.shape[1])
+    if backend == "cpu":
+        return attend_cpu(q, k, v, window)
+    if backend == "gpu" and q.dtype == jnp.bfloat16:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window, 0),
+                                            implementation="cudnn")
+    return attend(q, k, v, attention_mask(pos, pos, window))
+
+
+def attend_cpu(q, k, v, window, block=128):
+    """attend() over positions 0..T-1, shaped for XLA on a CPU, which has no fused attention kernel.
+
+    - Queries go in blocks of 128: a block needs only the keys from its first query's window start to its own end,
+      so fully masked key blocks are never computed (half the work of causal attention at long T).
+    - Heads go first, so every matmul is a plain batched one.
+    - The softmax has no max pass. Only safe for nanochat's attention: q and k are RMS-normed and scaled by 1.2, so
+      |score| <= 1.44 sqrt(D) and exp cannot overflow in fp32. Without QK-norm, use attend().
+    """
+    B, T, H, D = q.shape
     K = k.shape[2]
-    q = q.reshape(B, Tq, K, H // K, D).transpose(0, 2, 3, 1, 4)  # (B, K, H/K, Tq, D)
-    k, v = (a.transpose(0, 2, 1, 3)[:, :, None] for a in (k, v))  # (B, K, 1, Tk, D)
-    scores = jnp.matmul(q, k.mT, preferred_element_type=jnp.float32) / D**0.5  # (B, K, H/K, Tq, Tk)
-    p = jnp.where(mask, jnp.exp(scores), 0.0)
-    y = jnp.matmul(p.astype(v.dtype), v, preferred_element_type=jnp.float32) / p.sum(-1, keepdims=True)
-    return y.astype(v.dtype).transpose(0, 3, 1, 2, 4).reshape(B, Tq, H, D)
+    pos = jnp.arange(T)
+    q = q.reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)  # (B, K, H/K, T, D)
+    k, v = (a.transpose(0, 2, 1, 3)[:, :, None] for a in (k, v))  # (B, K, 1, T, D)
+    out = []
+    for s in range(0, T, block):
+        e, lo = s + block, max(0, s - window)
+        scores = jnp.matmul(q[..., s:e, :], k[..., lo:e, :].mT, preferred_element_type=jnp.float32) / D**0.5
+        p = jnp.where(attention_mask(pos[s:e], pos[lo:e], window), jnp.exp(scores), 0.0)
+        y = jnp.matmul(p.astype(v.dtype), v[..., lo:e, :], preferred_element_type=jnp.float32)
+        out.append(y / p.sum(-1, keepdims=True))
+    return jnp.concatenate(out, axis=3).astype(v.dtype).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
 def smear(x, gate_w, lam, prev=None):
@@ -195,69 +249,82 @@ def smear(x, gate_w, lam, prev=None):
     return x + gate * jnp.concatenate([prev, x[:, :-1]], axis=1)
 
 
-def attention(a, i, x, ve, cos, sin, mask, cfg, cache=None, start=0):
-    """Causal self-attention of layer i on the normed input x (B, T, C); ve is (ve_gate, value embedding) or None.
+def attention(w, x, ve, cos, sin, window, cache=None, pos=0):
+    """Causal self-attention on the normed input x (B, T, C) with one layer's weights w; ve: value embeddings.
 
-    With a cache (k, v of (n_layer, B, K, S, D)), this chunk's k/v are written at slot `start` of layer i and the
-    queries attend over all S slots under `mask`. Returns (output (B, T, C), the updated cache or None).
+    Without a cache the tokens sit at positions 0..T-1. With one (k, v: (B, S, K, D)), they sit at `pos`: their
+    k, v are written into it there and the queries attend over every slot, the mask hiding the unwritten ones.
+    Returns (output (B, T, C), the updated cache or None).
     """
-    B, T, _ = x.shape
-    H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-    q = (x @ a["c_q"][i]).reshape(B, T, H, D)
-    k = (x @ a["c_k"][i]).reshape(B, T, K, D)
-    v = (x @ a["c_v"][i]).reshape(B, T, K, D)
-    if ve is not None:
-        gate_w, e = ve
-        gate = 3 * jax.nn.sigmoid(x[..., :VE_GATE_CHANNELS] @ gate_w)  # (B, T, K), in (0, 3)
-        v = v + gate[..., None] * e.reshape(B, T, K, D)
+    B, T, C = x.shape
+    D = cos.shape[-1] * 2
+    q = (x @ w["c_q"]).reshape(B, T, -1, D)  # (B, T, H, D)
+    k = (x @ w["c_k"]).reshape(B, T, -1, D)  # (B, T, K, D)
+    v = (x @ w["c_v"]).reshape(B, T, -1, D)
+    if ve is not None:  # ResFormer: mix the token's value embedding into v through a gate in (0, 3)
+        gate = 3 * jax.nn.sigmoid(x[..., :VE_GATE_CHANNELS] @ w["ve_gate"])  # (B, T, K)
+        v = v + gate[..., None] * ve.reshape(v.shape)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     q, k = rms_norm(q) * QK_SCALE, rms_norm(k) * QK_SCALE
-    if cache is not None:  # in place on the donated cache: one compiled step serves every position
-        ck = jax.lax.dynamic_update_slice(cache[0], k.swapaxes(1, 2)[None], (i, 0, 0, start, 0))
-        cv = jax.lax.dynamic_update_slice(cache[1], v.swapaxes(1, 2)[None], (i, 0, 0, start, 0))
-        cache, k, v = (ck, cv), ck[i].swapaxes(1, 2), cv[i].swapaxes(1, 2)  # (B, S, K, D) for attend
-        y = attend(q, k, v, mask)
-    else:  # positions 0..T-1: a block of queries needs only the keys from its window's start to its own end
-        blocks, window = [], window_sizes(cfg)[i]
-        for s in range(0, T, ATTENTION_BLOCK):
-            e, lo = s + ATTENTION_BLOCK, max(0, s - window)
-            blocks.append(attend(q[:, s:e], k[:, lo:e], v[:, lo:e], mask[s:e, lo:e]))
-        y = jnp.concatenate(blocks, axis=1)
-    return y.reshape(B, T, H * D) @ a["c_proj"][i], cache
+    if cache is None:
+        y = causal_attention(q, k, v, window)
+    else:  # in place on the donated cache: one compiled step serves every position
+        k, v = cache = tuple(jax.lax.dynamic_update_slice(c, a, (0, pos, 0, 0)) for c, a in zip(cache, (k, v)))
+        y = attend(q, k, v, attention_mask(pos + jnp.arange(T), jnp.arange(k.shape[1]), window))
+    return y.reshape(B, T, C) @ w["c_proj"], cache
 
 
-def _trunk(p, tokens, x, q_pos, cfg, cache=None):
-    """The blocks, backout and final norm: smeared embeddings x (B, T, C) at absolute positions q_pos -> (B, T, C).
+def block(layer, x, x0, ve, cos, sin, window, cache=None, pos=0):
+    """One transformer layer on the residual stream x (B, T, C); x0: the smeared embeddings; returns (x, cache)."""
+    x = layer["resid_lambda"] * x + layer["x0_lambda"] * x0
+    y, cache = attention(layer["attn"], rms_norm(x), ve, cos, sin, window, cache, pos)
+    x = x + y
+    x = x + jnp.square(jax.nn.relu(rms_norm(x) @ layer["mlp"]["c_fc"])) @ layer["mlp"]["c_proj"]  # ReLU^2 MLP
+    return x, cache
 
-    Training passes no cache. Inference passes nanochat's KV cache: the mask is built from absolute positions, so
-    slots not yet written (k_pos > q_pos) are hidden and sliding windows hold during decode.
+
+def unstack(params, cfg):
+    """The params with the stacked per-layer weights split into `layers`, a list of what `block` takes:
+    {"attn": {c_q, c_k, c_v, c_proj[, ve_gate]}, "mlp": {c_fc, c_proj}, resid_lambda, x0_lambda[, value_embed]}.
+
+    Inside jit each slice is a copy: negligible for training, 4x a one-token decode step, so `generate` unstacks
+    once outside jit.
     """
-    a, m = p["h"]["attn"], p["h"]["mlp"]
-    cos, sin = rotary(q_pos, cfg.head_dim)
-    k_pos = q_pos if cache is None else jnp.arange(cache[0].shape[3])
-    x0, x_backout = x, None
-    for i, window in enumerate(window_sizes(cfg)):
-        x = p["resid_lambdas"][i] * x + p["x0_lambdas"][i] * x0
-        ve = None
+    h = params["h"]
+    layers = []
+    for i in range(cfg.n_layer):
+        layer = {"attn": {k: h["attn"][k][i] for k in ("c_q", "c_k", "c_v", "c_proj")},
+                 "mlp": {k: w[i] for k, w in h["mlp"].items()},
+                 "resid_lambda": params["resid_lambdas"][i], "x0_lambda": params["x0_lambdas"][i]}
         if i in cfg.ve_layers:
             j = cfg.ve_layers.index(i)
-            ve = (a["ve_gate"][j], p["value_embeds"][j][tokens])
-        mask = attention_mask(q_pos, k_pos, window)
-        y, cache = attention(a, i, rms_norm(x), ve, cos, sin, mask, cfg, cache, q_pos[0])
-        x = x + y
-        x = x + jnp.square(jax.nn.relu(rms_norm(x) @ m["c_fc"][i])) @ m["c_proj"][i]
+            layer["attn"]["ve_gate"], layer["value_embed"] = h["attn"]["ve_gate"][j], params["value_embeds"][j]
+        layers.append(layer)
+    rest = ("wte", "lm_head", "smear_gate", "smear_lambda", "backout_lambda")
+    return {"layers": layers, **{k: params[k] for k in rest}}
+
+
+def trunk(p, tokens, x, cfg, caches=None, pos=0):
+    """The layers, backout and final norm over the smeared embeddings x (B, T, C) of tokens at positions pos..;
+    p is unstacked. Returns (final normed hidden states, the per-layer caches or Nones)."""
+    cos, sin = rotary(pos + jnp.arange(tokens.shape[1]), cfg.head_dim)
+    caches = caches or [None] * cfg.n_layer
+    x0, x_backout = x, None
+    for i, (layer, window) in enumerate(zip(p["layers"], window_sizes(cfg))):
+        ve = layer["value_embed"][tokens] if "value_embed" in layer else None
+        x, caches[i] = block(layer, x, x0, ve, cos, sin, window, caches[i], pos)
         if i == cfg.n_layer // 2:
             x_backout = x
-    x = x - p["backout_lambda"] * x_backout
-    return rms_norm(x), cache
+    x = x - p["backout_lambda"] * x_backout  # backout: remove part of the mid-network residual before the head
+    return rms_norm(x), caches
 
 
 def hidden(params, tokens, cfg):
     """The transformer trunk: tokens (B, T) -> final normed hidden states (B, T, C) in the compute dtype."""
-    p = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params)
+    p = unstack(jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params), cfg)
     x = rms_norm(p["wte"][tokens])  # (B, T, C)
     x = smear(x, p["smear_gate"], p["smear_lambda"])
-    return _trunk(p, tokens, x, jnp.arange(tokens.shape[1]), cfg)[0]
+    return trunk(p, tokens, x, cfg)[0]
 
 
 def logits_from_hidden(params, x, cfg):
@@ -275,7 +342,7 @@ def forward(params, tokens, cfg):
 def loss_fn(params, tokens, targets, cfg, reduction="mean"):
     """Cross-entropy, ignoring targets < 0: the mean over valid targets, or per token (B, T) with 'none'."""
     x = hidden(params, tokens, cfg)
-    logits = logits_from_hidden(params, x.reshape(-1, x.shape[-1]), cfg)  # (B*T, V): 2-D is ~3x faster on CPU
+    logits = logits_from_hidden(params, x.reshape(-1, x.shape[-1]), cfg)  # (B*T, V): one 2-D matmul
     t = targets.reshape(-1)
     valid = t >= 0
     picked = jnp.take_along_axis(logits, jnp.where(valid, t, 0)[:, None], axis=-1)[:, 0]
@@ -284,31 +351,30 @@ def loss_fn(params, tokens, targets, cfg, reduction="mean"):
         return nll.reshape(targets.shape)
     return nll.sum() / jnp.maximum(valid.sum(), 1)  # (torch gives nan when every target is ignored)
 
-
 # ------------------------------------------------------------------------------------------------ inference
 
 
 def init_cache(cfg, batch, max_len):
-    """An empty KV cache: k, v (n_layer, B, K, max_len, D), the smear's previous embedding (B, C) and the position."""
-    shape = (cfg.n_layer, batch, cfg.n_kv_head, max_len, cfg.head_dim)  # heads before time: no transpose per step
-    return {"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype),
+    """An empty KV cache: per layer k, v (B, max_len, K, D), the smear's previous embedding (B, C), the position."""
+    shape = (batch, max_len, cfg.n_kv_head, cfg.head_dim)
+    zeros = lambda: jnp.zeros(shape, cfg.compute_dtype)
+    return {"layers": [(zeros(), zeros()) for _ in range(cfg.n_layer)],
             "prev": jnp.zeros((batch, cfg.n_embd), cfg.compute_dtype), "pos": jnp.zeros((), jnp.int32)}
 
 
-def forward_cached(params, tokens, cache, cfg, length=None):
+def forward_cached(p, tokens, cache, cfg, length=None):
     """(logits (B, vocab_size) after the last of `length` valid tokens, advanced cache): prefill (T > 1) or decode.
 
-    tokens (B, T) go in at the cache's position. Only the first `length` (default T) are real: a prompt padded at
-    the end to a bucket length writes junk k/v past them, which later writes replace before any query can see it.
+    p is unstacked, in the compute dtype. tokens (B, T) go in at the cache's position. Only the first `length`
+    (default T) are real: a prompt padded at the end to a bucket length writes junk k/v past them, which later
+    writes replace before any query can see it.
     """
-    p = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params)
     length = tokens.shape[1] if length is None else length
-    q_pos = cache["pos"] + jnp.arange(tokens.shape[1])
     e = rms_norm(p["wte"][tokens])  # (B, T, C) before the smear: the next chunk's smear reads the last one
     x = smear(e, p["smear_gate"], p["smear_lambda"], cache["prev"])
-    x, (k, v) = _trunk(p, tokens, x, q_pos, cfg, (cache["k"], cache["v"]))
+    x, layers = trunk(p, tokens, x, cfg, list(cache["layers"]), cache["pos"])
     last = lambda a: jax.lax.dynamic_index_in_dim(a, length - 1, axis=1, keepdims=False)
-    cache = {"k": k, "v": v, "prev": last(e), "pos": cache["pos"] + length}
+    cache = {"layers": layers, "prev": last(e), "pos": cache["pos"] + length}
     return logits_from_hidden(p, last(x), cfg), cache
 
 
@@ -324,30 +390,22 @@ def sample(logits, key, temperature, top_k=None):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_len", "num_samples", "top_k"))
-def prefill(params, tokens, length, key, temperature, cfg, max_len, num_samples=1, top_k=None):
+def prefill(p, tokens, length, key, temperature, cfg, max_len, num_samples=1, top_k=None):
     """One prompt (1, T), the first `length` real, into a fresh cache of max_len copied to num_samples rows.
 
-    Returns (each row's sampled first token (num_samples,), the logits it was drawn from, the cache).
+    p: unstacked params in the compute dtype. Returns (each row's sampled first token (num_samples,), the logits it
+    was drawn from, the cache).
     """
-    logits, c = forward_cached(params, tokens, init_cache(cfg, 1, max_len), cfg, length)
-    rows = lambda a, axis: jnp.repeat(a, num_samples, axis=axis)
-    cache = {"k": rows(c["k"], 1), "v": rows(c["v"], 1), "prev": rows(c["prev"], 0), "pos": c["pos"]}
-    logits = rows(logits, 0)
-    return sample(logits, jax.random.fold_in(key, c["pos"]), temperature, top_k), logits, cache
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "top_k"), donate_argnames="cache")
-def decode(params, column, cache, key, temperature, cfg, top_k=None):
-    """Feed one token per row (B,) and sample the next: (ids (B,), logits (B, vocab_size), cache), one dispatch."""
-    logits, cache = forward_cached(params, column[:, None], cache, cfg)
+    logits, cache = forward_cached(p, tokens, init_cache(cfg, 1, max_len), cfg, length)
+    cache, logits = jax.tree.map(lambda a: jnp.repeat(a, num_samples, axis=0) if a.ndim else a, (cache, logits))
     return sample(logits, jax.random.fold_in(key, cache["pos"]), temperature, top_k), logits, cache
 
 
-def per_layer(params):
-    """Stacked layer weights as tuples of per-layer arrays, indexed the same way. Inside jit, a slice of a stacked
-    array is copied before its matmul: negligible in training, but 4x the time of a one-token decode step."""
-    return {**params, "value_embeds": tuple(params["value_embeds"]),
-            "h": jax.tree.map(tuple, params["h"], is_leaf=lambda w: hasattr(w, "shape"))}
+@functools.partial(jax.jit, static_argnames=("cfg", "top_k"), donate_argnames="cache")
+def decode(p, column, cache, key, temperature, cfg, top_k=None):
+    """Feed one token per row (B,) and sample the next: (ids (B,), logits (B, vocab_size), cache), one dispatch."""
+    logits, cache = forward_cached(p, column[:, None], cache, cfg)
+    return sample(logits, jax.random.fold_in(key, cache["pos"]), temperature, top_k), logits, cache
 
 
 def _bucket(n):
@@ -372,8 +430,8 @@ def generate(params, cfg, prompt_ids, *, max_tokens, key, temperature=1.0, top_k
     max_len = min(_bucket(n + max_tokens), cfg.sequence_len)
     tokens = np.zeros((1, min(_bucket(n), max_len)), np.int32)  # padded at the end: positions stay true
     tokens[0, :n] = prompt_ids
-    params = per_layer(jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params))  # once, not every step
-    sampled, _, cache = prefill(params, tokens, n, key, temperature, cfg, max_len, num_samples, top_k)
+    p = unstack(jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params), cfg)  # once, not every step
+    sampled, _, cache = prefill(p, tokens, n, key, temperature, cfg, max_len, num_samples, top_k)
     forced, done, stop_ids = [collections.deque() for _ in range(num_samples)], [False] * num_samples, set(stop_ids)
     for step in range(max_tokens):
         column, masks = [], []
@@ -386,7 +444,7 @@ def generate(params, cfg, prompt_ids, *, max_tokens, key, temperature=1.0, top_k
         yield column, masks
         if all(done) or step == max_tokens - 1:
             return
-        sampled, _, cache = decode(params, np.asarray(column, np.int32), cache, key, temperature, cfg, top_k)
+        sampled, _, cache = decode(p, np.asarray(column, np.int32), cache, key, temperature, cfg, top_k)
 
 
 def param_shapes(cfg):

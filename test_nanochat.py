@@ -252,10 +252,19 @@ def test_state_dict_errors(tiny_params):
 # ---------------------------------------------------------------------------------------------------------------
 # MuonAdamW against PyTorch nanochat (fed nanochat's own gradients: see the golden README's warning)
 
+def nanochat_update(grads, state, params, **schedule):
+    """muon.update with nanochat's parameter groups (setup_optimizer's default lrs)."""
+    return muon.update(grads, state, params, *nc.param_groups(params, **schedule))
+
+
+def init_opt(params):
+    return muon.init(params, *nc.param_groups(params))
+
+
 def test_golden_optimizer_two_steps(golden):
-    step = jax.jit(muon.update)
+    step = jax.jit(nanochat_update)
     params = golden_tree(golden, "param")
-    params, state = step(golden_tree(golden, "grad"), muon.init(params), params)
+    params, state = step(golden_tree(golden, "grad"), init_opt(params), params)
     assert_matches_golden(params, golden, "after1", atol=1e-5)
     params, state = step(golden_tree(golden, "grad2"), state, params)
     assert_matches_golden(params, golden, "after2", atol=1e-5)
@@ -264,7 +273,7 @@ def test_golden_optimizer_two_steps(golden):
 
 def test_golden_optimizer_cautious_weight_decay(golden):
     params = golden_tree(golden, "param")
-    new, _ = jax.jit(muon.update)(golden_tree(golden, "grad"), muon.init(params), params, weight_decay=0.2)
+    new, _ = jax.jit(nanochat_update)(golden_tree(golden, "grad"), init_opt(params), params, weight_decay=0.2)
     assert_matches_golden(new, golden, "after1_wd", atol=1e-5)
 
 
@@ -272,13 +281,40 @@ def test_schedules_do_not_recompile(tiny_params):
     @jax.jit
     @chex.assert_max_traces(n=1)
     def step(grads, state, params, lr_mult, momentum, weight_decay):
-        return muon.update(grads, state, params, lr_mult=lr_mult, momentum=momentum, weight_decay=weight_decay)
+        return nanochat_update(grads, state, params, lr_mult=lr_mult, momentum=momentum, weight_decay=weight_decay)
 
-    params, state = tiny_params, muon.init(tiny_params)
+    params, state = tiny_params, init_opt(tiny_params)
     grads = perturbed(jax.tree.map(jnp.zeros_like, tiny_params), jax.random.key(5))
     for i in range(3):
         params, state = step(grads, state, params, 1.0 - 0.1 * i, 0.85 + 0.05 * i, 0.1 * i)
     chex.assert_tree_all_finite(params)
+
+
+def test_muon_trains_a_model_that_is_not_the_gpt():
+    """muon.py knows no model: a 2-layer MLP regression, its matrices under Muon and its biases under AdamW."""
+    kx, k1, k2, kt = jax.random.split(jax.random.key(11), 4)
+    x = jax.random.normal(kx, (256, 16))
+    y = jnp.tanh(x @ jax.random.normal(kt, (16, 4)))
+    params = {"w1": jax.random.normal(k1, (16, 64)) / 4, "b1": jnp.zeros(64),
+              "w2": jax.random.normal(k2, (64, 4)) / 8, "b2": jnp.zeros(4)}
+    labels = {"w1": "matrices", "w2": "matrices", "b1": "biases", "b2": "biases"}
+    groups = {"matrices": dict(kind="muon", lr=0.02, momentum=0.95, weight_decay=0.0, beta2=0.9, dtype="float32"),
+              "biases": dict(kind="adamw", lr=0.01, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)}
+    loss = lambda p: jnp.mean((jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"] - y) ** 2)
+
+    @jax.jit
+    def step(params, state):
+        l, grads = jax.value_and_grad(loss)(params)
+        return *muon.update(grads, state, params, labels, groups), l
+
+    state = muon.init(params, labels, groups)
+    assert state["var"]["w1"].shape == (1, 64) and state["var"]["w2"].shape == (64, 1)  # factored, 2-D leaves
+    assert state["var"]["b1"].shape == (64,)
+    losses = []
+    for _ in range(100):
+        params, state, l = step(params, state)
+        losses.append(float(l))
+    assert losses[-1] < 0.2 * losses[0], (losses[0], losses[-1])
 
 
 def test_polar_express_orthogonalizes():
@@ -322,19 +358,24 @@ def test_adamw_matches_numpy():
     np.testing.assert_allclose(jp, p, rtol=0, atol=1e-6)
 
 
-def test_optimizer_routes_by_name(tiny_params, monkeypatch):
-    state = muon.init(tiny_params)
+def test_optimizer_groups_follow_nanochat(tiny_params, monkeypatch):
+    state = init_opt(tiny_params)
     calls, step = [], muon.muon_step
     monkeypatch.setattr(muon, "muon_step", lambda p, *a: calls.append(p.shape) or step(p, *a))
-    jax.eval_shape(muon.update, tiny_params, state, tiny_params)
+    jax.eval_shape(nanochat_update, tiny_params, state, tiny_params)
     shapes = {w.shape[1:] for w in jax.tree.leaves(tiny_params["h"])}
     assert len(calls) == len(shapes) == 5  # one batched Polar Express per shape, nanochat's shape groups
-    assert sorted(calls) == sorted([(6, 32, 32), (6, 16, 32), (3, 128, 32), (3, 32, 128), (2, 2, 12)])  # (K, out, in)
-    assert state["var"]["h"]["attn"]["c_q"].shape == (3, 32, 1)  # (K, out, in): out >= in, per-row moment
-    assert state["var"]["h"]["mlp"]["c_proj"].shape == (3, 1, 128)  # wide in torch terms: per-column
-    assert state["var"]["h"]["attn"]["ve_gate"].shape == (2, 1, 12)  # Muon even for the tiny (2, 12) ve_gate
+    assert sorted(calls) == sorted([(6, 32, 32), (6, 32, 16), (3, 32, 128), (3, 128, 32), (2, 12, 2)])  # (K, in, out)
+    assert state["var"]["h"]["attn"]["c_q"].shape == (3, 1, 32)  # out >= in: one moment per output unit
+    assert state["var"]["h"]["mlp"]["c_proj"].shape == (3, 128, 1)  # more inputs than outputs: per input
+    assert state["var"]["h"]["attn"]["ve_gate"].shape == (2, 12, 1)  # Muon even for the tiny (12, 2) ve_gate
     assert state["var"]["value_embeds"].shape == tiny_params["value_embeds"].shape  # AdamW, though 3-D
-    assert set(muon.ADAMW_GROUPS) | {"h"} == set(tiny_params)
+    labels, groups = nc.param_groups(tiny_params, embedding_lr=0.3, scalar_lr=0.4, lr_mult=0.5)
+    assert labels["h"]["mlp"]["c_fc"] == "h" and labels["backout_lambda"] == labels["smear_gate"] == "smear"
+    scale = (32 / 768) ** -0.5
+    assert groups["value_embeds"]["lr"] == pytest.approx(0.3 * scale * 0.5 * 0.5)
+    assert groups["resid_lambdas"]["lr"] == pytest.approx(0.4 * 0.01 * 0.5)
+    assert groups["smear"]["lr"] == pytest.approx(0.2 * 0.5) and groups["h"]["lr"] == pytest.approx(0.02 * 0.5)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -434,7 +475,7 @@ def test_step_never_recompiles(tiny_params):
     s = dict(num_iterations=10, warmup_steps=2, warmdown_ratio=0.5, final_lr_frac=0.0, momentum_start=0.85,
              momentum=0.95, momentum_end=0.9, momentum_warmup=3, weight_decay=0.1)
     lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
-    params, opt = tiny_params, muon.init(tiny_params)
+    params, opt = tiny_params, init_opt(tiny_params)
     x = jax.random.randint(jax.random.key(8), (2, 2, 16), 0, TINY.vocab_size)  # 2 micro-batches of 2 x 16
     losses = []
     for i in range(4):
@@ -451,9 +492,9 @@ def test_grad_accumulation_equals_big_batch(tiny_params):
              momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
     lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
     p = perturbed(tiny_params, jax.random.key(10))
-    one, _, m1 = train.jit_train_step(p, muon.init(p), x[None], y[None], 0, s, lrs, cfg=TINY)
+    one, _, m1 = train.jit_train_step(p, init_opt(p), x[None], y[None], 0, s, lrs, cfg=TINY)
     p = perturbed(tiny_params, jax.random.key(10))
-    two, _, m2 = train.jit_train_step(p, muon.init(p), x.reshape(2, 2, 16), y.reshape(2, 2, 16), 0, s, lrs,
+    two, _, m2 = train.jit_train_step(p, init_opt(p), x.reshape(2, 2, 16), y.reshape(2, 2, 16), 0, s, lrs,
                                       cfg=TINY)
     np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
     chex.assert_trees_all_close(one, two, atol=2e-5)
@@ -461,7 +502,7 @@ def test_grad_accumulation_equals_big_batch(tiny_params):
 
 def test_step_donates_params_and_opt_state(tiny_params):
     p = jax.tree.map(jnp.copy, tiny_params)
-    opt = muon.init(p)
+    opt = init_opt(p)
     s = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0, momentum_start=0.95,
              momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
     lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
@@ -483,7 +524,7 @@ def test_setup_process_turns_on_the_compile_cache():
 
 
 def test_checkpoint_round_trip_and_atomic(tmp_path, tiny_params):
-    opt = muon.init(tiny_params)
+    opt = init_opt(tiny_params)
     for step in (1, 2, 3, 4):
         path = train.save_checkpoint(str(tmp_path), step, tiny_params, opt, {"step": step}, keep=2)
     assert [os.path.basename(d) for d in train.checkpoint_dirs(str(tmp_path))] == ["step_000003", "step_000004"]
@@ -1502,11 +1543,11 @@ def stepped(params, cfg, prompt, bucket, max_len, feed):
     that `generate` runs with the same shapes (so nothing compiles twice)."""
     padded = np.zeros((1, bucket), np.int32)
     padded[0, :len(prompt)] = prompt
-    key = jax.random.key(0)
-    _, logits, cache = nc.prefill(params, padded, len(prompt), key, 0.0, cfg, max_len, 1, None)
+    key, p = jax.random.key(0), nc.unstack(params, cfg)
+    _, logits, cache = nc.prefill(p, padded, len(prompt), key, 0.0, cfg, max_len, 1, None)
     out = [logits[0]]
     for t in feed:
-        _, logits, cache = nc.decode(params, np.array([t], np.int32), cache, key, 0.0, cfg, None)
+        _, logits, cache = nc.decode(p, np.array([t], np.int32), cache, key, 0.0, cfg, None)
         out.append(logits[0])
     return np.array(out), cache
 
@@ -1547,16 +1588,17 @@ def test_kv_decode_equals_full_forward_with_sliding_window(window_model):
 
 def test_prompt_buckets_do_not_change_results_or_recompile(window_model):
     params, prompt = window_model
-    key = jax.random.key(0)
+    key, p = jax.random.key(0), nc.unstack(params, WINDOW_CFG)
     padded = np.pad(prompt[None, :100], ((0, 0), (0, 28)), constant_values=7)  # junk after the prompt
-    _, bucketed, c2 = nc.prefill(params, padded, 100, key, 0.0, WINDOW_CFG, 256, 1, None)
-    _, exact, c1 = nc.prefill(params, prompt[None, :100], 100, key, 0.0, WINDOW_CFG, 256, 1, None)
+    _, bucketed, c2 = nc.prefill(p, padded, 100, key, 0.0, WINDOW_CFG, 256, 1, None)
+    _, exact, c1 = nc.prefill(p, prompt[None, :100], 100, key, 0.0, WINDOW_CFG, 256, 1, None)
     np.testing.assert_allclose(bucketed, exact, rtol=0, atol=1e-5)
     assert int(c1["pos"]) == int(c2["pos"]) == 100
     np.testing.assert_array_equal(c1["prev"], c2["prev"])  # the smear carries the last real token
-    np.testing.assert_allclose(c1["k"][..., :100, :], c2["k"][..., :100, :], rtol=0, atol=1e-5)
-    _, after_exact, _ = nc.decode(params, np.array([5], np.int32), c1, key, 0.0, WINDOW_CFG, None)
-    _, after_bucketed, _ = nc.decode(params, np.array([5], np.int32), c2, key, 0.0, WINDOW_CFG, None)
+    for (k1, _), (k2, _) in zip(c1["layers"], c2["layers"]):
+        np.testing.assert_allclose(k1[:, :100], k2[:, :100], rtol=0, atol=1e-5)
+    _, after_exact, _ = nc.decode(p, np.array([5], np.int32), c1, key, 0.0, WINDOW_CFG, None)
+    _, after_bucketed, _ = nc.decode(p, np.array([5], np.int32), c2, key, 0.0, WINDOW_CFG, None)
     np.testing.assert_allclose(after_bucketed, after_exact, rtol=0, atol=1e-5)  # the junk slot 100 is overwritten
     compiled = nc.prefill._cache_size(), nc.decode._cache_size()
     for n in (97, 110, 120):  # one prompt bucket (128) and one cache size (256): a growing chat does not recompile
@@ -1631,10 +1673,10 @@ def test_tool_output_is_forced_with_mask_zero(chat_model):
 
 def test_decode_donates_its_cache(chat_model):
     params, cfg, _, _ = chat_model
-    key = jax.random.key(0)
-    _, _, cache = nc.prefill(params, np.zeros((1, 16), np.int32), 3, key, 0.0, cfg, 32, 1, None)
-    _, _, new = nc.decode(params, np.array([5], np.int32), cache, key, 0.0, cfg, None)
-    assert cache["k"].is_deleted() and cache["v"].is_deleted()  # written in place: no second cache in memory
+    key, p = jax.random.key(0), nc.unstack(params, cfg)
+    _, _, cache = nc.prefill(p, np.zeros((1, 16), np.int32), 3, key, 0.0, cfg, 32, 1, None)
+    _, _, new = nc.decode(p, np.array([5], np.int32), cache, key, 0.0, cfg, None)
+    assert all(a.is_deleted() for a in jax.tree.leaves(cache["layers"]))  # written in place: no second cache
     assert int(new["pos"]) == 4
 
 # ---------------------------------------------------------------------------------------------------------------

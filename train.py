@@ -159,8 +159,8 @@ def train_step(params, opt_state, inputs, targets, step, sched, lrs, cfg):
     grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), (inputs, targets))
     grads = jax.tree.map(lambda g: g / inputs.shape[0], grads)  # nanochat divides each micro-loss by A
     lrm, momentum, weight_decay = schedules(step, sched)
-    params, opt_state = muon.update(grads, opt_state, params, lr_mult=lrm, momentum=momentum,  # Polar Express
-                                    weight_decay=weight_decay, muon_dtype=cfg.compute_dtype, **lrs)  # in bf16 too
+    labels, groups = nc.param_groups(params, lrm, momentum, weight_decay, muon_dtype=cfg.compute_dtype, **lrs)
+    params, opt_state = muon.update(grads, opt_state, params, labels, groups)
     finite = jnp.isfinite(losses).all() & jnp.all(jnp.array([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
     return params, opt_state, {"loss": losses.mean(), "lrm": lrm, "finite": finite}
 
@@ -340,7 +340,7 @@ def train_stage(args, stage, tok, root):
         print(f"resuming {resume} at step {step}")
     else:
         params = base_params if stage == "sft" else nc.init_params(cfg, key)
-        opt_state = muon.init(params)
+        opt_state = muon.init(params, *nc.param_groups(params))
     params, opt_state = jax.device_put((params, opt_state), replicated)
 
     if stage == "sft":
