@@ -12,6 +12,7 @@ import time
 START = time.time()  # time to first step counts from here: imports, init, trace, compile and the step
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -23,6 +24,7 @@ import sysconfig
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import data
@@ -40,6 +42,18 @@ CONFIGS = {
     "d6": nc.Config(sequence_len=512, vocab_size=8192, n_layer=6, n_head=6, n_kv_head=6, n_embd=384,
                     window_pattern="L"),
 }
+
+
+@functools.cache
+def sgemm_peak():
+    """FLOP/s of a 1024^2 fp32 matmul on the default device: the peak that MFU is measured against."""
+    a = jnp.ones((1024, 1024), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    f(a).block_until_ready()
+    t = time.perf_counter()
+    for _ in range(10):
+        f(a).block_until_ready()
+    return 10 * 2 * 1024**3 / (time.perf_counter() - t)
 
 
 def bench_tokenizer(args):
@@ -72,7 +86,7 @@ def bench_tokenizer(args):
 
 def bench_decode(args):
     """nanochat's Engine benchmark: a 16-token prompt, 200 sampled tokens (temperature 1), batch 1 and 8."""
-    peak = train.sgemm_peak()
+    peak = sgemm_peak()
     for name in args.configs:
         cfg = CONFIGS[name]
         params = nc.init_params(cfg, jax.random.key(0))
@@ -129,7 +143,7 @@ def train_step_timing(name, steps, warmup=3):
 
 def bench_train(args):
     """Each config in a fresh process with an empty compilation cache (cold), then again with it filled (warm)."""
-    peak = train.sgemm_peak()
+    peak = sgemm_peak()
     for name in args.configs:
         cfg, (B, T) = CONFIGS[name], BATCH[name]
         runs = []

@@ -48,17 +48,16 @@ import numpy as np
 
 import data
 import nanochat as nc
-import train
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 
 
 def load_checkpoint(path="checkpoints"):
     """(params, cfg, tok) of a checkpoint written by train.py: a step directory, or the newest under a root."""
-    step_dir = path if os.path.isfile(os.path.join(path, "meta.json")) else train.latest_checkpoint(path)
+    step_dir = path if os.path.isfile(os.path.join(path, "meta.json")) else data.latest_checkpoint(path)
     if step_dir is None:
         raise FileNotFoundError(f"no checkpoint in {path}/: train one first with `python train.py`")
-    params, _, meta = train.load_checkpoint(step_dir, optimizer=False)
+    params, _, meta = data.load_checkpoint(step_dir, optimizer=False)
     cfg, tok = nc.Config(**meta["config"]), data.Tokenizer.load(os.path.join(step_dir, meta["tokenizer"]))
     return jax.tree.map(jnp.asarray, params), cfg, tok
 
@@ -492,7 +491,8 @@ def main():
     args = p.parse_args()
     if args.temperature < 0 or args.top_k < 0 or args.max_tokens < 1:
         sys.exit("error: -t and -k must be 0 or more, -m 1 or more")
-    train.setup_process(args.compile_cache)
+    if args.compile_cache:  # compiled prefill/decode steps are reused by the next chat
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
     sys.stdout.reconfigure(errors="replace")  # a terminal that cannot show a character gets '?', not a crash
     source = args.nanochat_checkpoint or args.checkpoint
     try:

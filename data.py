@@ -29,11 +29,14 @@ import heapq
 import json
 import os
 import random
+import re
+import shutil
 import string
 import sysconfig
 import warnings
 import zlib
 
+import msgpack
 import numpy as np
 import pydoc_data.topics
 import regex
@@ -652,3 +655,87 @@ def check(messages, generated):
     numeric = isinstance(ref, list) and any(p["type"] == "python" for p in ref)
     ref_text = ref if isinstance(ref, str) else ref[-1]["text"]
     return _final_answer(generated, numeric) == _final_answer(ref_text, numeric)
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+
+def _pack(obj):
+    if hasattr(obj, "dtype") and hasattr(obj, "shape"):  # numpy and jax arrays
+        if not getattr(obj, "is_fully_addressable", True):  # replicated multi-host: this process's own replica
+            obj = obj.addressable_data(0)
+        a = np.asarray(obj, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
+        return msgpack.ExtType(1, msgpack.packb([a.dtype.name, list(a.shape), a.tobytes()]))
+    raise TypeError(f"cannot checkpoint a {type(obj).__name__}")
+
+
+def _unpack(code, payload):
+    dtype, shape, raw = msgpack.unpackb(payload)
+    return np.frombuffer(raw, np.dtype(dtype)).reshape(tuple(shape))
+
+
+def save_tree(path, tree):
+    """Write a nested dict of arrays as msgpack, atomically (temp file, fsync, rename)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(msgpack.packb(tree, default=_pack))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_tree(path):
+    """Read a tree written by save_tree (arrays come back as read-only numpy views)."""
+    with open(path, "rb") as f:
+        return msgpack.unpackb(f.read(), ext_hook=_unpack, strict_map_key=False)
+
+
+def checkpoint_dirs(root):
+    """Step directories under root (e.g. checkpoints/base), oldest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(os.path.join(root, d) for d in os.listdir(root) if re.fullmatch(r"step_\d{6}", d))
+
+
+def save_checkpoint(root, step, params, opt_state, meta, keep=3, files=None):
+    """Write root/step_NNNNNN/{params,opt}.msgpack + meta.json (+ `files`: name -> writer(path)) via a temp dir, so
+    a step directory is complete or absent; keep the newest `keep`."""
+    final = os.path.join(root, f"step_{step:06d}")
+    tmp = f"{final}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        save_tree(os.path.join(tmp, "params.msgpack"), params)
+        if opt_state is not None:
+            save_tree(os.path.join(tmp, "opt.msgpack"), opt_state)
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+        for name, write in (files or {}).items():
+            write(os.path.join(tmp, name))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.isdir(final):  # re-saving a step: move the old one aside only now that the new one is complete
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in checkpoint_dirs(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path, optimizer=True):
+    """(params, opt_state or None, meta) of a step directory written by save_checkpoint."""
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        raise FileNotFoundError(f"{path}: not a checkpoint directory (no meta.json); train one with train.py")
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    opt_path = os.path.join(path, "opt.msgpack")
+    opt_state = load_tree(opt_path) if optimizer and os.path.isfile(opt_path) else None  # 2x the params' size
+    return load_tree(os.path.join(path, "params.msgpack")), opt_state, meta
+
+
+def latest_checkpoint(root="checkpoints", stages=("sft", "base")):
+    """The newest step directory of the first stage that has one (SFT before base), or None."""
+    for stage in stages:
+        if dirs := checkpoint_dirs(os.path.join(root, stage)):
+            return dirs[-1]
+    return None

@@ -7,7 +7,7 @@
 
 - Sweeps (nanochat's runs/scaling_laws.sh): scale_c trains every depth at every FLOP budget C with
   num_iterations = round(C / (estimate_flops(cfg) * batch tokens)); scale_n and scale_d train a grid of depths x
-  token counts. Each run calls `train.train_stage` with args from `train.parse_args`, in its own checkpoint root
+  token counts. Each run calls `train.run_stage` with args from `train.parse_args`, in its own checkpoint root
   under --out/runs, and appends one row to --out/<sweep>.csv (nanochat's columns plus seed). Rows already there
   are skipped and half-done runs continue from their checkpoint, so an interrupted sweep resumes.
 - Parameter count N: "kaplan" (nanochat's default: transformer matrices + lm_head), "total" (Chinchilla's
@@ -319,7 +319,7 @@ def run_sweep(specs, csv_path, runner, seed=0, write=True):
 
 def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_ratio=16, head_dim=16, T=128,
                  eval_steps=16, extra=()):
-    """A runner for run_sweep: train.train_stage("base") in-process, one checkpoint root per run under out/runs."""
+    """A runner for run_sweep: train.run_stage(args, "base") in-process, one checkpoint root per run under out/runs."""
     import train
     common = ["--vocab-size", str(vocab_size), "--aspect-ratio", str(aspect_ratio), "--head-dim", str(head_dim),
               "--max-seq-len", str(T), "--device-batch-size", str(device_batch_size), "--total-batch-size",
@@ -328,7 +328,7 @@ def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_r
     args = train.parse_args(common + ["--out", out])
     train.setup_process(args.compile_cache)  # as train.main: a resumed sweep skips the compiles
     train.init_distributed(args)  # a sweep on a pod: every host runs this same sweep, process 0 writes the results
-    tok = train.get_tokenizer(args, out)  # one tokenizer for every run
+    tok = train.get_tokenizer(args)  # one tokenizer for every run
 
     def run(spec):
         d, n, seed = int(spec["depth"]), int(spec["num_iterations"]), int(spec["seed"])
@@ -337,7 +337,7 @@ def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_r
                                           "--warmup-steps", str(min(40, n // 5)), "--seed", str(seed),
                                           "--out", root])
         t = time.perf_counter()
-        _, cfg, _, info = train.train_stage(args, "base", tok, root)
+        _, cfg, _, info = train.run_stage(args, "base", tok)
         return dict(model_row(cfg), num_iterations=info["steps"], tokens_trained=info["steps"] * batch,
                     val_bpb=info["val_bpb"], train_time_sec=time.perf_counter() - t)
     return run

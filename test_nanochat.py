@@ -390,7 +390,7 @@ TRAIN_ARGS = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "16", "--max
 def train_root(tmp_path_factory):
     """A checkpoint root holding a tokenizer trained once for every training test."""
     root = tmp_path_factory.mktemp("train")
-    train.get_tokenizer(train.parse_args(["--stage", "tokenizer", *TRAIN_ARGS]), str(root))
+    train.get_tokenizer(train.parse_args(["--stage", "tokenizer", "--out", str(root), *TRAIN_ARGS]))
     return root
 
 
@@ -402,7 +402,7 @@ def fresh_root(train_root, tmp_path):
 
 def run_base(root, *extra):
     args = train.parse_args(["--stage", "base", "--out", root, *TRAIN_ARGS, *extra])
-    return train.train_stage(args, "base", data.Tokenizer.load(os.path.join(root, "tokenizer.json")), root)
+    return train.run_stage(args, "base", data.Tokenizer.load(os.path.join(root, "tokenizer.json")))
 
 
 def test_schedules_follow_nanochat():
@@ -526,22 +526,22 @@ def test_setup_process_turns_on_the_compile_cache():
 def test_checkpoint_round_trip_and_atomic(tmp_path, tiny_params):
     opt = init_opt(tiny_params)
     for step in (1, 2, 3, 4):
-        path = train.save_checkpoint(str(tmp_path), step, tiny_params, opt, {"step": step}, keep=2)
-    assert [os.path.basename(d) for d in train.checkpoint_dirs(str(tmp_path))] == ["step_000003", "step_000004"]
-    params, opt2, meta = train.load_checkpoint(path)
+        path = data.save_checkpoint(str(tmp_path), step, tiny_params, opt, {"step": step}, keep=2)
+    assert [os.path.basename(d) for d in data.checkpoint_dirs(str(tmp_path))] == ["step_000003", "step_000004"]
+    params, opt2, meta = data.load_checkpoint(path)
     assert meta == {"step": 4} and all(jax.tree.leaves(jax.tree.map(np.array_equal, params, tiny_params)))
     assert int(opt2["step"]) == 0 and all(jax.tree.leaves(jax.tree.map(np.array_equal, opt2, opt)))
     # a write that dies midway leaves the previous checkpoint intact
     with pytest.raises(TypeError):
-        train.save_checkpoint(str(tmp_path), 5, {"bad": object()}, None, {})
+        data.save_checkpoint(str(tmp_path), 5, {"bad": object()}, None, {})
     assert sorted(os.listdir(tmp_path)) == ["step_000003", "step_000004"]  # no half-written step 5 left
     unwritable = lambda p: open(os.path.join(p, "no_such_dir", "tokenizer.json"), "w")
     with pytest.raises(FileNotFoundError):  # nor when an extra file (train.py's tokenizer.json) fails
-        train.save_checkpoint(str(tmp_path), 5, tiny_params, None, {}, files={"tokenizer.json": unwritable})
+        data.save_checkpoint(str(tmp_path), 5, tiny_params, None, {}, files={"tokenizer.json": unwritable})
     assert sorted(os.listdir(tmp_path)) == ["step_000003", "step_000004"]
-    assert train.latest_checkpoint(str(tmp_path), ("",)) == path and train.load_checkpoint(path)[2] == {"step": 4}
+    assert data.latest_checkpoint(str(tmp_path), ("",)) == path and data.load_checkpoint(path)[2] == {"step": 4}
     with pytest.raises(FileNotFoundError, match="not a checkpoint"):
-        train.load_checkpoint(str(tmp_path))
+        data.load_checkpoint(str(tmp_path))
 
 
 def test_resume_is_bit_identical(train_root, tmp_path):
@@ -552,10 +552,10 @@ def test_resume_is_bit_identical(train_root, tmp_path):
     shutil.rmtree(os.path.join(cut_root, "base", "step_000006"))
     params, _, rest, _ = run_base(cut_root, "--num-iterations", "6", "--resume")
     assert rest == full[3:]
-    a = train.load_checkpoint(train.latest_checkpoint(full_root))[0]
+    a = data.load_checkpoint(data.latest_checkpoint(full_root))[0]
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, a, jax.device_get(params))))
     files = ["meta.json", "opt.msgpack", "params.msgpack", "tokenizer.json"]  # the tokenizer inside the atomic write
-    assert sorted(os.listdir(train.latest_checkpoint(full_root))) == files
+    assert sorted(os.listdir(data.latest_checkpoint(full_root))) == files
     assert full[-1] < full[0]
 
 
@@ -583,9 +583,9 @@ def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch
         return params, opt, {**m, "finite": m["finite"] & (a[4] < 3)}  # step 3 "diverges"
 
     monkeypatch.setattr(train, "jit_train_step", failing)
-    with pytest.raises(SystemExit, match="step 3: .*not finite; the last good checkpoint is .*step_000002"):
+    with pytest.raises(FloatingPointError, match="step 3: .*not finite; the last good checkpoint is .*step_000002"):
         run_base(fresh_root(train_root, tmp_path / "nan"), "--num-iterations", "6", "--save-every", "2")
-    with pytest.raises(SystemExit, match="step 3: .*not finite; no checkpoint was saved yet .*--save-every N"):
+    with pytest.raises(FloatingPointError, match="step 3: .*not finite; no checkpoint was saved yet .*--save-every N"):
         run_base(fresh_root(train_root, tmp_path / "nan0"), "--num-iterations", "6")
 
     def ctrl_c(*a, **k):  # Ctrl-C the moment a step's update is done, before the loop has counted the step
@@ -599,11 +599,11 @@ def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch
     presses = {1: 2}  # step -> Ctrl-Cs; twice: the second aborts at once, saving nothing
     with pytest.raises(KeyboardInterrupt):
         run_base(root, "--num-iterations", "6")
-    assert train.latest_checkpoint(root) is None and signal.getsignal(signal.SIGINT) is handler
+    assert data.latest_checkpoint(root) is None and signal.getsignal(signal.SIGINT) is handler
     presses = {3: 1}  # once: the run stops where params, step and data position agree, and saves there
-    with pytest.raises(SystemExit, match="interrupted: saved .*step_000004; continue with --resume"):
+    with pytest.raises(train.Interrupted, match="interrupted: saved .*step_000004; continue with --resume"):
         run_base(root, "--num-iterations", "6")
-    assert train.latest_checkpoint(root).endswith("step_000004") and signal.getsignal(signal.SIGINT) is handler
+    assert data.latest_checkpoint(root).endswith("step_000004") and signal.getsignal(signal.SIGINT) is handler
     monkeypatch.setattr(train, "jit_train_step", real)
     _, _, rest, _ = run_base(root, "--num-iterations", "6", "--resume")
     assert rest == full[4:]  # no batch trained twice or skipped
@@ -658,8 +658,8 @@ def test_default_pipeline(tmp_path):
         with open(os.path.join(root, stage, "metrics.jsonl")) as f:
             losses = [json.loads(line)["loss"] for line in f]
         assert len(losses) == steps and np.isfinite(losses).all()
-    _, _, base = train.load_checkpoint(train.latest_checkpoint(root, ("base",)), optimizer=False)
-    sft_params, _, sft = train.load_checkpoint(train.latest_checkpoint(root, ("sft",)), optimizer=False)
+    _, _, base = data.load_checkpoint(data.latest_checkpoint(root, ("base",)), optimizer=False)
+    sft_params, _, sft = data.load_checkpoint(data.latest_checkpoint(root, ("sft",)), optimizer=False)
     # nanochat's chat_sft: 0.8 x the base lrs, no warmup, linear warmdown over the last half to 0, no weight decay,
     # Muon momentum 0.85 -> 0.95 over 300 steps
     assert sft["lrs"] == pytest.approx({k: 0.8 * v for k, v in base["lrs"].items()})
@@ -1743,7 +1743,7 @@ def chat_model(tmp_path_factory):
     params, bt = random_params(CHAT_CFG, 7), data.byte_tokenizer()
     root = tmp_path_factory.mktemp("run") / "checkpoints"
     meta = {"stage": "sft", "step": 5, "config": dataclasses.asdict(CHAT_CFG), "tokenizer": "tokenizer.json"}
-    step_dir = train.save_checkpoint(str(root / "sft"), 5, params, None, meta)
+    step_dir = data.save_checkpoint(str(root / "sft"), 5, params, None, meta)
     bt.save(os.path.join(step_dir, "tokenizer.json"))
     return params, CHAT_CFG, bt, root
 

@@ -9,15 +9,18 @@
   fraction, Muon momentum warmup / warmdown, cosine Muon weight decay) are computed inside from the traced step
   and traced schedule constants, so nothing recompiles after the first step.
 - Horizon from --num-iterations, or nanochat's --target-flops / --target-param-data-ratio (12 by default; N =
-  transformer matrices + lm_head).
-- Checkpoints: msgpack params and optimizer state plus a JSON meta (config, step, data-loader position, PRNG key,
-  tokenizer), written to a temp dir and renamed, the last few kept. The data position makes --resume exact.
+  transformer matrices + lm_head), and nanochat's batch-size and learning-rate scaling rules.
+- `train_loop` is the loop alone, over explicit values: it raises on a non-finite loss and on Ctrl-C (after
+  saving). `base_stage` and `sft_stage` say what each stage starts from and trains on; `run_stage` wires one up
+  with devices, data, evaluation and checkpoints (data.save_checkpoint: written to a temp dir and renamed, with
+  the data-loader position and PRNG key, so --resume is exact).
 - Data parallel over every device with `jax.sharding` (a "data" mesh axis, batch split, params replicated);
   multi-host through `jax.distributed.initialize`, each process reading its own slice of the documents.
 - --debug runs the same step un-jitted with NaN checks, so print() and breakpoint() work inside the model.
 """
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -25,15 +28,12 @@ import itertools
 import json
 import math
 import os
-import re
-import shutil
 import signal
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import msgpack
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -41,95 +41,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import data
 import muon
 import nanochat as nc
-
-# ------------------------------------------------------------------------------------------------ checkpoints
-
-
-def _to_host(x):
-    """A numpy copy of an array; replicated multi-host arrays are read from this process's own replica."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        x = x.addressable_data(0)
-    return np.asarray(x)
-
-
-def _pack(obj):
-    if isinstance(obj, (np.ndarray, jax.Array, np.generic)):
-        a = np.asarray(_to_host(obj), order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
-        return msgpack.ExtType(1, msgpack.packb([a.dtype.name, list(a.shape), a.tobytes()]))
-    raise TypeError(f"cannot checkpoint a {type(obj).__name__}")
-
-
-def _unpack(code, payload):
-    dtype, shape, raw = msgpack.unpackb(payload)
-    return np.frombuffer(raw, np.dtype(dtype)).reshape(tuple(shape))
-
-
-def save_tree(path, tree):
-    """Write a nested dict of arrays as msgpack, atomically (temp file, fsync, rename)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(msgpack.packb(tree, default=_pack))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def load_tree(path):
-    """Read a tree written by save_tree (arrays come back as read-only numpy views)."""
-    with open(path, "rb") as f:
-        return msgpack.unpackb(f.read(), ext_hook=_unpack, strict_map_key=False)
-
-
-def checkpoint_dirs(root):
-    """Step directories under root (e.g. checkpoints/base), oldest first."""
-    if not os.path.isdir(root):
-        return []
-    return sorted(os.path.join(root, d) for d in os.listdir(root) if re.fullmatch(r"step_\d{6}", d))
-
-
-def save_checkpoint(root, step, params, opt_state, meta, keep=3, files=None):
-    """Write root/step_NNNNNN/{params,opt}.msgpack + meta.json (+ `files`: name -> writer(path)) via a temp dir, so
-    a step directory is complete or absent; keep the newest `keep`."""
-    final = os.path.join(root, f"step_{step:06d}")
-    tmp = f"{final}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        save_tree(os.path.join(tmp, "params.msgpack"), params)
-        if opt_state is not None:
-            save_tree(os.path.join(tmp, "opt.msgpack"), opt_state)
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        for name, write in (files or {}).items():
-            write(os.path.join(tmp, name))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if os.path.isdir(final):  # re-saving a step: move the old one aside only now that the new one is complete
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in checkpoint_dirs(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def load_checkpoint(path, optimizer=True):
-    """(params, opt_state or None, meta) of a step directory written by save_checkpoint."""
-    if not os.path.isfile(os.path.join(path, "meta.json")):
-        raise FileNotFoundError(f"{path}: not a checkpoint directory (no meta.json); train one with train.py")
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    opt_path = os.path.join(path, "opt.msgpack")
-    opt_state = load_tree(opt_path) if optimizer and os.path.isfile(opt_path) else None  # 2x the params' size
-    return load_tree(os.path.join(path, "params.msgpack")), opt_state, meta
-
-
-def latest_checkpoint(root="checkpoints", stages=("sft", "base")):
-    """The newest step directory of the first stage that has one (SFT before base), or None."""
-    for stage in stages:
-        if dirs := checkpoint_dirs(os.path.join(root, stage)):
-            return dirs[-1]
-    return None
 
 # ------------------------------------------------------------------------------------------------ the step
 
@@ -167,6 +78,8 @@ def train_step(params, opt_state, inputs, targets, step, sched, lrs, cfg):
 
 jit_train_step = jax.jit(train_step, static_argnames="cfg", donate_argnames=("params", "opt_state"))
 
+# ------------------------------------------------------------------------------------------------ evaluation
+
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def _bpb_sums(params, inputs, targets, token_bytes, cfg):
@@ -188,45 +101,6 @@ def evaluate_bpb(params, cfg, batches, token_bytes, steps):
     if jax.process_count() > 1:  # every process evaluated its own slice of the val documents
         sums = multihost_utils.process_allgather(sums).sum(0)
     return sums[0] / (math.log(2) * max(sums[1], 1))
-
-# ------------------------------------------------------------------------------------------------ data
-
-
-def loader(make, shards, states, A, rows, T):
-    """Global batches (A, R, T) built from this process's data shards, each packing `rows` rows per micro-batch."""
-    its = [make(shard, A * rows, state) for shard, state in zip(shards, states)]
-    while True:
-        parts = [next(it) for it in its]
-        inputs = np.concatenate([x.reshape(A, rows, T) for x, _, _ in parts], axis=1)
-        targets = np.concatenate([y.reshape(A, rows, T) for _, y, _ in parts], axis=1)
-        yield inputs, targets, [s for _, _, s in parts]
-
-
-def sft_mixture(seed, tasks=data.TASKS, extra=()):
-    """epoch -> the synthetic chat tasks interleaved round-robin, plus any user conversations."""
-    def conversations(epoch):
-        yield from extra
-        streams = [data.task_conversations(t, "train", seed=seed + 1000 * epoch) for t in tasks]
-        for group in zip(*streams):
-            yield from group
-    return conversations
-
-
-def every_nth(items, r, n):
-    """epoch -> every n-th item from the r-th on: one data shard of n."""
-    return lambda epoch: itertools.islice(items(epoch), r, None, n)
-
-
-def gather_states(states):
-    """Every process's loader states, concatenated (a JSON round trip through process_allgather)."""
-    if jax.process_count() == 1:
-        return states
-    blob = np.frombuffer(json.dumps(states).encode(), np.uint8)
-    n = int(multihost_utils.process_allgather(np.array([blob.size])).max())
-    padded = multihost_utils.process_allgather(np.pad(blob, (0, n - blob.size), constant_values=ord(" ")))
-    return [s for row in padded for s in json.loads(bytes(row).decode())]
-
-# ------------------------------------------------------------------------------------------------ evaluation
 
 
 def generate_ids(params, cfg, tok, prompt, max_tokens):
@@ -250,19 +124,99 @@ def evaluate_tasks(params, cfg, tok, n=50, seed=0, max_tokens=160):
         acc[task] = sum(hits) / len(hits)
     return acc
 
+# ------------------------------------------------------------------------------------------------ data on devices
 
-@functools.cache
-def sgemm_peak():
-    """FLOP/s of a 1024^2 fp32 matmul on the default device: the peak that MFU is measured against."""
-    a = jnp.ones((1024, 1024), jnp.float32)
-    f = jax.jit(lambda a: a @ a)
-    f(a).block_until_ready()
-    t = time.perf_counter()
-    for _ in range(10):
-        f(a).block_until_ready()
-    return 10 * 2 * 1024**3 / (time.perf_counter() - t)
 
-# ------------------------------------------------------------------------------------------------ a training run
+def loader(make, shards, states, A, rows, T):
+    """Global batches (A, R, T) built from this process's data shards, each packing `rows` rows per micro-batch."""
+    its = [make(shard, A * rows, state) for shard, state in zip(shards, states)]
+    while True:
+        parts = [next(it) for it in its]
+        inputs = np.concatenate([x.reshape(A, rows, T) for x, _, _ in parts], axis=1)
+        targets = np.concatenate([y.reshape(A, rows, T) for _, y, _ in parts], axis=1)
+        yield inputs, targets, [s for _, _, s in parts]
+
+
+def every_nth(items, r, n):
+    """epoch -> every n-th item from the r-th on: one data shard of n."""
+    return lambda epoch: itertools.islice(items(epoch), r, None, n)
+
+
+def gather_states(states):
+    """Every process's loader states, concatenated (a JSON round trip through process_allgather)."""
+    if jax.process_count() == 1:
+        return states
+    blob = np.frombuffer(json.dumps(states).encode(), np.uint8)
+    n = int(multihost_utils.process_allgather(np.array([blob.size])).max())
+    padded = multihost_utils.process_allgather(np.pad(blob, (0, n - blob.size), constant_values=ord(" ")))
+    return [s for row in padded for s in json.loads(bytes(row).decode())]
+
+# ------------------------------------------------------------------------------------------------ the loop
+
+
+class Interrupted(Exception):
+    """Ctrl-C stopped training after a checkpoint was saved."""
+
+
+@contextlib.contextmanager
+def ctrl_c_flag():
+    """Within: Ctrl-C appends to the yielded list instead of raising; a second Ctrl-C raises KeyboardInterrupt.
+    The loop reads the flag where params, step and data position agree (a KeyboardInterrupt inside the step would
+    leave updated params under the old step, or donated buffers)."""
+    pressed = []
+
+    def on_sigint(*_):
+        pressed.append(True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def train_loop(params, opt_state, batches, states, step, sched, lrs, cfg, *, before_step=None, save=None,
+               save_every=-1, stop=(), log=None, debug=False):
+    """Train from `step` to sched["num_iterations"]; returns (params, opt_state, the losses of this call).
+
+    batches yields (inputs, targets, data states after them) as global arrays; `before_step(params, step, last)`
+    runs before every step and at the end (evaluation, samples); `save(params, opt_state, step, states)` returns the
+    checkpoint path, every save_every steps and at the end. Raises FloatingPointError on a non-finite loss and
+    Interrupted (after saving) once `stop` is non-empty.
+    """
+    steps, start, last_saved, losses, smooth = sched["num_iterations"], step, None, [], 0.0
+    step_fn, flops, t_run = train_step if debug else jit_train_step, nc.estimate_flops(cfg), time.perf_counter()
+    while True:
+        last = step == steps
+        if stop:
+            raise Interrupted(f"interrupted: saved {save(params, opt_state, step, states)}; continue with --resume")
+        if before_step:
+            before_step(params, step, last)
+        if save and (last or (save_every > 0 and step > 0 and step % save_every == 0)):
+            last_saved = save(params, opt_state, step, states)
+        if last:
+            return params, opt_state, losses
+        inputs, targets, next_states = next(batches)
+        t0 = time.perf_counter()
+        with jax.disable_jit(debug), jax.debug_nans(debug):
+            params, opt_state, m = step_fn(params, opt_state, inputs, targets, step, sched, lrs, cfg=cfg)
+        loss, dt = float(m["loss"]), time.perf_counter() - t0
+        if not bool(m["finite"]):
+            saved = (f"the last good checkpoint is {last_saved} (--resume continues from it)" if last_saved else
+                     "no checkpoint was saved yet (--save-every N saves one every N steps)")
+            raise FloatingPointError(f"step {step}: loss {loss} is not finite; {saved}. Lower the learning rates")
+        step, states = step + 1, next_states
+        losses.append(loss)
+        smooth = 0.9 * smooth + 0.1 * loss
+        tps, eta = inputs.size / dt, (steps - step) * (time.perf_counter() - t_run) / (step - start)
+        print(f"step {step:5d}/{steps} | loss {smooth / (1 - 0.9 ** (step - start)):.4f} | lrm {float(m['lrm']):.3f} | "
+              f"{dt * 1e3:.0f} ms | {tps:,.0f} tok/s | {tps * flops / 1e9:,.1f} GFLOP/s | eta {eta / 60:.1f} min",
+              flush=True)
+        if log:
+            log({"step": step, "loss": loss, "lrm": float(m["lrm"]), "dt": dt, "tok_per_s": tps})
+
+# ------------------------------------------------------------------------------------------------ the stages
 
 
 def horizon(args, cfg, rows_per_step, num_iterations):
@@ -294,147 +248,124 @@ def base_schedule(args, steps, lr_scale, wd):
     return sched, lrs
 
 
-def train_stage(args, stage, tok, root):
-    """Run one stage ("base" or "sft") to its horizon; returns (params, cfg, this run's losses, info)."""
-    out_dir = os.path.join(root, stage)
-    resume = latest_checkpoint(root, (stage,)) if args.resume else None
-    if stage == "sft":
-        base = latest_checkpoint(root, ("base",))
-        if base is None:
-            sys.exit(f"no base checkpoint under {root}/base: run `python train.py --stage base` first")
-        base_params, _, base_meta = load_checkpoint(base, optimizer=False)
-        cfg = nc.Config(**base_meta["config"])
-    else:
-        cfg = nc.config_for_depth(args.depth, tok.n_vocab, args.aspect_ratio, args.head_dim,
-                                  sequence_len=args.max_seq_len, window_pattern=args.window_pattern,
-                                  compute_dtype=args.dtype)
-    T = cfg.sequence_len
+def base_stage(args, tok, key):
+    """Pretraining from fresh weights on the corpus: the model from the command line."""
+    cfg = nc.config_for_depth(args.depth, tok.n_vocab, args.aspect_ratio, args.head_dim,
+                              sequence_len=args.max_seq_len, window_pattern=args.window_pattern,
+                              compute_dtype=args.dtype)
+    return dict(cfg=cfg, init=lambda: nc.init_params(cfg, key), packer=data.pretrain_batches,
+                docs=data.corpus(args.data, "train", seed=args.seed), iterations=args.num_iterations)
+
+
+def sft_stage(args, tok, key):
+    """SFT from the newest base checkpoint on the synthetic chat tasks (+ --sft-data), with nanochat's chat_sft
+    schedule: 0.8x the lrs, no warmup, a linear warmdown over the last half to 0, no weight decay."""
+    base = data.latest_checkpoint(args.out, ("base",))
+    if base is None:
+        raise FileNotFoundError(f"no base checkpoint under {args.out}/base: run `python train.py --stage base` first")
+    params, _, meta = data.load_checkpoint(base, optimizer=False)
+    extra = [c for path in args.sft_data for c in data.load_conversations(path)]
+
+    def conversations(epoch):  # the tasks interleaved round-robin, after any user conversations
+        yield from extra
+        streams = [data.task_conversations(t, "train", seed=args.seed + 1000 * epoch) for t in data.TASKS]
+        for group in zip(*streams):
+            yield from group
+
+    return dict(cfg=nc.Config(**meta["config"]), init=lambda: params, packer=data.sft_batches, docs=conversations,
+                iterations=args.sft_iterations, lr_frac=args.init_lr_frac,
+                sched=dict(warmup_steps=0, warmdown_ratio=0.5, final_lr_frac=0.0, momentum=0.95, momentum_end=0.95,
+                           momentum_warmup=300, weight_decay=0.0))
+
+
+STAGES = {"base": base_stage, "sft": sft_stage}
+
+
+def run_stage(args, stage, tok):
+    """Run one stage to its horizon, or on from its newest checkpoint with --resume; returns (params, cfg, this
+    run's losses, info)."""
+    out_dir, key = os.path.join(args.out, stage), jax.random.key(args.seed)
+    s = STAGES[stage](args, tok, key)
+    cfg, T = s["cfg"], s["cfg"].sequence_len
     mesh = Mesh(np.array(jax.devices()), ("data",))
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "data"))
-    n_shards = args.data_shards or jax.process_count()
-    if n_shards % jax.process_count() or (args.device_batch_size * jax.device_count()) % n_shards:
-        sys.exit(f"--data-shards {n_shards} must be a multiple of the {jax.process_count()} processes and divide "
-                 f"the {args.device_batch_size * jax.device_count()} rows of a micro-batch")
-    rows = args.device_batch_size * jax.device_count()  # global rows per micro-batch
-    num_iterations = args.sft_iterations if stage == "sft" else args.num_iterations
-    steps, batch, lr_scale, wd = horizon(args, cfg, rows, num_iterations)
+    n_shards, rows = args.data_shards or jax.process_count(), args.device_batch_size * jax.device_count()
+    if n_shards % jax.process_count() or rows % n_shards:
+        raise ValueError(f"--data-shards {n_shards} must be a multiple of the {jax.process_count()} processes and "
+                         f"divide the {rows} rows of a micro-batch")
+    steps, batch, lr_scale, wd = horizon(args, cfg, rows, s["iterations"])
     if batch % (rows * T):
-        sys.exit(f"--total-batch-size {batch} must be a multiple of device_batch_size x devices x T = {rows * T}")
-    A = batch // (rows * T)
+        raise ValueError(f"--total-batch-size {batch} must be a multiple of device_batch_size x devices x T = "
+                         f"{rows * T}")
     sched, lrs = base_schedule(args, steps, lr_scale, wd)
-    if stage == "sft":  # nanochat's chat_sft: 0.8x lrs, no warmup, linear warmdown over the last half to 0, no wd
-        sched.update(warmup_steps=0, warmdown_ratio=0.5, final_lr_frac=0.0, momentum=0.95, momentum_end=0.95,
-                     momentum_warmup=300, weight_decay=0.0)
-        lrs = {k: v * args.init_lr_frac for k, v in lrs.items()}
-
-    key = jax.random.key(args.seed)
+    sched.update(s.get("sched", {}))
+    lrs = {k: v * s.get("lr_frac", 1.0) for k, v in lrs.items()}
     per_process = n_shards // jax.process_count()
     shards = [jax.process_index() * per_process + i for i in range(per_process)]
-    states, step = [None] * per_process, 0
-    if resume:
-        params, opt_state, meta = load_checkpoint(resume)
+    if args.resume and (resume := data.latest_checkpoint(args.out, (stage,))):
+        params, opt_state, meta = data.load_checkpoint(resume)
         step, sched, lrs = meta["step"], meta["schedule"], meta["lrs"]  # the run's own horizon and lrs
-        steps = sched["num_iterations"]
         states = meta["data_states"][shards[0]:shards[0] + per_process]
         key = jax.random.wrap_key_data(np.array(meta["key"], np.uint32))
         print(f"resuming {resume} at step {step}")
     else:
-        params = base_params if stage == "sft" else nc.init_params(cfg, key)
-        opt_state = muon.init(params, *nc.param_groups(params))
+        params = s["init"]()
+        states, step, opt_state = [None] * per_process, 0, muon.init(params, *nc.param_groups(params))
     params, opt_state = jax.device_put((params, opt_state), replicated)
-
-    if stage == "sft":
-        extra = [c for path in args.sft_data for c in data.load_conversations(path)]
-        docs = sft_mixture(args.seed, extra=extra)
-        make = lambda r, n, state: data.sft_batches(tok, every_nth(docs, r, n_shards), n, T, state)
-    else:
-        docs = data.corpus(args.data, "train", seed=args.seed)
-        make = lambda r, n, state: data.pretrain_batches(tok, every_nth(docs, r, n_shards), n, T, state)
-    batches = loader(make, shards, states, A, rows // n_shards, T)
-    val_docs = data.corpus(args.data, "val")
-    val = lambda: data.pretrain_batches(tok, every_nth(val_docs, jax.process_index(), jax.process_count()),
-                                        args.device_batch_size, T)
-    token_bytes = jnp.asarray(tok.token_bytes())
-
-    flops, peak = nc.estimate_flops(cfg), sgemm_peak()
-    total = nc.num_scaling_params(cfg)["total"]
-    print(f"{stage}: {cfg}\n{total:,} params, {steps} steps of {batch:,} tokens ({A} x {rows} x {T}), "
-          f"{jax.device_count()} devices, lr scale {lr_scale:.3f}, Muon wd {sched['weight_decay']:.3g}")
-    step_fn = train_step if args.debug else jit_train_step
+    make = lambda r, n, state: s["packer"](tok, every_nth(s["docs"], r, n_shards), n, T, state)
+    A = batch // (rows * T)
+    batches = ((*(jax.make_array_from_process_local_data(split, a) for a in (x, y)), s)
+               for x, y, s in loader(make, shards, states, A, rows // n_shards, T))
+    print(f"{stage}: {cfg}\n{nc.num_scaling_params(cfg)['total']:,} params, {sched['num_iterations']} steps of "
+          f"{batch:,} tokens ({A} x {rows} x {T}), {jax.device_count()} devices, lr scale {lr_scale:.3f}, Muon wd "
+          f"{sched['weight_decay']:.3g}")
     os.makedirs(out_dir, exist_ok=True)
-    log = open(os.path.join(out_dir, "metrics.jsonl") if jax.process_index() == 0 else os.devnull, "a")
-    losses, smooth, last_saved, val_bpb, t_run, start_step = [], 0.0, resume, None, time.perf_counter(), step
+    meta = {"stage": stage, "config": dataclasses.asdict(cfg), "tokenizer": "tokenizer.json", "schedule": sched,
+            "lrs": lrs, "key": np.asarray(jax.random.key_data(key)).tolist(), "args": vars(args)}
+    evals = {"val_bpb": None}
 
-    def save(step, states):
-        nonlocal last_saved
-        meta = {"stage": stage, "step": step, "config": dataclasses.asdict(cfg), "tokenizer": "tokenizer.json",
-                "data_states": gather_states(states), "key": np.asarray(jax.random.key_data(key)).tolist(),
-                "schedule": sched, "lrs": lrs, "val_bpb": val_bpb, "args": vars(args)}
-        if jax.process_index() == 0:
-            files = {"tokenizer.json": tok.save}  # inside the atomic write: chat.py needs it beside the weights
-            last_saved = save_checkpoint(out_dir, step, params, opt_state, meta, args.keep, files)
+    def save(params, opt_state, step, states):
+        info = {**meta, "step": step, "data_states": gather_states(states), "val_bpb": evals["val_bpb"]}
+        if jax.process_index() == 0:  # tokenizer.json inside the atomic write: chat.py needs it beside the weights
+            return data.save_checkpoint(out_dir, step, params, opt_state, info, args.keep, {"tokenizer.json": tok.save})
+        return None
 
-    # Ctrl-C only sets a flag, read where params, step and data position agree (a KeyboardInterrupt inside the step
-    # would save updated params under the old step, or donated buffers); a second Ctrl-C aborts at once
-    stop = []
-
-    def on_sigint(*_):
-        stop.append(True)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    sigint = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        while True:
-            last = step == steps
-            if stop:
-                save(step, states)
-                sys.exit(f"interrupted: saved {last_saved}; continue with --resume")
-            if args.eval_every > 0 and (step % args.eval_every == 0 or last):
-                val_bpb = evaluate_bpb(params, cfg, val(), token_bytes, args.eval_steps)
-                print(f"step {step:5d} | val bpb {val_bpb:.4f}")
-                log.write(json.dumps({"step": step, "val_bpb": val_bpb}) + "\n")
-            if args.sample_every > 0 and step > 0 and (step % args.sample_every == 0 or last):
-                for prompt in (["The "] if stage == "base" else []) + (["Who are you?"] if stage == "sft" else []):
-                    ids = ([tok.bos] + tok.encode(prompt) if stage == "base" else
-                           data.render_for_completion(tok, [{"role": "user", "content": prompt},
-                                                            {"role": "assistant", "content": "?"}]))
-                    print(f"  sample: {prompt!r} -> {tok.decode(generate_ids(local(params), cfg, tok, ids, 24))!r}")
-            if last or (args.save_every > 0 and step > 0 and step % args.save_every == 0):
-                save(step, states)
-            if last:
-                break
-            inputs, targets, next_states = next(batches)
-            t0 = time.perf_counter()
-            inputs, targets = (jax.make_array_from_process_local_data(split, a) for a in (inputs, targets))
-            with jax.disable_jit(args.debug), jax.debug_nans(args.debug):
-                params, opt_state, m = step_fn(params, opt_state, inputs, targets, step, sched, lrs, cfg=cfg)
-            loss = float(m["loss"])
-            dt = time.perf_counter() - t0
-            if not bool(m["finite"]):
-                saved = (f"the last good checkpoint is {last_saved} (--resume continues from it)" if last_saved else
-                         "no checkpoint was saved yet (--save-every N saves one every N steps)")
-                sys.exit(f"step {step}: loss {loss} is not finite; {saved}. Lower the learning rates")
-            step, states = step + 1, next_states
-            losses.append(loss)
-            smooth = 0.9 * smooth + 0.1 * loss
-            debiased = smooth / (1 - 0.9 ** (step - start_step))
-            tps = batch / dt
-            eta = (steps - step) * (time.perf_counter() - t_run) / (step - start_step)
-            print(f"step {step:5d}/{steps} | loss {debiased:.4f} | lrm {float(m['lrm']):.3f} | {dt * 1e3:.0f} ms | "
-                  f"{tps:,.0f} tok/s | MFU {100 * tps * flops / peak:.1f}% | eta {eta / 60:.1f} min", flush=True)
-            log.write(json.dumps({"step": step, "loss": loss, "lrm": float(m["lrm"]), "dt": dt, "tok_per_s": tps})
-                      + "\n")
-    finally:
-        signal.signal(signal.SIGINT, sigint)
-        log.close()
-    return params, cfg, losses, {"val_bpb": val_bpb, "steps": steps, "time": time.perf_counter() - t_run}
-
-# ------------------------------------------------------------------------------------------------ main
+    t = time.perf_counter()
+    with open(os.path.join(out_dir, "metrics.jsonl") if jax.process_index() == 0 else os.devnull, "a") as f, \
+            ctrl_c_flag() as stop:
+        log = lambda record: f.write(json.dumps(record) + "\n")
+        params, _, losses = train_loop(params, opt_state, batches, states, step, sched, lrs, cfg, stop=stop,
+                                       before_step=evaluator(args, stage, tok, cfg, evals, log), save=save,
+                                       save_every=args.save_every, log=log, debug=args.debug)
+    return params, cfg, losses, {"val_bpb": evals["val_bpb"], "steps": sched["num_iterations"],
+                                 "time": time.perf_counter() - t}
 
 
-def get_tokenizer(args, root):
-    """The run's tokenizer: root/tokenizer.json, trained on the corpus's train split if it is not there yet."""
-    path = os.path.join(root, "tokenizer.json")
+def evaluator(args, stage, tok, cfg, results, log):
+    """The loop's before_step: val bits per byte every --eval-every steps, samples every --sample-every steps."""
+    val_docs = data.corpus(args.data, "val")
+    token_bytes = jnp.asarray(tok.token_bytes())
+    text = "The " if stage == "base" else "Who are you?"
+    prompt = ([tok.bos] + tok.encode(text) if stage == "base" else
+              data.render_for_completion(tok, [{"role": "user", "content": text}, {"role": "assistant", "content": "?"}]))
+
+    def before_step(params, step, last):
+        if args.eval_every > 0 and (step % args.eval_every == 0 or last):
+            val = data.pretrain_batches(tok, every_nth(val_docs, jax.process_index(), jax.process_count()),
+                                        args.device_batch_size, cfg.sequence_len)
+            results["val_bpb"] = evaluate_bpb(params, cfg, val, token_bytes, args.eval_steps)
+            print(f"step {step:5d} | val bpb {results['val_bpb']:.4f}")
+            log({"step": step, "val_bpb": results["val_bpb"]})
+        if args.sample_every > 0 and step > 0 and (step % args.sample_every == 0 or last):
+            print(f"  sample: {text!r} -> {tok.decode(generate_ids(local(params), cfg, tok, prompt, 24))!r}")
+    return before_step
+
+# ------------------------------------------------------------------------------------------------ command line
+
+
+def get_tokenizer(args):
+    """The run's tokenizer: --out/tokenizer.json, trained on the corpus's train split if it is not there yet."""
+    path = os.path.join(args.out, "tokenizer.json")
     if os.path.isfile(path) and args.stage != "tokenizer":
         return data.Tokenizer.load(path)
     def capped(docs, total=0):  # nanochat's tok_train: docs cropped to 10,000 chars, 2e9 chars at most
@@ -446,7 +377,7 @@ def get_tokenizer(args, root):
 
     t = time.perf_counter()
     tok = data.train_tokenizer(capped(data.corpus(args.data, "train")(0)), args.vocab_size)
-    os.makedirs(root, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)
     if jax.process_index() == 0:
         tok.save(path)
     print(f"tokenizer: vocab {tok.n_vocab} trained in {time.perf_counter() - t:.1f} s -> {path}")
@@ -515,11 +446,10 @@ def parse_args(argv=None):
 
 
 def setup_process(compile_cache):
-    """Process-wide speed settings: the persistent XLA compilation cache ('' for none), and glibc malloc keeping freed
+    """Process-wide settings: the persistent XLA compilation cache ('' for none), and glibc malloc keeping freed
     memory. XLA on the CPU takes its buffers from malloc, and glibc maps every block of 32 MiB or more afresh and
-    unmaps it on free, so each step page-faulted its large activations back in: 8,192 faults and 25 ms of system time
-    per 32 MiB elementwise op (7 ms of work); a nano-char step took 190K faults and 2x its time. One heap that
-    never shrinks reuses the memory (zero faults per step), for a higher peak RSS."""
+    unmaps it on free, so each step would page-fault its large activations back in; one heap that never shrinks
+    reuses the memory, for a higher peak RSS (README, performance)."""
     if compile_cache:
         jax.config.update("jax_compilation_cache_dir", compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -544,10 +474,10 @@ def main(argv=None):
     setup_process(args.compile_cache)
     init_distributed(args)
     t = time.perf_counter()
-    tok = get_tokenizer(args, args.out)
+    tok = get_tokenizer(args)
     results = {}
     for stage in {"all": ("base", "sft"), "tokenizer": (), "base": ("base",), "sft": ("sft",)}[args.stage]:
-        params, cfg, losses, info = train_stage(args, stage, tok, args.out)
+        params, cfg, losses, info = run_stage(args, stage, tok)
         results[stage] = {"val_bpb": info["val_bpb"], "final_loss": losses[-1] if losses else None,
                           "minutes": info["time"] / 60}
         if stage == "sft" and args.eval_tasks > 0:
@@ -562,3 +492,5 @@ if __name__ == "__main__":
         main()
     except (ValueError, FileNotFoundError, ImportError) as e:  # bad input (a path, a size): one line, no traceback
         sys.exit(f"error: {e}")
+    except (Interrupted, FloatingPointError) as e:  # Ctrl-C saved, or training diverged: say where to go on from
+        sys.exit(str(e))
