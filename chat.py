@@ -8,20 +8,15 @@
 
 - Engine: `nanochat.generate` (KV cache, jitted prefill and decode) with nanochat's calculator tool: when the model
   writes <|python_start|>expr<|python_end|>, <|output_start|>result<|output_end|> is forced into the stream.
-- Terminal (nanochat's chat_cli): the conversation is kept as token ids across turns, tool calls included;
-  tokens are printed as they come through an incremental UTF-8 decoder, so a character split over tokens
-  is printed whole (and one cut off by the reply's end as U+FFFD). `clear` starts over, `quit` ends; -t
-  temperature (0.6), -k top-k (50).
-- Web: a stdlib ThreadingHTTPServer. GET / is a one-page chat that streams replies (`/?q=Hi` sends Hi as the
-  first message). POST /v1/chat/completions (with "stream": true, server-sent chat.completion.chunk events and
-  `data: [DONE]`; otherwise one chat.completion with usage) and GET /v1/models follow OpenAI's API, so its
-  clients work unchanged. One lock around the model: requests queue, streams never interleave, and a client
-  that disconnects stops its generation. Oversized bodies get 413; bad JSON or messages, too many messages,
-  max_tokens out of range and prompts longer than the context get 400, each with an OpenAI-style JSON error.
-- Real nanochat checkpoints without torch: the model_<step>.pt zip is read by a restricted unpickler that
-  resolves only the four globals a state_dict needs, so a pickle naming anything else (os.system, ...) is
-  refused before it can run; storages are raw little-endian bytes in the zip (fp32, or bf16 as a GPU run
-  writes them). tokenizer.pkl (a pickled tiktoken Encoding) is read the same way, allowing only its state.
+- Terminal (nanochat's chat_cli): the conversation stays token ids across turns, tool calls included; an incremental
+  UTF-8 decoder prints a character split over tokens whole. `clear` starts over, `quit` ends.
+- Web: a stdlib ThreadingHTTPServer. GET / is ui.html, a one-page chat that streams replies (`/?q=Hi` opens with Hi).
+  GET /v1/models and POST /v1/chat/completions (with "stream": true, server-sent chat.completion.chunk events) follow
+  OpenAI's API, errors included, so its clients work unchanged. One lock around the model: requests queue, streams
+  never interleave, and a client that disconnects stops its generation.
+- Real nanochat checkpoints without torch: the model_<step>.pt zip and tokenizer.pkl (a pickled tiktoken Encoding) are
+  read by a restricted unpickler that resolves only the globals that tensors or the tokenizer's state need, so a
+  pickle naming anything else (os.system, ...) is refused before it runs. Storages are raw little-endian fp32 or bf16.
 """
 
 import argparse
@@ -168,8 +163,8 @@ def load_nanochat_checkpoint(path, step=None):
     sd.setdefault("resid_lambdas", np.ones(cfg.n_layer, np.float32))  # more of build_model's patches
     sd.setdefault("x0_lambdas", np.zeros(cfg.n_layer, np.float32))
     params = nc.from_nanochat_state_dict(sd, cfg)
-    found = [p for up in ("", "..", "../..", "../../..") if os.path.isfile(p := os.path.join(path, up, "tokenizer",
-                                                                                                "tokenizer.pkl"))]
+    found = [p for up in ("", "..", "../..", "../../..")
+             if os.path.isfile(p := os.path.join(path, up, "tokenizer", "tokenizer.pkl"))]
     if not found:
         raise FileNotFoundError(f"{path}: no tokenizer/tokenizer.pkl here or in the 3 directories above")
     tok = load_nanochat_tokenizer(found[0])
@@ -182,7 +177,6 @@ def load_nanochat_checkpoint(path, step=None):
 
 def reply_tokens(params, cfg, tok, prompt, key, max_tokens=256, temperature=0.6, top_k=50):
     """One assistant turn as (token id, the text it completes), calculator on; a stop token comes last, text None.
-
     A character cut off by the end of the reply comes before that as (None, U+FFFD), rather than vanishing."""
     stops, stop = (tok.special["<|assistant_end|>"], tok.bos), None
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds back a character's first bytes
@@ -237,90 +231,6 @@ def chat_cli(params, cfg, tok, prompt=None, max_tokens=256, temperature=0.6, top
 
 MAX_BODY, MAX_MESSAGES, MAX_TOKENS = 1 << 20, 500, 4096
 
-PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<title>nanochat</title>
-<style>
-body { margin: 0; height: 100vh; display: flex; flex-direction: column; font: 16px/1.5 system-ui, sans-serif; }
-#log, form { width: 100%; max-width: 48em; margin: 0 auto; padding: 1em; box-sizing: border-box; }
-#log { flex: 1; overflow-y: auto; }
-.msg { white-space: pre-wrap; overflow-wrap: anywhere; margin: .5em 0; padding: .5em .9em; border-radius: 1em;
-       width: fit-content; max-width: 85%; }
-.user { background: #dbeafe; margin-left: auto; }
-.assistant { background: #f3f4f6; }
-.typing:empty::after { content: "..."; }
-.error { color: #b91c1c; }
-form { display: flex; gap: .5em; }
-textarea { flex: 1; font: inherit; padding: .5em; resize: none; }
-</style></head><body>
-<div id="log"></div>
-<form id="form"><textarea id="input" rows="2" autofocus
-  placeholder="Message nanochat (Enter sends, Shift+Enter for a new line, /clear starts over)"></textarea>
-<button>Send</button></form>
-<script>
-const log = document.getElementById("log"), form = document.getElementById("form");
-const input = document.getElementById("input"), messages = [];
-let busy = false;
-
-function bubble(cls, text) {
-  const div = document.createElement("div");
-  div.className = "msg " + cls;
-  div.textContent = text;
-  log.appendChild(div);
-  log.scrollTop = log.scrollHeight;
-  return div;
-}
-
-async function send(text) {
-  if (text === "/clear") { messages.length = 0; log.replaceChildren(); return; }
-  busy = true;
-  messages.push({role: "user", content: text});
-  bubble("user", text);
-  const out = bubble("assistant typing", "");
-  let reply = "";
-  try {
-    const res = await fetch("/v1/chat/completions", {method: "POST", headers: {"Content-Type": "application/json"},
-                                                    body: JSON.stringify({messages, stream: true})});
-    if (!res.ok) throw new Error((await res.json()).error.message);
-    const reader = res.body.getReader(), decoder = new TextDecoder();
-    let buffer = "";
-    for (;;) {
-      const {done, value} = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, {stream: true});
-      const lines = buffer.split("\\n");
-      buffer = lines.pop();  // a partial line waits for its end
-      for (const line of lines) {
-        if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
-        const delta = JSON.parse(line.slice(6)).choices[0]?.delta?.content;
-        if (delta) { reply += delta; out.textContent = reply; log.scrollTop = log.scrollHeight; }
-      }
-    }
-  } catch (e) {
-    out.textContent += (reply ? "\\n" : "") + "Error: " + e.message;
-    out.classList.add("error");
-  }
-  out.classList.remove("typing");
-  if (reply.trim()) {
-    messages.push({role: "assistant", content: reply});
-  } else {
-    messages.pop();  // no reply: drop the turn, so roles still alternate
-    out.textContent ||= "(no reply)";
-  }
-  busy = false;
-}
-
-form.onsubmit = e => {
-  e.preventDefault();
-  const text = input.value.trim();
-  if (text && !busy) { input.value = ""; send(text); }
-};
-input.onkeydown = e => { if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); form.requestSubmit(); } };
-const q = new URLSearchParams(location.search).get("q");  // a shareable prompt link: /?q=Hello
-if (q) send(q);
-</script></body></html>
-"""
-
 
 class _Reject(Exception):
     """A request the client must fix: an HTTP status and a message that says what to change."""
@@ -331,8 +241,7 @@ class _Reject(Exception):
 
 
 def _option(req, name, lo, hi, default, kind=(int, float)):
-    value = req.get(name)
-    if value is None:
+    if (value := req.get(name)) is None:
         return default
     if isinstance(value, bool) or not isinstance(value, kind) or not lo <= value <= hi:
         raise _Reject(400, f"'{name}' must be {'an integer' if kind is int else 'a number'} from {lo} to {hi}")
@@ -404,7 +313,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         path = urllib.parse.urlsplit(self.path).path
         if path == "/":
-            self._send(200, "text/html; charset=utf-8", PAGE.encode())
+            self._send(200, "text/html; charset=utf-8", self.server.page)
         elif path == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": self.server.name, "object": "model",
                                                          "created": self.server.created, "owned_by": "nanochat"}]})
@@ -469,6 +378,8 @@ def make_server(params, cfg, tok, host="127.0.0.1", port=8000, name="nanochat", 
     server = http.server.ThreadingHTTPServer((host, port), _Handler)
     server.model, server.name, server.lock = (params, cfg, tok), name, threading.Lock()
     server.created = int(time.time())
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "ui.html"), "rb") as f:
+        server.page = f.read()  # the web chat: one page, no dependencies
     server.defaults = {"max_tokens": 512, "temperature": 0.6, "top_k": 50, **defaults}
     return server
 
@@ -494,9 +405,9 @@ def main():
     if args.compile_cache:  # compiled prefill/decode steps are reused by the next chat
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
     sys.stdout.reconfigure(errors="replace")  # a terminal that cannot show a character gets '?', not a crash
-    source = args.nanochat_checkpoint or args.checkpoint
     try:
-        params, cfg, tok = (load_nanochat_checkpoint(source) if args.nanochat_checkpoint else load_checkpoint(source))
+        params, cfg, tok = (load_nanochat_checkpoint(args.nanochat_checkpoint) if args.nanochat_checkpoint
+                            else load_checkpoint(args.checkpoint))
     except (OSError, ValueError, KeyError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
         sys.exit(f"error: {e}")
     if args.serve:

@@ -1,31 +1,25 @@
-"""
-Data for nanochat in JAX: tokenizer, corpora, packing, chat format and synthetic chat tasks. Imports no jax.
+"""Data for nanochat in JAX: tokenizer, corpora, packing, chat format, synthetic tasks, checkpoints. Imports no jax.
 
-- Tokenizer: byte-level BPE with nanochat's split pattern and its 9 special tokens as the last ids. We train it
-  here and encode with a `tiktoken.Encoding` built from our ranks (pretrained tiktoken files need the network).
-  Training is the fast algorithm of rustbpe / HF tokenizers: unique regex chunks with their counts, pair counts
-  updated incrementally, a pair -> chunks index and a lazy max-heap. Ties go to the smallest (left, right) pair,
-  as in rustbpe, so our merges equal nanochat's. Saved as plain JSON (no pickle, and never tiktoken's
-  `load_tiktoken_bpe`, whose cache serves stale files). Data and user text go through `encode_ordinary`: a typed
-  "<|bos|>" never becomes a special id.
-- Corpora: the default one works offline anywhere: the running interpreter's stdlib docstrings (read with `ast`,
-  each headed by its qualified name) and the language reference in `pydoc_data.topics`, about 2 MB. User data:
-  .txt, .jsonl ("text"), .parquet ("text", needs pyarrow), directories and globs, streamed one document at a
-  time. Train/val (and task train/test) splits hash each document (item), so they are disjoint and stable.
+- Tokenizer: byte-level BPE with nanochat's split pattern and its 9 special tokens as the last ids, trained here and
+  run by a `tiktoken.Encoding` of our ranks. Training is rustbpe's fast algorithm: unique regex chunks with counts,
+  incremental pair counts, a pair -> chunks index, a lazy max-heap; ties go to the smallest pair, so our merges equal
+  nanochat's. Saved as JSON: no pickle, and no tiktoken `load_tiktoken_bpe` (its cache serves stale files).
+- Corpora: offline by default: the running interpreter's stdlib docstrings (via `ast`, each headed by its qualified
+  name) and the language reference in `pydoc_data.topics`, about 2 MB. User data: .txt, .jsonl and .parquet (pyarrow)
+  files with "text", directories and globs, streamed a document at a time. Hashed splits: disjoint, stable.
 - Packing: nanochat's BOS-aligned best fit (nanochat/dataloader.py): every row starts with <|bos|>, the largest
-  buffered document that fits goes in whole, and a row is cropped only when none fits; SFT pads instead
-  (scripts/chat_sft.py). The state is the next stream position plus the identities of the buffered documents,
-  so a resumed loader replays them and yields exactly the rows it would have yielded.
-- Chat: `render_conversation` / `render_for_completion` give nanochat's ids and masks; `use_calculator` has
-  nanochat's tool semantics but evaluates through a whitelisted `ast`, never `eval`, and `calculator_tool` is the
-  engine's per-row python block -> forced output state machine; synthetic tasks (identity,
-  calculator arithmetic, spelling and letter counting, docstring questions) with exact-match checking.
+  buffered document that fits goes in whole, a row is cropped only when none fits; SFT pads instead (chat_sft.py).
+  The state (stream position and buffered documents' positions) resumes to exactly the same rows.
+- Chat: nanochat's rendering (ids and masks; a typed "<|bos|>" stays text) and calculator tool, evaluated on a
+  whitelisted `ast`, never `eval`; synthetic tasks checked by exact match (identity, arithmetic, spelling, docstrings).
+- Checkpoints: msgpack trees of arrays and step directories, written to a temp name and renamed: complete or absent.
 """
 import ast
 import collections
 import functools
 import glob
 import heapq
+import itertools
 import json
 import os
 import random
@@ -106,24 +100,25 @@ def byte_tokenizer():
 def _merge(ids, a, b, new):
     out, i = [], 0
     while i < len(ids):
-        if ids[i] == a and i + 1 < len(ids) and ids[i + 1] == b:  # left to right, non-overlapping
-            out.append(new)
-            i += 2
-        else:
-            out.append(ids[i])
-            i += 1
+        hit = ids[i] == a and i + 1 < len(ids) and ids[i + 1] == b  # left to right, non-overlapping
+        out.append(new if hit else ids[i])
+        i += 2 if hit else 1
     return out
 
 
-def train_tokenizer(texts, vocab_size, pat_str=SPLIT_PATTERN):
-    """Train byte-level BPE on an iterable of texts; vocab_size counts the 9 specials, like nanochat."""
-    texts = [texts] if isinstance(texts, str) else texts
+def train_tokenizer(texts, vocab_size, pat_str=SPLIT_PATTERN, max_chars=None, doc_chars=None):
+    """Train byte-level BPE on an iterable of texts; vocab_size counts the 9 specials, like nanochat. As nanochat's
+    tok_train, each text may be cropped to doc_chars, and reading stops once max_chars have been read."""
     n_merges = vocab_size - 256 - len(SPECIAL_TOKENS)
     if n_merges < 0:
         raise ValueError(f"vocab_size {vocab_size} is too small: it needs at least {256 + len(SPECIAL_TOKENS)}")
     pattern, chunks = regex.compile(pat_str), collections.Counter()
-    for text in texts:  # only unique chunks are kept: training never looks at the text again
-        chunks.update(pattern.findall(text))
+    seen = 0
+    for text in [texts] if isinstance(texts, str) else texts:  # only unique chunks are kept: the text is not reread
+        if max_chars is not None and seen >= max_chars:
+            break
+        seen += len(text[:doc_chars])
+        chunks.update(pattern.findall(text[:doc_chars]))
     if not chunks:
         raise ValueError("no text to train the tokenizer on; check the corpus")
     words, freq = [list(w.encode()) for w in chunks], list(chunks.values())
@@ -140,8 +135,7 @@ def train_tokenizer(texts, vocab_size, pat_str=SPLIT_PATTERN):
     ids = {t: i for i, t in enumerate(tokens)}
     while len(tokens) < 256 + n_merges and heap:
         neg, pair = heapq.heappop(heap)
-        c = counts.get(pair, 0)
-        if c != -neg:
+        if (c := counts.get(pair, 0)) != -neg:
             if c > 0:
                 heapq.heappush(heap, (-c, pair))
             continue
@@ -151,8 +145,7 @@ def train_tokenizer(texts, vocab_size, pat_str=SPLIT_PATTERN):
             tokens.append(merged)
         touched = set()
         for i in where.pop(pair):
-            w = words[i]
-            nw = _merge(w, *pair, new)
+            w, nw = words[i], _merge(words[i], *pair, new)
             if len(nw) == len(w):  # stale index entry: this chunk lost the pair to an earlier merge
                 continue
             for p in zip(w, w[1:]):
@@ -222,26 +215,22 @@ def _paragraphs(lines, min_chars=2000, max_chars=20000):
     any line end past max_chars, so text without blank lines streams instead of becoming one huge document."""
     doc, n = [], 0
     for line in lines:
-        if not line.strip() and n >= min_chars:
-            yield "".join(doc).strip()
-            doc, n = [], 0
-            continue
-        doc.append(line)
-        n += len(line)
-        if n >= max_chars:
-            yield "".join(doc).strip()
-            doc, n = [], 0
+        if line.strip() or n < min_chars:  # a blank line past min_chars ends the document and is dropped
+            doc.append(line)
+            n += len(line)
+            if n < max_chars:
+                continue
+        yield "".join(doc).strip()
+        doc, n = [], 0
     if doc:
         yield "".join(doc).strip()
 
 
 def default_corpus():
     """The offline default corpus: one document per stdlib docstring ("name\\n\\ndoc"), then the pydoc topics."""
-    docs = [f"{name}\n\n{doc}" for name, _, doc in stdlib_docstrings()]
     topics = pydoc_data.topics.topics
-    for key in sorted(topics):
-        docs += _paragraphs(topics[key].splitlines(keepends=True))
-    return docs
+    return ([f"{name}\n\n{doc}" for name, _, doc in stdlib_docstrings()]
+            + [d for key in sorted(topics) for d in _paragraphs(topics[key].splitlines(keepends=True))])
 
 
 def _lines(path):
@@ -249,11 +238,8 @@ def _lines(path):
     bad = 0
     with open(path, "rb") as f:
         for raw in f:
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                line = raw.decode("utf-8", errors="replace")
-                bad += line.count("\ufffd") - raw.count("\ufffd".encode())
+            line = raw.decode("utf-8", errors="replace")
+            bad += line.count("\ufffd") - raw.count("\ufffd".encode())  # U+FFFDs in the file itself do not count
             yield line
     if bad:
         warnings.warn(f"{path}: replaced {bad} invalid UTF-8 sequences with U+FFFD; re-encode the file as UTF-8")
@@ -291,16 +277,14 @@ def _corpus_files(paths):
     files = []
     for p in [paths] if isinstance(paths, str) else paths:
         if os.path.isdir(p):
-            found = sorted(f for d, _, fs in os.walk(p) for f in (os.path.join(d, x) for x in fs) if known(f))
-            if not found:
+            if not (found := sorted(filter(known, (os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs)))):
                 raise ValueError(f"{p}: no .txt, .jsonl or .parquet files in this directory")
         elif os.path.isfile(p):
             if not known(p):
                 raise ValueError(f"{p}: unsupported file type; corpora are .txt, .jsonl or .parquet files")
             found = [p]
         elif any(c in p for c in "*?["):
-            found = sorted(f for f in glob.glob(p, recursive=True) if known(f))
-            if not found:
+            if not (found := sorted(filter(known, glob.glob(p, recursive=True)))):
                 raise FileNotFoundError(f"{p}: the pattern matches no .txt, .jsonl or .parquet file")
         else:
             raise FileNotFoundError(f"{p}: no such file or directory; pass .txt/.jsonl/.parquet files, dirs or globs")
@@ -314,11 +298,9 @@ def shuffled(items, seed=0):
 
 
 def corpus(paths=None, split="train", seed=0):
-    """epoch -> documents of one split: the default corpus reshuffled per epoch, or user files streamed in order.
-
+    """epoch -> documents of one split: the default corpus reshuffled per epoch, or user files streamed in order;
     1 document in 20 (by hash of its text) is "val". User files are not shuffled: nanochat's shards come
-    pre-shuffled, and the packing buffer mixes nearby documents.
-    """
+    pre-shuffled, and the packing buffer mixes nearby documents."""
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', not {split!r}")
     want_val = split == "val"
@@ -329,6 +311,11 @@ def corpus(paths=None, split="train", seed=0):
                           if d.strip() and _holdout(d, 5) == want_val)
 
 # ------------------------------------------------------------------------------------------------ packing
+
+
+def every_nth(items, r, n):
+    """epoch -> every n-th item from the r-th on: one data shard of n."""
+    return lambda epoch: itertools.islice(items(epoch), r, None, n)
 
 
 def _stream(items, epoch, index):
@@ -350,12 +337,11 @@ def _best_fit(items, encode, B, T, state, buffer_size, pad, bos):
     if B < 1 or T < 1:
         raise ValueError(f"batch size B={B} and sequence length T={T} must be positive")
     found, wanted = {}, set(keys)
-    if keys:  # replay the stream from the oldest buffered document to rebuild the buffer in its saved order
-        for key, item in _stream(items, *min(keys)):
-            if key >= nxt:
-                break
-            if key in wanted:
-                found[key] = encode(item)
+    for key, item in _stream(items, *min(keys)) if keys else ():  # replay from the oldest buffered document
+        if key >= nxt:
+            break
+        if key in wanted:
+            found[key] = encode(item)
     if len(found) < len(wanted):
         raise ValueError("the corpus changed since this loader state was saved; resume with the same data and seed")
     buffer, stream, cap = [(k, *found[k]) for k in keys], _stream(items, *nxt), T + 1
@@ -386,11 +372,9 @@ def _best_fit(items, encode, B, T, state, buffer_size, pad, bos):
 
 
 def pretrain_batches(tok, documents, B, T, state=None, buffer_size=1000):
-    """Endless (inputs, targets, state) of nanochat's BOS-aligned best-fit packing, int32 (B, T) each.
-
-    documents: epoch -> iterable of texts (see `corpus`). Pass the last yielded state to resume exactly.
-    Every target is supervised (nanochat does not mask BOS; bits per byte gives it 0 bytes).
-    """
+    """Endless (inputs, targets, state) of nanochat's BOS-aligned best-fit packing, int32 (B, T) each, of documents
+    (epoch -> texts, see `corpus`); pass the last yielded state to resume exactly. Every target is supervised
+    (nanochat does not mask BOS; bits per byte gives it 0 bytes)."""
     def encode(text):
         ids = [tok.bos] + tok.encode(text)
         return ids, [1] * len(ids)  # the mask is unused in pretraining
@@ -501,8 +485,7 @@ def _calc(node):
     if isinstance(node, ast.Constant) and type(node.value) in (int, float, str):
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in (ast.UAdd, ast.USub):
-        v = _calc(node.operand)
-        return -v if isinstance(node.op, ast.USub) else +v
+        return -_calc(node.operand) if isinstance(node.op, ast.USub) else +_calc(node.operand)
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
         a, b = _calc(node.left), _calc(node.right)
         if isinstance(a, str) or isinstance(b, str):
@@ -532,11 +515,8 @@ def use_calculator(expr):
 
 
 def calculator_tool(tok):
-    """nanochat's tool state machine for one generation: tool(row, token) -> ids to force next into that row.
-
-    A row's `<|python_start|>expr<|python_end|>` gets `<|output_start|>result<|output_end|>` forced after it, where
-    result = use_calculator(expr); nothing is forced when that is None.
-    """
+    """nanochat's tool state machine for one generation: tool(row, token) -> ids to force next into that row, i.e.
+    <|output_start|>use_calculator(expr)<|output_end|> after <|python_start|>expr<|python_end|>, unless it is None."""
     sp, exprs = tok.special, {}  # row -> ids since <|python_start|>, while a python block is open
 
     def tool(row, token):
@@ -608,20 +588,16 @@ def _spelling(rng):
             yield w, _user_assistant(q.format(c=c, w=w), answer)
 
 
-def _docstring_items():
-    """(module.function, first sentence of its docstring) for public module-level functions of the stdlib."""
-    items = {}
+def _docstring(rng):
+    """Questions on public module-level stdlib functions, answered by the first sentence of their docstring."""
+    sentences = {}
     for name, kind, doc in stdlib_docstrings():
         m = regex.match(r"(.+?[.!?])(\s|$)", " ".join(doc.split("\n\n")[0].split()))
         if kind == "function" and m and name.count(".") == 1 and "._" not in name and not name.startswith("_"):
             s = m.group(1)
             if 20 <= len(s) <= 160 and s[0].isupper() and "->" not in s:
-                items.setdefault(name, s)
-    return sorted(items.items())
-
-
-def _docstring(rng):
-    items = _docstring_items()
+                sentences.setdefault(name, s)
+    items = sorted(sentences.items())
     while True:
         name, sentence = rng.choice(items)
         q = rng.choice(("What does {} do?", "What is {} for?", "In one sentence, what does {} do?"))
@@ -637,6 +613,12 @@ def task_conversations(task, split, seed=0):
     return (messages for key, messages in items if _holdout(f"{task}/{key}", 20) == (split == "test"))
 
 
+def sft_mixture(seed=0, extra=()):
+    """epoch -> SFT conversations: any user conversations (`extra`), then the tasks' train splits round-robin."""
+    streams = lambda epoch: zip(*(task_conversations(t, "train", seed=seed + 1000 * epoch) for t in TASKS))
+    return lambda epoch: itertools.chain(extra, itertools.chain.from_iterable(streams(epoch)))
+
+
 def _final_answer(text, numeric):
     text = text.rsplit("<|output_end|>", 1)[-1].replace("<|assistant_end|>", "").strip()
     if not numeric:
@@ -646,11 +628,8 @@ def _final_answer(text, numeric):
 
 
 def check(messages, generated):
-    """Exact match of a generated reply with the reference (last) assistant message of a task conversation.
-
-    With a calculator call in the reference, the last number of the final text is compared; else the whole
-    stripped text. `generated` may include special-token strings (a decoded completion).
-    """
+    """Exact match of a decoded completion with a task conversation's last (reference) message: the last number of the
+    final text if the reference calls the calculator, else the whole stripped text."""
     ref = messages[-1]["content"]
     numeric = isinstance(ref, list) and any(p["type"] == "python" for p in ref)
     ref_text = ref if isinstance(ref, str) else ref[-1]["text"]
@@ -691,9 +670,8 @@ def load_tree(path):
 
 def checkpoint_dirs(root):
     """Step directories under root (e.g. checkpoints/base), oldest first."""
-    if not os.path.isdir(root):
-        return []
-    return sorted(os.path.join(root, d) for d in os.listdir(root) if re.fullmatch(r"step_\d{6}", d))
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(os.path.join(root, d) for d in names if re.fullmatch(r"step_\d{6}", d))
 
 
 def save_checkpoint(root, step, params, opt_state, meta, keep=3, files=None):

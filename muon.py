@@ -1,20 +1,16 @@
-"""nanochat's MuonAdamW as pure functions over any pytree: `init(params, labels, groups)` and
+"""nanochat's MuonAdamW as pure functions over any pytree: `init(params, labels, groups) -> state` and
 `update(grads, state, params, labels, groups) -> (params, state)`.
 
-The caller says how each leaf is optimized, as data: `labels` is a pytree like params holding a group name per
-leaf, and `groups` maps each name to its hyper-parameters, either
-    dict(kind="adamw", lr, betas=(beta1, beta2), eps, weight_decay)
-    dict(kind="muon", lr, momentum, weight_decay, beta2, dtype)
-(nanochat.param_groups builds nanochat's). Learning rates, momentum and weight decay may be traced values, so
+The caller says how each leaf is optimized, as data: `labels` is a pytree like params with a group name per leaf,
+and `groups` maps names to hyper-parameters: dict(kind="adamw", lr, betas, eps, weight_decay) or dict(kind="muon",
+lr, momentum, weight_decay, beta2, dtype) (nanochat.param_groups builds nanochat's). They may be traced values, so
 schedules never recompile. Muon leaves are matrices (in, out), i.e. `x @ W`, or stacks of them (..., in, out).
-
-- Muon (arXiv 2502.16982): Nesterov momentum in nanochat's lerp form; MuonEq equilibration (every output unit's
-  weight vector gets the same norm); Polar Express orthogonalization (arXiv 2505.16932, nanochat's five (a, b, c)
-  triples, normalized by 1.01 * ||X||_F); Muon+ renormalization to the Frobenius norm of a semi-orthogonal
-  matrix; NorMuon variance reduction (arXiv 2510.05491) with a second moment factored per output unit (or per
-  input, for matrices with more inputs than outputs); cautious weight decay (arXiv 2510.12402: decay only where
-  update and weight agree in sign); lr * sqrt(max(1, fan_out / fan_in)). Matrices of one shape and group are
-  orthogonalized in one batched call, like nanochat's shape groups.
+- Muon (arXiv 2502.16982): Nesterov momentum in nanochat's lerp form; MuonEq (every output unit's weights get the
+  same norm); Polar Express orthogonalization (arXiv 2505.16932, nanochat's five (a, b, c) triples, normalized by
+  1.01 ||X||_F); Muon+ rescaling to the Frobenius norm of a semi-orthogonal matrix; NorMuon variance reduction
+  (arXiv 2510.05491) with a second moment factored per output unit (per input when there are more inputs);
+  cautious weight decay (arXiv 2510.12402: decay only where update and weight agree in sign); lr * sqrt(max(1,
+  fan_out / fan_in)). Matrices of one group and shape are orthogonalized in one batched call.
 - AdamW: decoupled weight decay, bias correction, fp32 math.
 """
 
@@ -97,8 +93,7 @@ def adamw_step(p, g, m, v, t, lr, beta1, beta2, weight_decay, eps=1e-10):
 
 def update(grads, state, params, labels, groups):
     """One MuonAdamW step: each leaf by the group its label names. Returns (params, state)."""
-    t = state["step"] + 1
-    treedef = jax.tree.structure(params)
+    t, treedef = state["step"] + 1, jax.tree.structure(params)
     p, g, m, v, names = (treedef.flatten_up_to(tree) for tree in (params, grads, state["mom"], state["var"], labels))
     out, stacks = [None] * len(p), {}
     for i, name in enumerate(names):

@@ -1,8 +1,7 @@
 """nanochat's GPT as pure JAX functions over a plain dict of arrays.
 
 Numerically the model of karpathy/nanochat's `gpt.py` (same logits, loss and gradients for the same weights):
-- RoPE (arXiv 2104.09864), base 100000, split halves, rotating by -theta like nanochat; then QK RMS-norm and
-  q, k *= 1.2 (so attention scores are bounded: see `attend_cpu`)
+- RoPE (arXiv 2104.09864), base 100000, split halves, rotating by -theta like nanochat; then QK RMS-norm, q, k *= 1.2
 - parameter-free RMSNorm (eps = fp32 machine epsilon, as F.rms_norm), also right after the token embedding
 - ReLU^2 MLP (4x), no biases, untied wte / lm_head, GQA, vocab padded to a multiple of 64 and cropped
 - sliding windows from a pattern like "SSSL": S = a quarter of the context rounded up to 128, the last layer is L
@@ -12,24 +11,20 @@ Numerically the model of karpathy/nanochat's `gpt.py` (same logits, loss and gra
 - backout: subtract backout_lambda * (the residual after layer n_layer//2) before the final norm
 - per-layer resid_lambdas / x0_lambdas (x = a_i x + b_i x0), fp32 logits softcapped at 15, cross-entropy
   that ignores target -1
-Params are fp32 masters; `compute_dtype="bfloat16"` casts them once at the top of the forward pass, while
-norm statistics, the attention softmax, logits and loss stay fp32 (nanochat's COMPUTE_DTYPE).
+Params are fp32 masters; compute_dtype="bfloat16" casts them once at the top of the forward pass, while norm
+statistics, the attention softmax, logits and loss stay fp32 (nanochat's COMPUTE_DTYPE).
 
-Reading order: `init_params` (the pytree), `param_groups` (how the optimizer treats each leaf), then `block`, one
-layer over one layer's weights, which training, prefill and decode share; `attend` is the plain attention they
-all mean. Training calls `causal_attention`, which picks the backend's fast route to the same numbers (cuDNN's
-fused kernel on GPU, `attend_cpu` on a CPU); the tests hold each route to `attend`.
-
-Inference is nanochat's Engine: a preallocated KV cache written in place at a traced position (donated, so one
+Read `init_params`, `param_groups` (how the optimizer treats each leaf), then `block`: one layer over one layer's
+weights, shared by training, prefill and decode. `attend` is the plain attention; training calls
+`causal_attention`, the backend's fast route to the same numbers (cuDNN on GPU, `attend_cpu`), tested against it.
+Inference is nanochat's Engine: a preallocated KV cache written in place at a traced position (donated: one
 compiled decode step serves every position), masks from absolute positions so sliding windows hold while decoding,
-the smear's previous embedding carried in the cache, prompts padded at the end to power-of-two buckets, greedy /
-temperature / top-k sampling with explicit keys, and tool use through a per-row callback that forces tokens.
+prompts padded to power-of-two buckets, greedy / temperature / top-k sampling, tools that force tokens.
 
-Layout: every weight is (in, out), so a layer is `x @ W`; `to/from_nanochat_state_dict` transpose to and from
-PyTorch's (out, in). Per-layer weights of one kind are stacked on a leading axis (n_layer, or the number of
-value-embedding layers for `value_embeds` and `ve_gate`), so Muon orthogonalizes them in one batched call;
-`unstack` slices them into per-layer dicts for `block`. Activations and the KV cache are time-major everywhere.
-Dimension letters: B batch, T time (S cache slots), C n_embd, H n_head, K n_kv_head, D head_dim, V padded vocab.
+Layout: weights are (in, out), `x @ W`; `to/from_nanochat_state_dict` convert to and from PyTorch's (out, in).
+Per-layer weights of a kind are stacked on a leading axis (layers, or value-embedding layers for `value_embeds`
+and `ve_gate`) so Muon steps them in one batched call; `unstack` slices them per layer. Activations and the KV
+cache are time-major. Dimensions: B batch, T time (S cache slots), C n_embd, H n_head, K n_kv_head, D head_dim.
 """
 
 import collections
@@ -100,17 +95,15 @@ def config_for_depth(depth, vocab_size, aspect_ratio=64, head_dim=128, **kwargs)
 def window_sizes(cfg):
     """Attention window per layer, in tokens back from the query (nanochat's `(w, 0)`; w >= T is full causal)."""
     short = -(-cfg.sequence_len // 4 // 128) * 128  # a quarter of the context, rounded up to FA3's 128 tile
-    pattern = cfg.window_pattern.upper()
-    sizes = [short if pattern[i % len(pattern)] == "S" else cfg.sequence_len for i in range(cfg.n_layer)]
-    sizes[-1] = cfg.sequence_len
-    return sizes
+    pattern = cfg.window_pattern.upper()  # the last layer always sees the whole context
+    return [short if pattern[i % len(pattern)] == "S" and i < cfg.n_layer - 1 else cfg.sequence_len
+            for i in range(cfg.n_layer)]
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def init_params(cfg, key):
     """nanochat's init_weights: every parameter drawn from its own key, derived from its name."""
-    C, L, V, K, D = cfg.n_embd, cfg.n_layer, cfg.padded_vocab, cfg.n_kv_head, cfg.head_dim
-    n_ve = len(cfg.ve_layers)
+    C, L, V, K, D, n_ve = cfg.n_embd, cfg.n_layer, cfg.padded_vocab, cfg.n_kv_head, cfg.head_dim, len(cfg.ve_layers)
     s = 3**0.5 / C**0.5  # U(-s, s) has std 1/sqrt(C)
 
     def uniform(name, shape, lo, hi):
@@ -124,19 +117,12 @@ def init_params(cfg, key):
         "wte": normal("wte", (V, C), 0.8),
         "value_embeds": uniform("value_embeds", (n_ve, V, K * D), -s, s),
         "lm_head": normal("lm_head", (C, V), 0.001),
-        "h": {
-            "attn": {
-                "c_q": uniform("c_q", (L, C, cfg.n_head * D), -s, s),
-                "c_k": uniform("c_k", (L, C, K * D), -s, s),
-                "c_v": uniform("c_v", (L, C, K * D), -s, s),
-                "c_proj": jnp.zeros((L, C, C)),  # zero-init projections: each block starts as the identity
-                "ve_gate": uniform("ve_gate", (n_ve, VE_GATE_CHANNELS, K), 0.0, 0.02),
-            },
-            "mlp": {
-                "c_fc": uniform("c_fc", (L, C, 4 * C), -0.4 * s, 0.4 * s),
-                "c_proj": jnp.zeros((L, 4 * C, C)),
-            },
-        },
+        "h": {"attn": {"c_q": uniform("c_q", (L, C, cfg.n_head * D), -s, s),
+                       "c_k": uniform("c_k", (L, C, K * D), -s, s),
+                       "c_v": uniform("c_v", (L, C, K * D), -s, s),
+                       "c_proj": jnp.zeros((L, C, C)),  # zero-init projections: each block starts as the identity
+                       "ve_gate": uniform("ve_gate", (n_ve, VE_GATE_CHANNELS, K), 0.0, 0.02)},
+              "mlp": {"c_fc": uniform("c_fc", (L, C, 4 * C), -0.4 * s, 0.4 * s), "c_proj": jnp.zeros((L, 4 * C, C))}},
         "resid_lambdas": 1.15 - 0.10 * ramp,
         "x0_lambdas": 0.20 - 0.15 * ramp,
         "smear_gate": uniform("smear_gate", (SMEAR_CHANNELS, 1), 0.0, 0.02),
@@ -182,8 +168,7 @@ def rotary(positions, head_dim):
 
 def apply_rotary(x, cos, sin):
     """Rotate split halves of x (B, T, H, D) by -theta, nanochat's (checkpoint-compatible) sign."""
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d], x[..., d:]
+    x1, x2 = jnp.split(x, 2, axis=-1)
     cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
     return jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], axis=-1)
 
@@ -195,34 +180,28 @@ def attention_mask(q_pos, k_pos, window):
 
 
 def attend(q, k, v, mask):
-    """Softmax attention of q (B, Tq, H, D) over k, v (B, Tk, K, D) under mask (Tq, Tk): the plain reference.
-
-    K kv heads serve H query heads (GQA). Scores and softmax in fp32 (the max is subtracted), weights cast back.
-    """
+    """Softmax attention of q (B, Tq, H, D) over k, v (B, Tk, K, D) under mask (Tq, Tk), the K kv heads serving
+    the H query heads (GQA); scores and softmax in fp32. The plain reference."""
     return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
 
 
 def causal_attention(q, k, v, window):
     """attend() over positions 0..T-1 (training), by the backend's fastest route to the same numbers: cuDNN's fused
     flash attention on a GPU in bf16, `attend_cpu` on a CPU, the plain version elsewhere."""
-    backend, pos = jax.default_backend(), jnp.arange(q.shape[1])
-    if backend == "cpu":
+    if jax.default_backend() == "cpu":
         return attend_cpu(q, k, v, window)
-    if backend == "gpu" and q.dtype == jnp.bfloat16:
+    if jax.default_backend() == "gpu" and q.dtype == jnp.bfloat16:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window, 0),
                                             implementation="cudnn")
+    pos = jnp.arange(q.shape[1])
     return attend(q, k, v, attention_mask(pos, pos, window))
 
 
 def attend_cpu(q, k, v, window, block=128):
-    """attend() over positions 0..T-1, shaped for XLA on a CPU, which has no fused attention kernel.
-
-    - Queries go in blocks of 128: a block needs only the keys from its first query's window start to its own end,
-      so fully masked key blocks are never computed (half the work of causal attention at long T).
-    - Heads go first, so every matmul is a plain batched one.
-    - The softmax has no max pass. Only safe for nanochat's attention: q and k are RMS-normed and scaled by 1.2, so
-      |score| <= 1.44 sqrt(D) and exp cannot overflow in fp32. Without QK-norm, use attend().
-    """
+    """attend() over positions 0..T-1, shaped for XLA on a CPU, which has no fused attention kernel: queries in
+    blocks of 128, each over only the keys from its window's start to its own end (fully masked blocks are never
+    computed); heads first, so every matmul is a plain batched one; and no max pass in the softmax. That is only
+    safe with QK-norm: q, k are RMS-normed and scaled by 1.2, so |score| <= 1.44 sqrt(D) and exp cannot overflow."""
     B, T, H, D = q.shape
     K = k.shape[2]
     pos = jnp.arange(T)
@@ -239,23 +218,18 @@ def attend_cpu(q, k, v, window, block=128):
 
 
 def smear(x, gate_w, lam, prev=None):
-    """x_t += lam * sigmoid(x_t[:24] @ gate_w) * x_{t-1} on the normed embeddings (B, T, C).
-
-    x_{-1} is `prev` (B, C), a KV cache's last token, or nothing (zeros) at the start of a sequence: one formula
-    for training, prefill and nanochat's decode rule `x += gate(x) * prev_embedding`.
-    """
+    """x_t += lam * sigmoid(x_t[:24] @ gate_w) * x_{t-1} on the normed embeddings (B, T, C); x_{-1} is `prev`
+    (B, C), a KV cache's last token, or zeros at the start: one formula for training, prefill and decode."""
     prev = jnp.zeros_like(x[:, :1]) if prev is None else prev[:, None]
     gate = lam * jax.nn.sigmoid(x[..., :SMEAR_CHANNELS] @ gate_w)  # (B, T, 1)
     return x + gate * jnp.concatenate([prev, x[:, :-1]], axis=1)
 
 
 def attention(w, x, ve, cos, sin, window, cache=None, pos=0):
-    """Causal self-attention on the normed input x (B, T, C) with one layer's weights w; ve: value embeddings.
+    """Causal self-attention of x (B, T, C), normed, with one layer's weights w -> (y (B, T, C), cache or None).
 
-    Without a cache the tokens sit at positions 0..T-1. With one (k, v: (B, S, K, D)), they sit at `pos`: their
-    k, v are written into it there and the queries attend over every slot, the mask hiding the unwritten ones.
-    Returns (output (B, T, C), the updated cache or None).
-    """
+    Without a cache the tokens sit at positions 0..T-1. With one (k, v: (B, S, K, D)) they sit at `pos`: their k, v
+    are written there and the queries attend over every slot, the mask hiding the unwritten ones."""
     B, T, C = x.shape
     D = cos.shape[-1] * 2
     q = (x @ w["c_q"]).reshape(B, T, -1, D)  # (B, T, H, D)
@@ -284,12 +258,8 @@ def block(layer, x, x0, ve, cos, sin, window, cache=None, pos=0):
 
 
 def unstack(params, cfg):
-    """The params with the stacked per-layer weights split into `layers`, a list of what `block` takes:
-    {"attn": {c_q, c_k, c_v, c_proj[, ve_gate]}, "mlp": {c_fc, c_proj}, resid_lambda, x0_lambda[, value_embed]}.
-
-    Inside jit each slice is a copy: negligible for training, 4x a one-token decode step, so `generate` unstacks
-    once outside jit.
-    """
+    """The params with the stacked weights split into `layers`, one dict per layer as `block` takes it. Inside jit
+    each slice is a copy: nothing next to a training step, 4x a decode step, so `generate` unstacks outside jit."""
     h = params["h"]
     layers = []
     for i in range(cfg.n_layer):
@@ -356,8 +326,7 @@ def loss_fn(params, tokens, targets, cfg, reduction="mean"):
 
 def init_cache(cfg, batch, max_len):
     """An empty KV cache: per layer k, v (B, max_len, K, D), the smear's previous embedding (B, C), the position."""
-    shape = (batch, max_len, cfg.n_kv_head, cfg.head_dim)
-    zeros = lambda: jnp.zeros(shape, cfg.compute_dtype)
+    zeros = lambda: jnp.zeros((batch, max_len, cfg.n_kv_head, cfg.head_dim), cfg.compute_dtype)
     return {"layers": [(zeros(), zeros()) for _ in range(cfg.n_layer)],
             "prev": jnp.zeros((batch, cfg.n_embd), cfg.compute_dtype), "pos": jnp.zeros((), jnp.int32)}
 
@@ -365,9 +334,8 @@ def init_cache(cfg, batch, max_len):
 def forward_cached(p, tokens, cache, cfg, length=None):
     """(logits (B, vocab_size) after the last of `length` valid tokens, advanced cache): prefill (T > 1) or decode.
 
-    p is unstacked, in the compute dtype. tokens (B, T) go in at the cache's position. Only the first `length`
-    (default T) are real: a prompt padded at the end to a bucket length writes junk k/v past them, which later
-    writes replace before any query can see it.
+    p: unstacked, in the compute dtype. tokens (B, T) go in at the cache's position. A prompt padded at the end to a
+    bucket length writes junk k/v past `length`, which later writes replace before any query can see it.
     """
     length = tokens.shape[1] if length is None else length
     e = rms_norm(p["wte"][tokens])  # (B, T, C) before the smear: the next chunk's smear reads the last one
@@ -391,11 +359,8 @@ def sample(logits, key, temperature, top_k=None):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_len", "num_samples", "top_k"))
 def prefill(p, tokens, length, key, temperature, cfg, max_len, num_samples=1, top_k=None):
-    """One prompt (1, T), the first `length` real, into a fresh cache of max_len copied to num_samples rows.
-
-    p: unstacked params in the compute dtype. Returns (each row's sampled first token (num_samples,), the logits it
-    was drawn from, the cache).
-    """
+    """One prompt (1, T), the first `length` real, into a fresh cache of max_len copied to num_samples rows: (each
+    row's sampled first token (num_samples,), the logits it was drawn from, the cache). p as for forward_cached."""
     logits, cache = forward_cached(p, tokens, init_cache(cfg, 1, max_len), cfg, length)
     cache, logits = jax.tree.map(lambda a: jnp.repeat(a, num_samples, axis=0) if a.ndim else a, (cache, logits))
     return sample(logits, jax.random.fold_in(key, cache["pos"]), temperature, top_k), logits, cache
@@ -416,11 +381,9 @@ def generate(params, cfg, prompt_ids, *, max_tokens, key, temperature=1.0, top_k
              tool=None):
     """nanochat's Engine.generate: yields (token_column, mask_column), lists of num_samples ints, one per step.
 
-    Prefill at batch 1, then decode all rows together. A row is done once it emits a stop id; all rows keep going
-    until every row is done, max_tokens, or the context (cfg.sequence_len) is full. `tool(row, token)` (e.g.
-    data.calculator_tool(tok), a fresh one per call) sees every emitted token and returns ids to force into that
-    row, one per step with mask 0, instead of sampling (nanochat's forced_tokens deque).
-    """
+    Prefill at batch 1, then decode all rows together until every row has emitted a stop id, max_tokens, or a full
+    context. `tool(row, token)` (e.g. data.calculator_tool(tok), a fresh one per call) sees every emitted token and
+    returns ids to force into that row, one per step with mask 0 (nanochat's forced_tokens deque)."""
     n = len(prompt_ids)
     if not 0 < n < cfg.sequence_len:
         raise ValueError(f"the prompt has {n} tokens; it must have 1 to {cfg.sequence_len - 1} (the model's context)")
@@ -459,14 +422,10 @@ def _count(tree):
 def num_scaling_params(cfg):
     """Parameter counts in nanochat's groups (scaling laws use transformer_matrices + lm_head)."""
     s = param_shapes(cfg)
-    groups = {
-        "wte": _count(s["wte"]),
-        "value_embeds": _count(s["value_embeds"]),
-        "lm_head": _count(s["lm_head"]),
-        "transformer_matrices": _count(s["h"]),
-        "scalars": _count([s[k] for k in ("resid_lambdas", "x0_lambdas", "smear_gate", "smear_lambda",
-                                          "backout_lambda")]),
-    }
+    groups = {k: _count(s[k]) for k in ("wte", "value_embeds", "lm_head")}
+    groups["transformer_matrices"] = _count(s["h"])
+    groups["scalars"] = _count([s[k] for k in ("resid_lambdas", "x0_lambdas", "smear_gate", "smear_lambda",
+                                               "backout_lambda")])
     groups["total"] = _count(s)
     assert sum(groups.values()) == 2 * groups["total"]
     return groups
@@ -480,57 +439,47 @@ def estimate_flops(cfg):
     return 6 * matmul + attn
 
 
-def _state_dict_layout(cfg):
-    """(nanochat state_dict name, our path, index in our stacked array or None, transposed?) per parameter."""
-    rows = [("transformer.wte.weight", ("wte",), None, False), ("lm_head.weight", ("lm_head",), None, True),
-            ("resid_lambdas", ("resid_lambdas",), None, False), ("x0_lambdas", ("x0_lambdas",), None, False),
-            ("smear_gate.weight", ("smear_gate",), None, True), ("smear_lambda", ("smear_lambda",), None, False),
-            ("backout_lambda", ("backout_lambda",), None, False)]
-    for i in range(cfg.n_layer):
-        for mod, names in (("attn", ("c_q", "c_k", "c_v", "c_proj")), ("mlp", ("c_fc", "c_proj"))):
-            rows += [(f"transformer.h.{i}.{mod}.{n}.weight", ("h", mod, n), i, True) for n in names]
-    for j, i in enumerate(cfg.ve_layers):
-        rows.append((f"transformer.h.{i}.attn.ve_gate.weight", ("h", "attn", "ve_gate"), j, True))
-        rows.append((f"value_embeds.{i}.weight", ("value_embeds",), j, False))
-    return rows
+def nanochat_names(path, cfg):
+    """nanochat's state_dict names of our leaf at `path` (a tuple of keys): one per layer for a stacked leaf."""
+    if path[0] == "h":
+        layers = cfg.ve_layers if path[-1] == "ve_gate" else range(cfg.n_layer)
+        return [f"transformer.h.{i}.{path[1]}.{path[2]}.weight" for i in layers]
+    if path[0] == "value_embeds":
+        return [f"value_embeds.{i}.weight" for i in cfg.ve_layers]
+    return [{"wte": "transformer.wte.weight", "lm_head": "lm_head.weight", "smear_gate": "smear_gate.weight"}.get(
+        path[0], path[0])]
+
+
+STACKED, TRANSPOSED = ("h", "value_embeds"), ("h", "lm_head", "smear_gate")  # by top-level key; embeddings are (V, C)
 
 
 def to_nanochat_state_dict(params, cfg):
     """Our params -> nanochat's state_dict as float32 numpy arrays in PyTorch's (out, in) layout."""
     out = {}
-    for name, path, idx, transposed in _state_dict_layout(cfg):
-        a = np.asarray(functools.reduce(lambda t, k: t[k], path, params), np.float32)
-        a = a if idx is None else a[idx]
-        out[name] = a.T if transposed else a
+    for keys, w in jax.tree_util.tree_leaves_with_path(params):
+        path, w = tuple(k.key for k in keys), np.asarray(w, np.float32)
+        for name, a in zip(nanochat_names(path, cfg), w if path[0] in STACKED else [w]):
+            out[name] = a.T if path[0] in TRANSPOSED else a
     return out
 
 
 def from_nanochat_state_dict(state_dict, cfg):
     """nanochat's state_dict (numpy arrays, any float dtype) -> our params; exact inverse of the above."""
     sd = {k.removeprefix("_orig_mod."): v for k, v in state_dict.items()}  # torch.compile'd checkpoints
-    layout = _state_dict_layout(cfg)
-    missing = [name for name, *_ in layout if name not in sd]
-    unexpected = sorted(set(sd) - {name for name, *_ in layout})
+    shapes = param_shapes(cfg)
+    names = {n for keys, _ in jax.tree_util.tree_leaves_with_path(shapes)
+             for n in nanochat_names(tuple(k.key for k in keys), cfg)}
+    missing, unexpected = sorted(names - set(sd)), sorted(set(sd) - names)
     if missing or unexpected:
         raise ValueError(f"state_dict does not match {cfg}: missing {missing[:5]}, unexpected {unexpected[:5]}; "
                          "pass the Config the checkpoint was trained with")
-    pieces = {}
-    for name, path, idx, transposed in layout:
-        a = np.asarray(sd[name], np.float32)
-        a = a.T if transposed else a
-        if idx is None:
-            pieces[path] = a
-        else:
-            pieces.setdefault(path, []).append(a)  # layers arrive in order
-    shapes = param_shapes(cfg)
-    params = {}
-    for path, a in pieces.items():
-        a = np.stack(a) if isinstance(a, list) else a
-        want = functools.reduce(lambda t, k: t[k], path, shapes).shape
-        if a.shape != want:
-            raise ValueError(f"{'.'.join(path)} has shape {a.shape}, expected {want} for {cfg}")
-        node = params
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = jnp.asarray(a)
-    return params
+
+    def leaf(keys, want):
+        path = tuple(k.key for k in keys)
+        rows = [np.asarray(sd[n], np.float32) for n in nanochat_names(path, cfg)]
+        rows = [a.T for a in rows] if path[0] in TRANSPOSED else rows
+        a = np.stack(rows) if path[0] in STACKED else rows[0]
+        if a.shape != want.shape:
+            raise ValueError(f"{'.'.join(path)} has shape {a.shape}, expected {want.shape} for {cfg}")
+        return jnp.asarray(a)
+    return jax.tree_util.tree_map_with_path(leaf, shapes)

@@ -32,6 +32,7 @@
 
 import argparse
 import csv
+import functools
 import itertools
 import math
 import os
@@ -355,72 +356,81 @@ def analyze(sweep, rows, out, convention="kaplan", n_boot=200, seed=0):
     D, L = (np.array([r[k] for r in rows], float) for k in ("tokens_trained", "val_bpb"))
     unit = {"kaplan": "transformer matrices + lm_head", "total": "all params", "transformer": "transformer only"}
     print(f"{sweep}: {len(rows)} runs, N = {unit[convention]} ({convention}), D = tokens trained")
+    fit = analyze_isoflop if sweep == "scale_c" else functools.partial(analyze_power, sweep)
+    return fit(rows, N, D, L, out, convention, n_boot, seed)
+
+
+def analyze_isoflop(rows, N, D, L, out, convention, n_boot, seed):
+    """scale_c: isoFLOP parabolas, their optima's power laws, and the Chinchilla fit once there are 8 runs."""
+    iso = fit_isoflop(rows, convention)
+    ci = bootstrap(lambda rs: fit_isoflop(rs, convention), rows, ["a", "b", "ratio"], n_boot, seed,
+                   group=lambda r: r["flops_budget"])
+    print(f"  {'C':>10} {'N*':>10} {'D*':>10} {'D/N':>7} {'bpb*':>7}")
+    for c, n, d, q, l in iso["optima"]:
+        print(f"  {c:10.3g} {n:10.3g} {d:10.3g} {q:7.2f} {l:7.4f}")
+    print(_fmt("N* ~ C^a: a", iso["a"], ci["a"]))
+    print(_fmt("D* ~ C^b: b", iso["b"], ci["b"]))
+    print(_fmt("optimal D/N", iso["ratio"], ci["ratio"]) + f"   (per-budget mean {iso['ratio_mean']:.2f} "
+          f"+- {iso['ratio_std']:.2f})")
+    if len(rows) < 8:
+        print("  (the Chinchilla fit needs 8 runs or more)")
+    ch = fit_chinchilla(N, D, L) if len(rows) >= 8 else None
+    cfit = lambda rs: fit_chinchilla(effective_params(rs, convention), [r["tokens_trained"] for r in rs],
+                                     [r["val_bpb"] for r in rs], starts=ch["theta"][None])
+    cci = bootstrap(cfit, rows, ["alpha", "beta", "E", "a", "b"], n_boot, seed) if ch else None
+    if ch:
+        print("  Chinchilla L(N, D) = E + A/N^alpha + B/D^beta (Huber in log space):")
+        for k in ("alpha", "beta", "E", "a", "b"):
+            print(_fmt(k if k not in "ab" else f"implied {k}", ch[k], cci[k]))
+    res = {"isoflop": iso, "isoflop_ci": ci, "chinchilla": ch, "chinchilla_ci": cci}
+    budgets, series = np.unique([r["flops_budget"] for r in rows]), []
+    for i, (c, p) in enumerate(zip(budgets, iso["parabolas"])):
+        m = np.array([r["flops_budget"] for r in rows]) == c
+        xs = np.linspace(np.log10(N[m]).min(), np.log10(N[m]).max(), 50)
+        series.append({"x": N[m], "y": L[m], "label": f"C = {c:.3g}", "color": COLORS[i % 8]})
+        if p[0] > 0:  # a parabola with a minimum (3+ sizes)
+            series.append({"x": 10**xs, "y": np.polyval(p, xs), "kind": "line", "color": COLORS[i % 8]})
+    series.append({"x": iso["optima"][:, 1], "y": iso["optima"][:, 4], "label": "optimum N*", "color": "black"})
+    svg_plot(os.path.join(out, "isoflop.svg"), series, "IsoFLOP curves", f"N ({convention} params)", "val bpb")
+    C = iso["optima"][:, 0]
+    if len(C) < 2:
+        return res
+    cs = np.geomspace(C.min(), C.max(), 20)
+    svg_plot(os.path.join(out, "optima.svg"), [
+        {"x": C, "y": iso["optima"][:, 1], "label": f"N*  (a = {iso['a']:.2f})", "color": COLORS[0]},
+        {"x": cs, "y": 10 ** (iso["a"] * np.log10(cs) + iso["log_kn"]), "kind": "line", "color": COLORS[0]},
+        {"x": C, "y": iso["optima"][:, 2], "label": f"D*  (b = {iso['b']:.2f})", "color": COLORS[1]},
+        {"x": cs, "y": 10 ** (iso["b"] * np.log10(cs) + iso["log_kd"]), "kind": "line", "color": COLORS[1]}],
+        "Compute-optimal N* and D*", "C (training FLOPs)", "N* (params), D* (tokens)", logy=True)
+    return res
+
+
+def analyze_power(sweep, rows, N, D, L, out, convention, n_boot, seed):
+    """scale_n / scale_d: L = E + A X^-alpha per group of the other variable, with 3 runs or more."""
     res = {}
-    if sweep == "scale_c":
-        iso = fit_isoflop(rows, convention)
-        ci = bootstrap(lambda rs: fit_isoflop(rs, convention), rows, ["a", "b", "ratio"], n_boot, seed,
-                       group=lambda r: r["flops_budget"])
-        print(f"  {'C':>10} {'N*':>10} {'D*':>10} {'D/N':>7} {'bpb*':>7}")
-        for c, n, d, q, l in iso["optima"]:
-            print(f"  {c:10.3g} {n:10.3g} {d:10.3g} {q:7.2f} {l:7.4f}")
-        print(_fmt("N* ~ C^a: a", iso["a"], ci["a"]))
-        print(_fmt("D* ~ C^b: b", iso["b"], ci["b"]))
-        print(_fmt("optimal D/N", iso["ratio"], ci["ratio"]) + f"   (per-budget mean {iso['ratio_mean']:.2f} "
-              f"+- {iso['ratio_std']:.2f})")
-        if len(rows) < 8:
-            print("  (the Chinchilla fit needs 8 runs or more)")
-        ch = fit_chinchilla(N, D, L) if len(rows) >= 8 else None
-        cfit = lambda rs: fit_chinchilla(effective_params(rs, convention), [r["tokens_trained"] for r in rs],
-                                         [r["val_bpb"] for r in rs], starts=ch["theta"][None])
-        cci = bootstrap(cfit, rows, ["alpha", "beta", "E", "a", "b"], n_boot, seed) if ch else None
-        if ch:
-            print("  Chinchilla L(N, D) = E + A/N^alpha + B/D^beta (Huber in log space):")
-            for k in ("alpha", "beta", "E", "a", "b"):
-                print(_fmt(k if k not in "ab" else f"implied {k}", ch[k], cci[k]))
-        res = {"isoflop": iso, "isoflop_ci": ci, "chinchilla": ch, "chinchilla_ci": cci}
-        budgets, series = np.unique([r["flops_budget"] for r in rows]), []
-        for i, (c, p) in enumerate(zip(budgets, iso["parabolas"])):
-            m = np.array([r["flops_budget"] for r in rows]) == c
-            xs = np.linspace(np.log10(N[m]).min(), np.log10(N[m]).max(), 50)
-            series.append({"x": N[m], "y": L[m], "label": f"C = {c:.3g}", "color": COLORS[i % 8]})
-            if p[0] > 0:  # a parabola with a minimum (3+ sizes)
-                series.append({"x": 10**xs, "y": np.polyval(p, xs), "kind": "line", "color": COLORS[i % 8]})
-        series.append({"x": iso["optima"][:, 1], "y": iso["optima"][:, 4], "label": "optimum N*", "color": "black"})
-        svg_plot(os.path.join(out, "isoflop.svg"), series, "IsoFLOP curves", f"N ({convention} params)", "val bpb")
-        C = iso["optima"][:, 0]
-        if len(C) < 2:
-            return res
-        cs = np.geomspace(C.min(), C.max(), 20)
-        svg_plot(os.path.join(out, "optima.svg"), [
-            {"x": C, "y": iso["optima"][:, 1], "label": f"N*  (a = {iso['a']:.2f})", "color": COLORS[0]},
-            {"x": cs, "y": 10 ** (iso["a"] * np.log10(cs) + iso["log_kn"]), "kind": "line", "color": COLORS[0]},
-            {"x": C, "y": iso["optima"][:, 2], "label": f"D*  (b = {iso['b']:.2f})", "color": COLORS[1]},
-            {"x": cs, "y": 10 ** (iso["b"] * np.log10(cs) + iso["log_kd"]), "kind": "line", "color": COLORS[1]}],
-            "Compute-optimal N* and D*", "C (training FLOPs)", "N* (params), D* (tokens)", logy=True)
-    else:
-        X, xname, group = (N, "N", D) if sweep == "scale_n" else (D, "D", N)
-        series = []
-        for i, g in enumerate(np.unique(group)):
-            m = group == g
-            series.append({"x": X[m], "y": L[m], "color": COLORS[i % 8],
-                           "label": f"{'D' if sweep == 'scale_n' else 'N'} = {g:.3g}"})
-            if m.sum() >= 3:
-                sub = [r for r, k in zip(rows, m) if k]
-                xf = lambda rs: (effective_params(rs, convention) if sweep == "scale_n"
-                                 else np.array([r["tokens_trained"] for r in rs], float))
-                fit = fit_power(X[m], L[m])
-                ci = bootstrap(lambda rs: fit_power(xf(rs), [r["val_bpb"] for r in rs],
-                                                    starts=fit["theta"][None]), sub, ["alpha", "E"], n_boot, seed)
-                print(f"  L({xname}) = E + A {xname}^-alpha at {series[-1]['label']}:")
-                print(_fmt("alpha", fit["alpha"], ci["alpha"]))
-                print(_fmt("E", fit["E"], ci["E"]))
-                res[float(g)] = {"fit": fit, "ci": ci}
-                xs = np.geomspace(X[m].min(), X[m].max(), 40)
-                series.append({"x": xs, "y": fit["E"] + fit["A"] * xs ** -fit["alpha"], "kind": "line",
-                               "color": COLORS[i % 8], "label": f"fit: alpha = {fit['alpha']:.2f}"})
-        name, xl = (("loss_vs_params.svg", f"N ({convention} params)") if sweep == "scale_n"
-                    else ("loss_vs_tokens.svg", "D (tokens trained)"))
-        svg_plot(os.path.join(out, name), series, f"val bpb vs {xname}", xl, "val bpb")
+    X, xname, group = (N, "N", D) if sweep == "scale_n" else (D, "D", N)
+    series = []
+    for i, g in enumerate(np.unique(group)):
+        m = group == g
+        series.append({"x": X[m], "y": L[m], "color": COLORS[i % 8],
+                       "label": f"{'D' if sweep == 'scale_n' else 'N'} = {g:.3g}"})
+        if m.sum() >= 3:
+            sub = [r for r, k in zip(rows, m) if k]
+            xf = lambda rs: (effective_params(rs, convention) if sweep == "scale_n"
+                             else np.array([r["tokens_trained"] for r in rs], float))
+            fit = fit_power(X[m], L[m])
+            ci = bootstrap(lambda rs: fit_power(xf(rs), [r["val_bpb"] for r in rs],
+                                                starts=fit["theta"][None]), sub, ["alpha", "E"], n_boot, seed)
+            print(f"  L({xname}) = E + A {xname}^-alpha at {series[-1]['label']}:")
+            print(_fmt("alpha", fit["alpha"], ci["alpha"]))
+            print(_fmt("E", fit["E"], ci["E"]))
+            res[float(g)] = {"fit": fit, "ci": ci}
+            xs = np.geomspace(X[m].min(), X[m].max(), 40)
+            series.append({"x": xs, "y": fit["E"] + fit["A"] * xs ** -fit["alpha"], "kind": "line",
+                           "color": COLORS[i % 8], "label": f"fit: alpha = {fit['alpha']:.2f}"})
+    name, xl = (("loss_vs_params.svg", f"N ({convention} params)") if sweep == "scale_n"
+                else ("loss_vs_tokens.svg", "D (tokens trained)"))
+    svg_plot(os.path.join(out, name), series, f"val bpb vs {xname}", xl, "val bpb")
     return res
 
 # ------------------------------------------------------------------------------------------------ main

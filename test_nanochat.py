@@ -6,7 +6,6 @@ were made); tolerances are the ones that README justifies from fp32-vs-fp64 reru
 
 import collections
 import dataclasses
-import html
 import http.client
 import inspect
 import itertools
@@ -194,6 +193,21 @@ def test_causality(tiny_params):
     assert float(jnp.abs(a[:, 30:] - b[:, 30:]).max()) > 1e-3
 
 
+@pytest.mark.parametrize("T, window, dtype", [(300, 300, "float32"), (300, 100, "float32"), (256, 64, "bfloat16")])
+def test_fast_attention_equals_plain(T, window, dtype):
+    """attend_cpu (query blocks, skipped key blocks, no max pass) and causal_attention against the plain attend."""
+    keys = jax.random.split(jax.random.key(12), 3)
+    q, k = (nc.rms_norm(jax.random.normal(key, (2, T, h, 16))) * nc.QK_SCALE for key, h in zip(keys, (4, 2)))
+    q, k, v = (a.astype(dtype) for a in (q, k, jax.random.normal(keys[2], (2, T, 2, 16))))
+    pos = jnp.arange(T)
+    plain = nc.attend(q, k, v, nc.attention_mask(pos, pos, window)).astype(jnp.float32)
+    for fast in (nc.attend_cpu(q, k, v, window), nc.causal_attention(q, k, v, window)):
+        assert fast.dtype == q.dtype
+        np.testing.assert_allclose(fast.astype(jnp.float32), plain, rtol=0, atol=1e-5 if dtype == "float32" else 2e-2)
+    if window < T:  # the window binds: full causal attention differs
+        assert np.abs(plain - nc.attend(q, k, v, nc.attention_mask(pos, pos, T)).astype(jnp.float32)).max() > 0.1
+
+
 def test_sliding_window_limits_context():
     cfg = nc.Config(sequence_len=512, vocab_size=100, n_layer=1, n_head=2, n_kv_head=2, n_embd=32,
                     window_pattern="S")
@@ -315,6 +329,16 @@ def test_muon_trains_a_model_that_is_not_the_gpt():
         params, state, l = step(params, state)
         losses.append(float(l))
     assert losses[-1] < 0.2 * losses[0], (losses[0], losses[-1])
+
+
+def test_readme_snippets_run():
+    """README's "Using the pieces": block, attention, Muon on another model and the train step, each alone."""
+    readme = (pathlib.Path(__file__).parent / "README.md").read_text()
+    section = readme[readme.index("## Using the pieces"):readme.index("## Training")]
+    snippets = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(snippets) == 4 and all("assert " in s for s in snippets)  # each checks its own result
+    for code in snippets:
+        exec(compile(code, "README.md", "exec"), {})
 
 
 def test_polar_express_orthogonalizes():
@@ -601,7 +625,7 @@ def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch
         run_base(root, "--num-iterations", "6")
     assert data.latest_checkpoint(root) is None and signal.getsignal(signal.SIGINT) is handler
     presses = {3: 1}  # once: the run stops where params, step and data position agree, and saves there
-    with pytest.raises(train.Interrupted, match="interrupted: saved .*step_000004; continue with --resume"):
+    with pytest.raises(KeyboardInterrupt, match="interrupted: saved .*step_000004; continue with --resume"):
         run_base(root, "--num-iterations", "6")
     assert data.latest_checkpoint(root).endswith("step_000004") and signal.getsignal(signal.SIGINT) is handler
     monkeypatch.setattr(train, "jit_train_step", real)

@@ -2,20 +2,16 @@
 
     python train.py                      # the default pipeline on the embedded corpus: tokenizer -> base -> SFT -> eval
     python train.py --stage base --depth 6 --data 'shards/*.parquet' ...
-    python train.py --help
 
-- One `jax.jit` step does forward, backward (a `lax.scan` over micro-batches for gradient accumulation) and the
-  MuonAdamW update, params and optimizer state donated. nanochat's schedules (LR warmup / warmdown to a final
-  fraction, Muon momentum warmup / warmdown, cosine Muon weight decay) are computed inside from the traced step
-  and traced schedule constants, so nothing recompiles after the first step.
-- Horizon from --num-iterations, or nanochat's --target-flops / --target-param-data-ratio (12 by default; N =
-  transformer matrices + lm_head), and nanochat's batch-size and learning-rate scaling rules.
-- `train_loop` is the loop alone, over explicit values: it raises on a non-finite loss and on Ctrl-C (after
-  saving). `base_stage` and `sft_stage` say what each stage starts from and trains on; `run_stage` wires one up
-  with devices, data, evaluation and checkpoints (data.save_checkpoint: written to a temp dir and renamed, with
-  the data-loader position and PRNG key, so --resume is exact).
-- Data parallel over every device with `jax.sharding` (a "data" mesh axis, batch split, params replicated);
-  multi-host through `jax.distributed.initialize`, each process reading its own slice of the documents.
+- `train_step`: forward, backward (a `lax.scan` over micro-batches accumulates gradients) and the MuonAdamW update
+  in one `jax.jit`, params and optimizer state donated. nanochat's schedules (lr warmup / warmdown to a final
+  fraction, Muon momentum warmup / warmdown, cosine Muon weight decay) are computed inside from the traced step,
+  so nothing recompiles. The horizon, batch size and lr scaling follow nanochat's rules (`horizon`).
+- `train_loop`: the loop alone, over explicit values; it raises on a non-finite loss and on Ctrl-C (after saving).
+  `base_stage` / `sft_stage` say what a stage starts from and trains on; `run_stage` wires one up with devices,
+  data, evaluation and checkpoints (data.save_checkpoint, with the loader position, so --resume is exact).
+- Data parallel with `jax.sharding` (a "data" mesh axis splits the batch, params replicated); multi-host through
+  `jax.distributed.initialize`, each process packing its own shard of the documents.
 - --debug runs the same step un-jitted with NaN checks, so print() and breakpoint() work inside the model.
 """
 
@@ -116,30 +112,11 @@ def generate_ids(params, cfg, tok, prompt, max_tokens):
 
 def evaluate_tasks(params, cfg, tok, n=50, seed=0, max_tokens=160):
     """Exact-match accuracy per synthetic task on n conversations of its held-out split."""
-    acc = {}
-    for task in data.TASKS:
-        convs = list(itertools.islice(data.task_conversations(task, "test", seed=seed), n))
-        hits = [data.check(c, tok.decode(generate_ids(params, cfg, tok, data.render_for_completion(tok, c),
-                                                      max_tokens))) for c in convs]
-        acc[task] = sum(hits) / len(hits)
-    return acc
+    reply = lambda c: tok.decode(generate_ids(params, cfg, tok, data.render_for_completion(tok, c), max_tokens))
+    return {task: float(np.mean([data.check(c, reply(c)) for c in itertools.islice(
+        data.task_conversations(task, "test", seed=seed), n)])) for task in data.TASKS}
 
-# ------------------------------------------------------------------------------------------------ data on devices
-
-
-def loader(make, shards, states, A, rows, T):
-    """Global batches (A, R, T) built from this process's data shards, each packing `rows` rows per micro-batch."""
-    its = [make(shard, A * rows, state) for shard, state in zip(shards, states)]
-    while True:
-        parts = [next(it) for it in its]
-        inputs = np.concatenate([x.reshape(A, rows, T) for x, _, _ in parts], axis=1)
-        targets = np.concatenate([y.reshape(A, rows, T) for _, y, _ in parts], axis=1)
-        yield inputs, targets, [s for _, _, s in parts]
-
-
-def every_nth(items, r, n):
-    """epoch -> every n-th item from the r-th on: one data shard of n."""
-    return lambda epoch: itertools.islice(items(epoch), r, None, n)
+# ------------------------------------------------------------------------------------------------ data across processes
 
 
 def gather_states(states):
@@ -154,46 +131,35 @@ def gather_states(states):
 # ------------------------------------------------------------------------------------------------ the loop
 
 
-class Interrupted(Exception):
-    """Ctrl-C stopped training after a checkpoint was saved."""
-
-
 @contextlib.contextmanager
 def ctrl_c_flag():
-    """Within: Ctrl-C appends to the yielded list instead of raising; a second Ctrl-C raises KeyboardInterrupt.
-    The loop reads the flag where params, step and data position agree (a KeyboardInterrupt inside the step would
-    leave updated params under the old step, or donated buffers)."""
-    pressed = []
-
-    def on_sigint(*_):
-        pressed.append(True)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    """Within it, Ctrl-C fills the yielded list instead of raising (a second one raises), for the loop to read where
+    params, step and data position agree: a KeyboardInterrupt inside the step would leave donated buffers."""
+    pressed = []  # the handler notes the press and puts back the one that raises
+    previous = signal.signal(signal.SIGINT, lambda *_: pressed.append(signal.signal(signal.SIGINT,
+                                                                                    signal.default_int_handler)))
     try:
         yield pressed
     finally:
         signal.signal(signal.SIGINT, previous)
 
 
-def train_loop(params, opt_state, batches, states, step, sched, lrs, cfg, *, before_step=None, save=None,
-               save_every=-1, stop=(), log=None, debug=False):
+def train_loop(params, opt_state, batches, states, step, sched, lrs, cfg, *, before_step=lambda *a: None,
+               save=lambda *a: None, save_every=-1, stop=(), log=lambda record: None, debug=False):
     """Train from `step` to sched["num_iterations"]; returns (params, opt_state, the losses of this call).
 
-    batches yields (inputs, targets, data states after them) as global arrays; `before_step(params, step, last)`
-    runs before every step and at the end (evaluation, samples); `save(params, opt_state, step, states)` returns the
-    checkpoint path, every save_every steps and at the end. Raises FloatingPointError on a non-finite loss and
-    Interrupted (after saving) once `stop` is non-empty.
-    """
+    batches yields (inputs, targets, data states after them); before_step(params, step, last) runs before each step
+    and at the end; save(params, opt_state, step, states) -> its path, every save_every steps and at the end. Raises
+    FloatingPointError on a non-finite loss, and KeyboardInterrupt (after saving) once `stop` is non-empty."""
     steps, start, last_saved, losses, smooth = sched["num_iterations"], step, None, [], 0.0
     step_fn, flops, t_run = train_step if debug else jit_train_step, nc.estimate_flops(cfg), time.perf_counter()
     while True:
         last = step == steps
         if stop:
-            raise Interrupted(f"interrupted: saved {save(params, opt_state, step, states)}; continue with --resume")
-        if before_step:
-            before_step(params, step, last)
-        if save and (last or (save_every > 0 and step > 0 and step % save_every == 0)):
+            saved = save(params, opt_state, step, states)
+            raise KeyboardInterrupt(f"interrupted: saved {saved}; continue with --resume")
+        before_step(params, step, last)
+        if last or (save_every > 0 and step > 0 and step % save_every == 0):
             last_saved = save(params, opt_state, step, states)
         if last:
             return params, opt_state, losses
@@ -213,8 +179,7 @@ def train_loop(params, opt_state, batches, states, step, sched, lrs, cfg, *, bef
         print(f"step {step:5d}/{steps} | loss {smooth / (1 - 0.9 ** (step - start)):.4f} | lrm {float(m['lrm']):.3f} | "
               f"{dt * 1e3:.0f} ms | {tps:,.0f} tok/s | {tps * flops / 1e9:,.1f} GFLOP/s | eta {eta / 60:.1f} min",
               flush=True)
-        if log:
-            log({"step": step, "loss": loss, "lrm": float(m["lrm"]), "dt": dt, "tok_per_s": tps})
+        log({"step": step, "loss": loss, "lrm": float(m["lrm"]), "dt": dt, "tok_per_s": tps})
 
 # ------------------------------------------------------------------------------------------------ the stages
 
@@ -224,8 +189,7 @@ def horizon(args, cfg, rows_per_step, num_iterations):
     n_scaling = lambda c: sum(nc.num_scaling_params(c)[k] for k in ("transformer_matrices", "lm_head"))
     target_tokens = args.target_param_data_ratio * n_scaling(cfg)
     d_ref = args.target_param_data_ratio * n_scaling(nc.config_for_depth(12, cfg.vocab_size))
-    b_ref = 2**19
-    batch = args.total_batch_size
+    b_ref, batch = 2**19, args.total_batch_size
     if batch <= 0:  # Power Lines (arXiv 2505.13738): B_opt grows as D^0.383
         batch = max(2 ** round(math.log2(b_ref * (target_tokens / d_ref) ** 0.383)), rows_per_step * cfg.sequence_len)
     if num_iterations > 0:
@@ -250,9 +214,8 @@ def base_schedule(args, steps, lr_scale, wd):
 
 def base_stage(args, tok, key):
     """Pretraining from fresh weights on the corpus: the model from the command line."""
-    cfg = nc.config_for_depth(args.depth, tok.n_vocab, args.aspect_ratio, args.head_dim,
-                              sequence_len=args.max_seq_len, window_pattern=args.window_pattern,
-                              compute_dtype=args.dtype)
+    cfg = nc.config_for_depth(args.depth, tok.n_vocab, args.aspect_ratio, args.head_dim, sequence_len=args.max_seq_len,
+                              window_pattern=args.window_pattern, compute_dtype=args.dtype)
     return dict(cfg=cfg, init=lambda: nc.init_params(cfg, key), packer=data.pretrain_batches,
                 docs=data.corpus(args.data, "train", seed=args.seed), iterations=args.num_iterations)
 
@@ -265,15 +228,8 @@ def sft_stage(args, tok, key):
         raise FileNotFoundError(f"no base checkpoint under {args.out}/base: run `python train.py --stage base` first")
     params, _, meta = data.load_checkpoint(base, optimizer=False)
     extra = [c for path in args.sft_data for c in data.load_conversations(path)]
-
-    def conversations(epoch):  # the tasks interleaved round-robin, after any user conversations
-        yield from extra
-        streams = [data.task_conversations(t, "train", seed=args.seed + 1000 * epoch) for t in data.TASKS]
-        for group in zip(*streams):
-            yield from group
-
-    return dict(cfg=nc.Config(**meta["config"]), init=lambda: params, packer=data.sft_batches, docs=conversations,
-                iterations=args.sft_iterations, lr_frac=args.init_lr_frac,
+    return dict(cfg=nc.Config(**meta["config"]), init=lambda: params, packer=data.sft_batches,
+                docs=data.sft_mixture(args.seed, extra), iterations=args.sft_iterations, lr_frac=args.init_lr_frac,
                 sched=dict(warmup_steps=0, warmdown_ratio=0.5, final_lr_frac=0.0, momentum=0.95, momentum_end=0.95,
                            momentum_warmup=300, weight_decay=0.0))
 
@@ -282,53 +238,38 @@ STAGES = {"base": base_stage, "sft": sft_stage}
 
 
 def run_stage(args, stage, tok):
-    """Run one stage to its horizon, or on from its newest checkpoint with --resume; returns (params, cfg, this
-    run's losses, info)."""
-    out_dir, key = os.path.join(args.out, stage), jax.random.key(args.seed)
-    s = STAGES[stage](args, tok, key)
-    cfg, T = s["cfg"], s["cfg"].sequence_len
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "data"))
-    n_shards, rows = args.data_shards or jax.process_count(), args.device_batch_size * jax.device_count()
-    if n_shards % jax.process_count() or rows % n_shards:
-        raise ValueError(f"--data-shards {n_shards} must be a multiple of the {jax.process_count()} processes and "
-                         f"divide the {rows} rows of a micro-batch")
+    """Run a stage to its horizon (or on from its newest checkpoint): (params, cfg, this run's losses, info)."""
+    s, out_dir = STAGES[stage](args, tok, jax.random.key(args.seed)), os.path.join(args.out, stage)
+    cfg, T, rows = s["cfg"], s["cfg"].sequence_len, args.device_batch_size * jax.device_count()
     steps, batch, lr_scale, wd = horizon(args, cfg, rows, s["iterations"])
     if batch % (rows * T):
-        raise ValueError(f"--total-batch-size {batch} must be a multiple of device_batch_size x devices x T = "
-                         f"{rows * T}")
+        raise ValueError(f"--total-batch-size {batch} must be a multiple of {rows * T} (device batch x devices x T)")
     sched, lrs = base_schedule(args, steps, lr_scale, wd)
-    sched.update(s.get("sched", {}))
-    lrs = {k: v * s.get("lr_frac", 1.0) for k, v in lrs.items()}
-    per_process = n_shards // jax.process_count()
-    shards = [jax.process_index() * per_process + i for i in range(per_process)]
+    sched, lrs = {**sched, **s.get("sched", {})}, {k: v * s.get("lr_frac", 1.0) for k, v in lrs.items()}
+    step, states = 0, None
     if args.resume and (resume := data.latest_checkpoint(args.out, (stage,))):
         params, opt_state, meta = data.load_checkpoint(resume)
-        step, sched, lrs = meta["step"], meta["schedule"], meta["lrs"]  # the run's own horizon and lrs
-        states = meta["data_states"][shards[0]:shards[0] + per_process]
-        key = jax.random.wrap_key_data(np.array(meta["key"], np.uint32))
+        step, sched, lrs, states = meta["step"], meta["schedule"], meta["lrs"], meta["data_states"]
         print(f"resuming {resume} at step {step}")
     else:
         params = s["init"]()
-        states, step, opt_state = [None] * per_process, 0, muon.init(params, *nc.param_groups(params))
-    params, opt_state = jax.device_put((params, opt_state), replicated)
-    make = lambda r, n, state: s["packer"](tok, every_nth(s["docs"], r, n_shards), n, T, state)
-    A = batch // (rows * T)
-    batches = ((*(jax.make_array_from_process_local_data(split, a) for a in (x, y)), s)
-               for x, y, s in loader(make, shards, states, A, rows // n_shards, T))
+        opt_state = muon.init(params, *nc.param_groups(params))
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    params, opt_state = jax.device_put((params, opt_state), NamedSharding(mesh, P()))  # replicated
+    batches, states = sharded_batches(args, tok, s, batch // (rows * T), T, NamedSharding(mesh, P(None, "data")),
+                                      states)
     print(f"{stage}: {cfg}\n{nc.num_scaling_params(cfg)['total']:,} params, {sched['num_iterations']} steps of "
-          f"{batch:,} tokens ({A} x {rows} x {T}), {jax.device_count()} devices, lr scale {lr_scale:.3f}, Muon wd "
-          f"{sched['weight_decay']:.3g}")
+          f"{batch:,} tokens ({batch // (rows * T)} x {rows} x {T}), {jax.device_count()} devices, lr scale "
+          f"{lr_scale:.3f}, Muon wd {sched['weight_decay']:.3g}")
     os.makedirs(out_dir, exist_ok=True)
     meta = {"stage": stage, "config": dataclasses.asdict(cfg), "tokenizer": "tokenizer.json", "schedule": sched,
-            "lrs": lrs, "key": np.asarray(jax.random.key_data(key)).tolist(), "args": vars(args)}
+            "lrs": lrs, "args": vars(args)}
     evals = {"val_bpb": None}
 
     def save(params, opt_state, step, states):
         info = {**meta, "step": step, "data_states": gather_states(states), "val_bpb": evals["val_bpb"]}
         if jax.process_index() == 0:  # tokenizer.json inside the atomic write: chat.py needs it beside the weights
             return data.save_checkpoint(out_dir, step, params, opt_state, info, args.keep, {"tokenizer.json": tok.save})
-        return None
 
     t = time.perf_counter()
     with open(os.path.join(out_dir, "metrics.jsonl") if jax.process_index() == 0 else os.devnull, "a") as f, \
@@ -341,17 +282,38 @@ def run_stage(args, stage, tok):
                                  "time": time.perf_counter() - t}
 
 
+def sharded_batches(args, tok, s, A, T, split, states=None):
+    """(global batches (A, rows, T) split over the devices, this process's loader states) for stage set-up s: the
+    documents are cut into --data-shards shards (default: one per process), each packed into its share of the rows;
+    a checkpoint's states hold every shard's loader position, in shard order."""
+    n_shards, rows = args.data_shards or jax.process_count(), args.device_batch_size * jax.device_count()
+    if n_shards % jax.process_count() or rows % n_shards:
+        raise ValueError(f"--data-shards {n_shards} must be a multiple of the {jax.process_count()} processes and "
+                         f"divide the {rows} rows of a micro-batch")
+    per_process = n_shards // jax.process_count()
+    shards = range(jax.process_index() * per_process, (jax.process_index() + 1) * per_process)
+    states = [None] * per_process if states is None else states[shards.start:shards.stop]
+    its = [s["packer"](tok, data.every_nth(s["docs"], r, n_shards), A * rows // n_shards, T, state)
+           for r, state in zip(shards, states)]
+
+    def batches():
+        while True:
+            parts = [next(it) for it in its]
+            x, y = (np.concatenate([p[i].reshape(A, rows // n_shards, T) for p in parts], axis=1) for i in (0, 1))
+            yield (*(jax.make_array_from_process_local_data(split, a) for a in (x, y)), [p[2] for p in parts])
+    return batches(), states
+
+
 def evaluator(args, stage, tok, cfg, results, log):
     """The loop's before_step: val bits per byte every --eval-every steps, samples every --sample-every steps."""
-    val_docs = data.corpus(args.data, "val")
-    token_bytes = jnp.asarray(tok.token_bytes())
+    val_docs, token_bytes = data.corpus(args.data, "val"), jnp.asarray(tok.token_bytes())
     text = "The " if stage == "base" else "Who are you?"
-    prompt = ([tok.bos] + tok.encode(text) if stage == "base" else
-              data.render_for_completion(tok, [{"role": "user", "content": text}, {"role": "assistant", "content": "?"}]))
+    chat = [{"role": "user", "content": text}, {"role": "assistant", "content": "?"}]
+    prompt = [tok.bos] + tok.encode(text) if stage == "base" else data.render_for_completion(tok, chat)
 
     def before_step(params, step, last):
         if args.eval_every > 0 and (step % args.eval_every == 0 or last):
-            val = data.pretrain_batches(tok, every_nth(val_docs, jax.process_index(), jax.process_count()),
+            val = data.pretrain_batches(tok, data.every_nth(val_docs, jax.process_index(), jax.process_count()),
                                         args.device_batch_size, cfg.sequence_len)
             results["val_bpb"] = evaluate_bpb(params, cfg, val, token_bytes, args.eval_steps)
             print(f"step {step:5d} | val bpb {results['val_bpb']:.4f}")
@@ -368,15 +330,9 @@ def get_tokenizer(args):
     path = os.path.join(args.out, "tokenizer.json")
     if os.path.isfile(path) and args.stage != "tokenizer":
         return data.Tokenizer.load(path)
-    def capped(docs, total=0):  # nanochat's tok_train: docs cropped to 10,000 chars, 2e9 chars at most
-        for doc in docs:
-            if total >= args.tokenizer_max_chars:
-                return
-            total += len(doc[:10_000])
-            yield doc[:10_000]
-
-    t = time.perf_counter()
-    tok = data.train_tokenizer(capped(data.corpus(args.data, "train")(0)), args.vocab_size)
+    t = time.perf_counter()  # nanochat's tok_train: documents cropped to 10,000 characters
+    tok = data.train_tokenizer(data.corpus(args.data, "train")(0), args.vocab_size,
+                               max_chars=args.tokenizer_max_chars, doc_chars=10_000)
     os.makedirs(args.out, exist_ok=True)
     if jax.process_index() == 0:
         tok.save(path)
@@ -416,8 +372,8 @@ def parse_args(argv=None):
     g.add_argument("--unembedding-lr", type=float, default=0.008, help="AdamW lr of lm_head")
     g.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr of the transformer's matrices")
     g.add_argument("--scalar-lr", type=float, default=0.5, help="AdamW lr of the per-layer residual scalars")
-    g.add_argument("--batch-lr-scale", type=float, default=1.0, help="multiplies every lr but the smear's; -1: "
-                   "nanochat's sqrt(total batch / 2^19), for its recipes (1 trains the small default model faster)")
+    g.add_argument("--batch-lr-scale", type=float, default=1.0, help="scales every lr but the smear's (-1: "
+                   "nanochat's sqrt(total batch / 2^19); 1 trains the small default model faster)")
     g.add_argument("--weight-decay", type=float, default=0.28, help="Muon weight decay before nanochat's scaling")
     g.add_argument("--warmup-steps", type=int, default=40, help="base lr warmup steps (SFT: none)")
     g.add_argument("--warmdown-ratio", type=float, default=0.65, help="fraction of base steps of lr decay (SFT: 0.5)")
@@ -440,16 +396,14 @@ def parse_args(argv=None):
     g.add_argument("--coordinator", default=None, help="host:port of process 0, for multi-host jax.distributed")
     g.add_argument("--num-processes", type=int, default=None, help="processes of a --coordinator run")
     g.add_argument("--process-id", type=int, default=None, help="this process's rank, 0 to --num-processes - 1")
-    g.add_argument("--distributed", action="store_true", help="jax.distributed.initialize() from the environment "
-                   "(TPU pods, SLURM)")
+    g.add_argument("--distributed", action="store_true", help="jax.distributed.initialize() on TPU pods, SLURM")
     return p.parse_args(argv)
 
 
 def setup_process(compile_cache):
-    """Process-wide settings: the persistent XLA compilation cache ('' for none), and glibc malloc keeping freed
-    memory. XLA on the CPU takes its buffers from malloc, and glibc maps every block of 32 MiB or more afresh and
-    unmaps it on free, so each step would page-fault its large activations back in; one heap that never shrinks
-    reuses the memory, for a higher peak RSS (README, performance)."""
+    """The persistent XLA compilation cache ('' for none), and glibc malloc keeping freed memory: XLA on the CPU
+    takes its buffers from malloc, which maps blocks of 32 MiB or more afresh and unmaps them on free, so every step
+    would page-fault its activations back in (README, performance)."""
     if compile_cache:
         jax.config.update("jax_compilation_cache_dir", compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -473,13 +427,11 @@ def main(argv=None):
     args = parse_args(argv)
     setup_process(args.compile_cache)
     init_distributed(args)
-    t = time.perf_counter()
-    tok = get_tokenizer(args)
-    results = {}
+    t, tok, results = time.perf_counter(), get_tokenizer(args), {}
     for stage in {"all": ("base", "sft"), "tokenizer": (), "base": ("base",), "sft": ("sft",)}[args.stage]:
         params, cfg, losses, info = run_stage(args, stage, tok)
-        results[stage] = {"val_bpb": info["val_bpb"], "final_loss": losses[-1] if losses else None,
-                          "minutes": info["time"] / 60}
+        results[stage] = dict(val_bpb=info["val_bpb"], final_loss=losses[-1] if losses else None,
+                              minutes=info["time"] / 60)
         if stage == "sft" and args.eval_tasks > 0:
             results["tasks"] = evaluate_tasks(local(params), cfg, tok, n=args.eval_tasks)
     results["total_minutes"] = (time.perf_counter() - t) / 60
@@ -492,5 +444,5 @@ if __name__ == "__main__":
         main()
     except (ValueError, FileNotFoundError, ImportError) as e:  # bad input (a path, a size): one line, no traceback
         sys.exit(f"error: {e}")
-    except (Interrupted, FloatingPointError) as e:  # Ctrl-C saved, or training diverged: say where to go on from
-        sys.exit(str(e))
+    except (KeyboardInterrupt, FloatingPointError) as e:  # Ctrl-C, or training diverged: say where to go on from
+        sys.exit(str(e) or "interrupted")
