@@ -15,8 +15,8 @@ Params are fp32 masters; compute_dtype="bfloat16" casts them once at the top of 
 statistics, the attention softmax, logits and loss stay fp32 (nanochat's COMPUTE_DTYPE).
 
 Read `init_params`, `param_groups` (how the optimizer treats each leaf), then `block`: one layer over one layer's
-weights, shared by training, prefill and decode. `attend` is the plain attention; training calls
-`causal_attention`, the backend's fast route to the same numbers (cuDNN on GPU, `attend_cpu`), tested against it.
+weights, shared by training, prefill and decode. `attend` is the plain attention; `causal_attention` (training)
+and `attend_cpu` are the backends' fast routes to the same numbers (cuDNN on GPU), tested against it.
 Inference is nanochat's Engine: a preallocated KV cache written in place at a traced position (donated: one
 compiled decode step serves every position), masks from absolute positions so sliding windows hold while decoding,
 prompts padded to power-of-two buckets, greedy / temperature / top-k sampling, tools that force tokens.
@@ -185,36 +185,31 @@ def attend(q, k, v, mask):
     return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
 
 
-def causal_attention(q, k, v, window):
-    """attend() over positions 0..T-1 (training), by the backend's fastest route to the same numbers: cuDNN's fused
-    flash attention on a GPU in bf16, `attend_cpu` on a CPU, the plain version elsewhere."""
-    if jax.default_backend() == "cpu":
-        return attend_cpu(q, k, v, window)
+def attend_cpu(q, k, v, mask):
+    """attend() shaped for XLA on a CPU, which has no fused attention kernel: no max pass in the softmax, and the
+    normalization after the second matmul. That is only safe with QK-norm: q, k are RMS-normed and scaled by 1.2, so
+    |score| <= 1.44 sqrt(D) and exp cannot overflow in fp32."""
+    B, Tq, H, D = q.shape
+    q = q.reshape(B, Tq, k.shape[2], H // k.shape[2], D)  # (B, Tq, K, H/K, D): query heads grouped by kv head
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / D**0.5
+    p = jnp.where(mask, jnp.exp(scores), 0.0)  # (B, K, H/K, Tq, Tk)
+    y = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return (y / p.sum(-1).transpose(0, 3, 1, 2)[..., None]).astype(v.dtype).reshape(B, Tq, H, D)
+
+
+def causal_attention(q, k, v, window, block=128):
+    """attend() over positions 0..T-1 (training) by the backend's fast route to the same numbers: cuDNN's fused
+    flash attention on a GPU in bf16; on a CPU, `attend_cpu` on blocks of 128 queries, each over only the keys from
+    its window's start to its own end (fully masked key blocks are never computed); else the plain attend()."""
+    pos = jnp.arange(q.shape[1])
     if jax.default_backend() == "gpu" and q.dtype == jnp.bfloat16:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window, 0),
                                             implementation="cudnn")
-    pos = jnp.arange(q.shape[1])
-    return attend(q, k, v, attention_mask(pos, pos, window))
-
-
-def attend_cpu(q, k, v, window, block=128):
-    """attend() over positions 0..T-1, shaped for XLA on a CPU, which has no fused attention kernel: queries in
-    blocks of 128, each over only the keys from its window's start to its own end (fully masked blocks are never
-    computed); heads first, so every matmul is a plain batched one; and no max pass in the softmax. That is only
-    safe with QK-norm: q, k are RMS-normed and scaled by 1.2, so |score| <= 1.44 sqrt(D) and exp cannot overflow."""
-    B, T, H, D = q.shape
-    K = k.shape[2]
-    pos = jnp.arange(T)
-    q = q.reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)  # (B, K, H/K, T, D)
-    k, v = (a.transpose(0, 2, 1, 3)[:, :, None] for a in (k, v))  # (B, K, 1, T, D)
-    out = []
-    for s in range(0, T, block):
-        e, lo = s + block, max(0, s - window)
-        scores = jnp.matmul(q[..., s:e, :], k[..., lo:e, :].mT, preferred_element_type=jnp.float32) / D**0.5
-        p = jnp.where(attention_mask(pos[s:e], pos[lo:e], window), jnp.exp(scores), 0.0)
-        y = jnp.matmul(p.astype(v.dtype), v[..., lo:e, :], preferred_element_type=jnp.float32)
-        out.append(y / p.sum(-1, keepdims=True))
-    return jnp.concatenate(out, axis=3).astype(v.dtype).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+    if jax.default_backend() != "cpu":
+        return attend(q, k, v, attention_mask(pos, pos, window))
+    blocks = [(s, s + block, max(0, s - window)) for s in range(0, q.shape[1], block)]
+    return jnp.concatenate([attend_cpu(q[:, s:e], k[:, lo:e], v[:, lo:e], attention_mask(pos[s:e], pos[lo:e], window))
+                            for s, e, lo in blocks], axis=1)
 
 
 def smear(x, gate_w, lam, prev=None):
@@ -244,7 +239,8 @@ def attention(w, x, ve, cos, sin, window, cache=None, pos=0):
         y = causal_attention(q, k, v, window)
     else:  # in place on the donated cache: one compiled step serves every position
         k, v = cache = tuple(jax.lax.dynamic_update_slice(c, a, (0, pos, 0, 0)) for c, a in zip(cache, (k, v)))
-        y = attend(q, k, v, attention_mask(pos + jnp.arange(T), jnp.arange(k.shape[1]), window))
+        mask = attention_mask(pos + jnp.arange(T), jnp.arange(k.shape[1]), window)
+        y = (attend_cpu if jax.default_backend() == "cpu" else attend)(q, k, v, mask)
     return y.reshape(B, T, C) @ w["c_proj"], cache
 
 
@@ -260,15 +256,15 @@ def block(layer, x, x0, ve, cos, sin, window, cache=None, pos=0):
 def unstack(params, cfg):
     """The params with the stacked weights split into `layers`, one dict per layer as `block` takes it. Inside jit
     each slice is a copy: nothing next to a training step, 4x a decode step, so `generate` unstacks outside jit."""
-    h = params["h"]
-    layers = []
+    s = jax.tree.map(list, {k: params[k] for k in ("h", "value_embeds", "resid_lambdas", "x0_lambdas")})
+    h, layers = s["h"], []  # list(a) slices a stacked array in one op; a[i] for each i would dispatch one op each
     for i in range(cfg.n_layer):
         layer = {"attn": {k: h["attn"][k][i] for k in ("c_q", "c_k", "c_v", "c_proj")},
                  "mlp": {k: w[i] for k, w in h["mlp"].items()},
-                 "resid_lambda": params["resid_lambdas"][i], "x0_lambda": params["x0_lambdas"][i]}
+                 "resid_lambda": s["resid_lambdas"][i], "x0_lambda": s["x0_lambdas"][i]}
         if i in cfg.ve_layers:
             j = cfg.ve_layers.index(i)
-            layer["attn"]["ve_gate"], layer["value_embed"] = h["attn"]["ve_gate"][j], params["value_embeds"][j]
+            layer["attn"]["ve_gate"], layer["value_embed"] = h["attn"]["ve_gate"][j], s["value_embeds"][j]
         layers.append(layer)
     rest = ("wte", "lm_head", "smear_gate", "smear_lambda", "backout_lambda")
     return {"layers": layers, **{k: params[k] for k in rest}}

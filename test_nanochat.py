@@ -201,7 +201,7 @@ def test_fast_attention_equals_plain(T, window, dtype):
     q, k, v = (a.astype(dtype) for a in (q, k, jax.random.normal(keys[2], (2, T, 2, 16))))
     pos = jnp.arange(T)
     plain = nc.attend(q, k, v, nc.attention_mask(pos, pos, window)).astype(jnp.float32)
-    for fast in (nc.attend_cpu(q, k, v, window), nc.causal_attention(q, k, v, window)):
+    for fast in (nc.attend_cpu(q, k, v, nc.attention_mask(pos, pos, window)), nc.causal_attention(q, k, v, window)):
         assert fast.dtype == q.dtype
         np.testing.assert_allclose(fast.astype(jnp.float32), plain, rtol=0, atol=1e-5 if dtype == "float32" else 2e-2)
     if window < T:  # the window binds: full causal attention differs
