@@ -168,7 +168,8 @@ def rotary(positions, head_dim):
 
 def apply_rotary(x, cos, sin):
     """Rotate split halves of x (B, T, H, D) by -theta, nanochat's (checkpoint-compatible) sign."""
-    x1, x2 = jnp.split(x, 2, axis=-1)
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d], x[..., d:]  # slices: the gradient of jnp.split is a concatenate, slower on a CPU
     cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
     return jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], axis=-1)
 
@@ -186,15 +187,17 @@ def attend(q, k, v, mask):
 
 
 def attend_cpu(q, k, v, mask):
-    """attend() shaped for XLA on a CPU, which has no fused attention kernel: no max pass in the softmax, and the
-    normalization after the second matmul. That is only safe with QK-norm: q, k are RMS-normed and scaled by 1.2, so
-    |score| <= 1.44 sqrt(D) and exp cannot overflow in fp32."""
+    """attend() shaped for XLA on a CPU, which has no fused attention kernel: heads first, so both matmuls are plain
+    batched ones, and no max pass in the softmax. That is only safe with QK-norm: q, k are RMS-normed and scaled by
+    1.2, so |score| <= 1.44 sqrt(D) and exp cannot overflow in fp32."""
     B, Tq, H, D = q.shape
-    q = q.reshape(B, Tq, k.shape[2], H // k.shape[2], D)  # (B, Tq, K, H/K, D): query heads grouped by kv head
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / D**0.5
-    p = jnp.where(mask, jnp.exp(scores), 0.0)  # (B, K, H/K, Tq, Tk)
-    y = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return (y / p.sum(-1).transpose(0, 3, 1, 2)[..., None]).astype(v.dtype).reshape(B, Tq, H, D)
+    K = k.shape[2]
+    q = q.reshape(B, Tq, K, H // K, D).transpose(0, 2, 3, 1, 4)  # (B, K, H/K, Tq, D): query heads by kv head
+    k, v = (a.transpose(0, 2, 1, 3)[:, :, None] for a in (k, v))  # (B, K, 1, Tk, D)
+    scores = jnp.matmul(q, k.mT, preferred_element_type=jnp.float32) / D**0.5  # (B, K, H/K, Tq, Tk)
+    p = jnp.where(mask, jnp.exp(scores), 0.0)
+    y = jnp.matmul(p.astype(v.dtype), v, preferred_element_type=jnp.float32) / p.sum(-1, keepdims=True)
+    return y.astype(v.dtype).transpose(0, 3, 1, 2, 4).reshape(B, Tq, H, D)
 
 
 def causal_attention(q, k, v, window, block=128):

@@ -4,6 +4,7 @@ Golden numbers in testdata/ come from the real PyTorch nanochat (see ../shared/g
 were made); tolerances are the ones that README justifies from fp32-vs-fp64 reruns.
 """
 
+import ast
 import collections
 import dataclasses
 import http.client
@@ -329,6 +330,18 @@ def test_muon_trains_a_model_that_is_not_the_gpt():
         params, state, l = step(params, state)
         losses.append(float(l))
     assert losses[-1] < 0.2 * losses[0], (losses[0], losses[-1])
+
+
+def test_imports_flow_one_way():
+    """The model and the optimizer import nothing of the project, data.py no jax, chat.py not the trainer."""
+    def imports(name):
+        tree = ast.parse((pathlib.Path(__file__).parent / name).read_text())
+        return {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in (n.names if isinstance(n, ast.Import) else [ast.alias(n.module or "")])}
+    ours = {"nanochat", "muon", "data", "train", "chat", "bench", "scaling"}
+    assert not imports("muon.py") & ours and not imports("nanochat.py") & ours
+    assert not imports("data.py") & (ours | {"jax"}) and imports("chat.py") & ours == {"nanochat", "data"}
+    assert imports("train.py") & ours == {"nanochat", "muon", "data"}
 
 
 def test_readme_snippets_run():
