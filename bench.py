@@ -4,6 +4,7 @@ Benchmarks that print one JSON line each, so numbers can be compared across mach
     python bench.py tokenizer    # BPE training on 5 MB of distinct text to vocab 4096, then encode speed
     python bench.py decode       # KV-cache generation: 16-token prompt, 200 new tokens at batch 1 and 8
     python bench.py train        # the whole training step (fwd, bwd, MuonAdamW) of the performance issue's configs
+    python bench.py accel        # on a GPU or TPU: d12 and d20 training steps (T 2048, bf16) and generation
 
 Speed is measured here, never in a timed unit test.
 """
@@ -42,6 +43,11 @@ CONFIGS = {
     "d6": nc.Config(sequence_len=512, vocab_size=8192, n_layer=6, n_head=6, n_kv_head=6, n_embd=384,
                     window_pattern="L"),
 }
+
+# bf16 dense peak FLOP/s by device kind (vendor datasheets), for MFU on accelerators
+BF16_PEAK = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L4": 121e12, "TPU v4": 275e12,
+             "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12, "TPU v6 lite": 918e12,
+             "TPU v6e": 918e12}
 
 
 @functools.cache
@@ -84,49 +90,54 @@ def bench_tokenizer(args):
                       "encode_mb_per_s": round(mb / encode_s, 2), "bytes_per_token": round(mb * 1e6 / len(ids), 3)}))
 
 
+def generate_timing(params, cfg, batch, prompt_len=16, new=200, repeats=3):
+    """nanochat's Engine benchmark: a random prompt, `new` tokens sampled at temperature 1 for `batch` rows; the
+    first generate call (compiling prefill and decode), then the median, and the prefill alone."""
+    prompt = list(np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_len))
+    run = lambda: sum(1 for _ in nc.generate(params, cfg, prompt, max_tokens=new, key=jax.random.key(1),
+                                             num_samples=batch))
+    t0 = time.perf_counter()
+    run()
+    first_s, times = time.perf_counter() - t0, []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        steps = run()
+        times.append(time.perf_counter() - t0)
+    p = nc.unstack(jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params), cfg)  # as generate calls prefill
+    tokens = np.array([prompt], np.int32)
+    max_len = min(nc._bucket(prompt_len + new), cfg.sequence_len)
+    pre = lambda: jax.block_until_ready(nc.prefill(p, tokens, prompt_len, jax.random.key(1), 1.0, cfg, max_len, batch))
+    pre()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        pre()
+    prefill_s = (time.perf_counter() - t0) / 10
+    return {"batch": batch, "prompt": prompt_len, "new_tokens": steps,
+            "decode_tok_per_s": round(batch * steps / statistics.median(times)), "first_generate_s": round(first_s, 2),
+            "prefill_ms": round(prefill_s * 1e3, 2), "prefill_tok_per_s": round(prompt_len / prefill_s)}
+
+
 def bench_decode(args):
     """nanochat's Engine benchmark: a 16-token prompt, 200 sampled tokens (temperature 1), batch 1 and 8."""
     peak = sgemm_peak()
     for name in args.configs:
         cfg = CONFIGS[name]
         params = nc.init_params(cfg, jax.random.key(0))
-        prompt = list(np.random.default_rng(0).integers(0, cfg.vocab_size, 16))
-        tokens = np.array([prompt], np.int32)
         for batch in (1, 8):
-            run = lambda: sum(1 for _ in nc.generate(params, cfg, prompt, max_tokens=200, key=jax.random.key(1),
-                                                     num_samples=batch))
-            t0 = time.perf_counter()
-            run()  # the first call compiles prefill and decode
-            first_s = time.perf_counter() - t0
-            times = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                steps = run()
-                times.append(time.perf_counter() - t0)
-            pre = lambda: jax.block_until_ready(nc.prefill(nc.unstack(params, cfg), tokens, 16, jax.random.key(1), 1.0,
-                                                           cfg, 256, batch))  # as generate calls it
-            pre()
-            t0 = time.perf_counter()
-            for _ in range(10):
-                pre()
-            prefill_s = (time.perf_counter() - t0) / 10
-            tok_s = batch * steps / statistics.median(times)
-            gflops = nc.estimate_flops(cfg) / 3 * tok_s / 1e9  # the forward third of nanochat's training count
-            print(json.dumps({"bench": "decode", "config": name, "params": nc.num_scaling_params(cfg)["total"],
-                              "batch": batch, "new_tokens": steps, "decode_tok_per_s": round(tok_s),
-                              "gflop_per_s": round(gflops, 2), "mfu": round(gflops * 1e9 / peak, 4),
-                              "first_generate_s": round(first_s, 2), "prefill_ms": round(prefill_s * 1e3, 2),
-                              "prefill_tok_per_s": round(16 / prefill_s), "peak_rss_gb": round(
-                                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}), flush=True)
+            r = generate_timing(params, cfg, batch, repeats=args.repeats)
+            gflops = nc.estimate_flops(cfg) / 3 * r["decode_tok_per_s"] / 1e9  # the forward third of the training count
+            print(json.dumps({"bench": "decode", "config": name, "params": nc.num_scaling_params(cfg)["total"], **r,
+                              "gflop_per_s": round(gflops, 2), "mfu": round(gflops * 1e9 / peak, 4), "peak_rss_gb":
+                              round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}), flush=True)
 
 
-def train_step_timing(name, steps, warmup=3):
-    """In this process: time from process start to the first finished step, then the median step time."""
-    cfg, (B, T) = CONFIGS[name], BATCH[name]
+def train_step_timing(cfg, B, steps, warmup=3):
+    """In this process: time from process start to the first finished step, the first call alone (compile
+    included), then the median step time, on random tokens (B, cfg.sequence_len)."""
     params = nc.init_params(cfg, jax.random.key(0))
     opt_state = muon.init(params, *nc.param_groups(params))
     rng = np.random.default_rng(0)
-    x, y = (rng.integers(0, cfg.vocab_size, (1, B, T), dtype=np.int32) for _ in range(2))
+    x, y = (rng.integers(0, cfg.vocab_size, (1, B, cfg.sequence_len), dtype=np.int32) for _ in range(2))
     # train.py's default settings; a nonzero Muon weight decay, so the cautious decay runs as in pretraining
     sched, lrs = train.base_schedule(train.parse_args([]), 1000, 1.0, 0.2)
     times = []
@@ -137,8 +148,8 @@ def train_step_timing(name, steps, warmup=3):
         times.append(time.perf_counter() - t0)
         if i == 0:
             first = time.time() - START
-    return {"first_step_s": first, "step_s": statistics.median(times[warmup:]), "loss": float(m["loss"]),
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    return {"first_step_s": first, "first_call_s": times[0], "step_s": statistics.median(times[warmup:]),
+            "loss": float(m["loss"]), "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 def bench_train(args):
@@ -165,12 +176,44 @@ def bench_train(args):
                           "loss": round(runs[-1]["loss"], 4)}), flush=True)
 
 
+def bench_accel(args):
+    """nanochat's d12 and d20 at T 2048 in bf16 on the accelerator: the training step at the largest device batch
+    that fits (tried from 64 down), then prefill of 1,024 tokens and decoding 200 tokens at batch 1 and 32."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        skipped = "no GPU or TPU here; run it where one is (CPU: bench.py train)"
+        print(json.dumps({"bench": "accel", "skipped": skipped}))
+        return
+    peak = next((v for k, v in BF16_PEAK.items() if k in device.device_kind), None)
+    for depth in args.depths:
+        cfg = nc.config_for_depth(depth, 32768, sequence_len=2048, compute_dtype="bfloat16")
+        for B in (64, 32, 16, 8, 4, 2, 1):
+            try:
+                r = train_step_timing(cfg, B, args.steps)
+                break
+            except jax.errors.JaxRuntimeError as e:  # out of memory: try half the batch
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+        tok_s = B * cfg.sequence_len / r["step_s"]
+        flops = nc.estimate_flops(cfg) * tok_s
+        print(json.dumps({"bench": "accel", "what": "train", "device": device.device_kind, "depth": depth,
+                          "params": nc.num_scaling_params(cfg)["total"], "batch": [B, cfg.sequence_len],
+                          "tok_per_s": round(tok_s), "step_ms": round(r["step_s"] * 1e3, 1),
+                          "tflop_per_s": round(flops / 1e12, 1), "mfu": round(flops / peak, 3) if peak else None,
+                          "first_step_s": round(r["first_call_s"], 1), "loss": round(r["loss"], 4)}), flush=True)
+        params = nc.init_params(cfg, jax.random.key(0))
+        for batch in (1, 32):
+            print(json.dumps({"bench": "accel", "what": "generate", "device": device.device_kind, "depth": depth,
+                              **generate_timing(params, cfg, batch, prompt_len=1024, new=200, repeats=2)}), flush=True)
+
+
 def bench_train_child(args):
     train.setup_process(os.environ["BENCH_CACHE"])
-    print(json.dumps(train_step_timing(args.configs[0], args.steps)))
+    print(json.dumps(train_step_timing(CONFIGS[args.configs[0]], BATCH[args.configs[0]][0], args.steps)))
 
 
-MODES = {"tokenizer": bench_tokenizer, "decode": bench_decode, "train": bench_train, "train-child": bench_train_child}
+MODES = {"tokenizer": bench_tokenizer, "decode": bench_decode, "train": bench_train, "train-child": bench_train_child,
+         "accel": bench_accel}
 
 
 def main():
@@ -181,7 +224,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3, help="runs; the median time is reported")
     p.add_argument("--configs", nargs="*", choices=sorted(CONFIGS),
                    help="models (default: train all three, decode nano and d6)")
-    p.add_argument("--steps", type=int, default=10, help="train: timed steps after 3 warm-up steps")
+    p.add_argument("--steps", type=int, default=10, help="train, accel: timed steps after 3 warm-up steps")
+    p.add_argument("--depths", type=int, nargs="*", default=[12, 20], help="accel: nanochat depths (T 2048, bf16)")
     args = p.parse_args()
     args.configs = args.configs or (list(CONFIGS) if args.mode == "train" else ["nano", "d6"])
     MODES[args.mode](args)

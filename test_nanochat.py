@@ -720,6 +720,20 @@ def test_train_cli_error_is_one_line_and_help_shows_defaults(tmp_path, capsys):
     assert "--target-flops TARGET_FLOPS base training FLOPs (-1: use the ratio) (default: -1.0)" in out
 
 
+def test_bench_json_lines():
+    """bench.py: `accel` says in one JSON line that it needs an accelerator and exits 0; the timing helpers it and
+    `decode` / `train` print from give their fields."""
+    r = subprocess.run([sys.executable, "bench.py", "accel"], cwd=pathlib.Path(__file__).parent, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1]) == {
+        "bench": "accel", "skipped": "no GPU or TPU here; run it where one is (CPU: bench.py train)"}
+    import bench
+    g = bench.generate_timing(random_params(TINY, 0), TINY, 2, prompt_len=5, new=4, repeats=1)
+    assert g["batch"] == 2 and g["new_tokens"] == 4 and g["decode_tok_per_s"] > 0 and g["prefill_ms"] > 0
+    t = bench.train_step_timing(TINY, 2, steps=1, warmup=1)
+    assert np.isfinite(t["loss"]) and 0 < t["step_s"] and t["first_call_s"] > 0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # data.py: tokenizer, corpora, packing, chat format, calculator, synthetic tasks
 
