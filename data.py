@@ -117,8 +117,9 @@ def train_tokenizer(texts, vocab_size, pat_str=SPLIT_PATTERN, max_chars=None, do
     for text in [texts] if isinstance(texts, str) else texts:  # only unique chunks are kept: the text is not reread
         if max_chars is not None and seen >= max_chars:
             break
-        seen += len(text[:doc_chars])
-        chunks.update(pattern.findall(text[:doc_chars]))
+        text = text[:doc_chars]
+        seen += len(text)
+        chunks.update(pattern.findall(text))
     if not chunks:
         raise ValueError("no text to train the tokenizer on; check the corpus")
     words, freq = [list(w.encode()) for w in chunks], list(chunks.values())
