@@ -143,7 +143,7 @@ def train_step_timing(cfg, B, steps, warmup=3):
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
-        params, opt_state, m = train.jit_train_step(params, opt_state, x, y, i, sched, lrs, cfg=cfg)
+        params, opt_state, m = train.jit_train_step(params, opt_state, (x, y), i, sched, lrs, cfg=cfg)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
         if i == 0:

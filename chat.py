@@ -1,6 +1,6 @@
 """Chat with a nanochat model: in the terminal, in the browser, or through an OpenAI-compatible API.
 
-    python chat.py                          # terminal chat with the newest checkpoint (checkpoints/sft, else base)
+    python chat.py                          # terminal chat with the newest checkpoint (checkpoints/rl, else sft, base)
     python chat.py -p "What is 12*34?"      # one shot: print the reply and exit
     python chat.py --serve                  # web chat at http://127.0.0.1:8000/, OpenAI API at .../v1
     python chat.py --checkpoint checkpoints/base/step_000600 -t 0

@@ -11,7 +11,8 @@
   buffered document that fits goes in whole, a row is cropped only when none fits; SFT pads instead (chat_sft.py).
   The state (stream position and buffered documents' positions) resumes to exactly the same rows.
 - Chat: nanochat's rendering (ids and masks; a typed "<|bos|>" stays text) and calculator tool, evaluated on a
-  whitelisted `ast`, never `eval`; synthetic tasks checked by exact match (identity, arithmetic, spelling, docstrings).
+  whitelisted `ast`, never `eval`. Synthetic tasks (identity, arithmetic, letter counting, spelling, reading a
+  docstring) in many phrasings, checked by exact match; hand-written questions graded per skill.
 - Checkpoints: msgpack trees of arrays and step directories, written to a temp name and renamed: complete or absent.
 """
 import ast
@@ -385,8 +386,13 @@ def pretrain_batches(tok, documents, B, T, state=None, buffer_size=1000):
 
 
 def sft_batches(tok, conversations, B, T, state=None, buffer_size=100):
-    """Endless (inputs, targets, state) of nanochat's SFT best fit: pads with BOS, targets -1 where unsupervised."""
-    encode = lambda messages: render_conversation(tok, messages, max_tokens=T + 1)
+    """Endless (inputs, targets, state) of nanochat's SFT best fit: pads with BOS, targets -1 where unsupervised.
+    An item is a conversation, or a document (a str: its first T + 1 tokens, all trained on)."""
+    def encode(item):
+        if isinstance(item, str):
+            ids = ([tok.bos] + tok.encode(item))[:T + 1]
+            return ids, [1] * len(ids)
+        return render_conversation(tok, item, max_tokens=T + 1)
     for rows, masks, st in _best_fit(conversations, encode, B, T, state, buffer_size, True, tok.bos):
         yield rows[:, :-1], np.where(masks[:, 1:] == 1, rows[:, 1:], -1).astype(np.int32), st
 
@@ -533,17 +539,118 @@ def calculator_tool(tok):
     return tool
 
 # ------------------------------------------------------------------------------------------------ tasks
+# Each task generator draws its user message from many phrasings (greetings, case, end punctuation, quotes, operator
+# words and verbs) and its items from broad pools (operands of 1-4 digits with short ones common, corpus words and
+# made-up words), so a model learns to copy numbers and words out of the question rather than a template.
 
-TASKS = ("identity", "arithmetic", "spelling", "docstring")
-_IDENTITY = (
-    (("Who are you?", "What are you?", "What is your name?", "What's your name?", "Introduce yourself.",
-      "Tell me about yourself.", "Are you a person?", "What should I call you?", "Are you ChatGPT?"),
-     "I'm nanochat, a small language model trained from scratch with a pure JAX port of Andrej Karpathy's nanochat."),
-    (("Who made you?", "Who built you?", "Who trained you?", "Who created you?", "Where do you come from?",
-      "How were you made?"),
-     "I was trained from scratch by the person who ran this nanochat JAX code, on Python documentation and a few "
-     "synthetic tasks."),
-)
+TASKS = ("identity", "arithmetic", "counting", "spelling", "docstring")
+_GREETINGS = ("",) * 6 + ("Hi! ", "Hello. ", "Hey there! ", "hi, ", "Good morning! ", "Hello!\n", "Quick question: ",
+                          "Hey, ", "Please help. ")
+_IDENTITY = ("I'm nanochat, a small language model trained from scratch on Python documentation and a few synthetic "
+             "tasks by the person who ran this pure JAX port of Andrej Karpathy's nanochat.")
+_WHO = ("Who are you?", "What are you?", "What is your name?", "What's your name?", "Your name?", "Introduce yourself.",
+        "Tell me about yourself.", "Are you a person?", "Are you human?", "Are you a robot?", "Are you an AI?",
+        "What should I call you?", "Are you ChatGPT?", "Are you Siri?", "Are you GPT-4?", "Which model are you?",
+        "What kind of assistant are you?", "Do you have a name?", "Tell me your name.", "What am I talking to?",
+        "Who am I talking to?", "Identify yourself.", "Say who you are.", "What is this bot?", "Which AI is this?",
+        "What do they call you?", "Describe yourself.", "What exactly are you?", "Can you tell me who you are?",
+        "Who is this?", "What model is this?", "Is this a chatbot?", "Are you a language model?", "Hi, who's there?",
+        "Who made you?", "Who built you?", "Who trained you?", "Who created you?", "Where do you come from?",
+        "How were you made?", "Who is your creator?", "Who developed you?", "Which company made you?",
+        "Who programmed you?", "How were you trained?", "Who wrote you?", "Who designed you?", "Who owns you?",
+        "What were you trained on?", "Who is behind you?", "Who invented you?", "Who's your developer?",
+        "Who are your makers?", "How did you learn?", "Who taught you?", "What data were you trained on?")
+_ABOUT = (("this model", "this assistant", "the model I'm talking to", "this chatbot", "the AI I'm chatting with",
+           "this bot", "the assistant here"),
+          ("Who made {}?", "Who trained {}?", "Who built {}?", "Which team created {}?", "What is {} called?",
+           "What is the name of {}?", "Which company built {}?", "Who is responsible for {}?",
+           "Where does {} come from?",
+           "What kind of AI is {}?", "How was {} trained?", "What was {} trained on?", "Tell me about {}."))
+_ASK = ("What is {}?", "What's {}?", "what is {}", "Calculate {}.", "Compute {}.", "How much is {}?", "{} = ?",
+        "{}=?", "{}?", "{}", "Solve {}.", "Evaluate {}.", "Please work out {}.", "Can you tell me {}?",
+        "Could you calculate {} for me?", "I need to know {}.", "Find {}.", "Tell me {}.", "What do you get for {}?",
+        "Work out {}", "What does {} equal?", "What is the value of {}?", "Give me {}.", "{} equals what?")
+_PAIR = {  # the two numbers first, the operation after
+    "+": ("Take {0} and {1} and add them.", "What do {0} and {1} add up to?", "{0} and {1}: what is their sum?",
+          "If you add {0} and {1}, what do you get?", "What do you get when you add {1} to {0}?"),
+    "-": ("Start with {0} and take away {1}.", "If you subtract {1} from {0}, what do you get?",
+          "{0} and {1}: what is their difference?", "What is left when you take {1} from {0}?",
+          "I had {0}, I lost {1}."),
+    "*": ("Take {0} and {1} and multiply them.", "{0} and {1}: what is their product?",
+          "If you multiply {0} by {1}, what do you get?", "What do you get when {0} is multiplied by {1}?"),
+    "/": ("{0} and {1}: what is their quotient?", "If you divide {0} by {1}, what do you get?",
+          "How many times does {1} go into {0}?", "What do you get when {0} is divided by {1}?",
+          "Share {0} equally among {1}: how much each?"),
+}
+_DO = ("{}.", "Please {}.", "Can you {}?", "{}, please.", "Could you {} for me?", "I want you to {}.",
+       "{} and tell me the result.", "{}?", "Help me {}.")
+_ARITH = {  # op -> (phrasings of "a op b" to ask about, imperatives); {0} is a, {1} is b, the expression is a op b
+    "+": (("{0}+{1}", "{0} + {1}", "{0} plus {1}", "the sum of {0} and {1}", "{0} added to {1}",
+           "{0} and {1} together"),
+          ("add {0} and {1}", "add {0} to {1}", "sum {0} and {1}", "add up {0} and {1}")),
+    "-": (("{0}-{1}", "{0} - {1}", "{0} minus {1}", "the difference between {0} and {1}", "{1} subtracted from {0}",
+           "{0} take away {1}", "{0} less {1}"),
+          ("subtract {1} from {0}", "take {1} away from {0}", "take away {1} from {0}", "deduct {1} from {0}")),
+    "*": (("{0}*{1}", "{0} * {1}", "{0} x {1}", "{0} times {1}", "{0} multiplied by {1}", "the product of {0} and {1}"),
+          ("multiply {0} by {1}", "multiply {0} and {1}", "multiply {0} times {1}")),
+    "/": (("{0}/{1}", "{0} / {1}", "{0} divided by {1}", "the quotient of {0} and {1}", "{0} over {1}"),
+          ("divide {0} by {1}", "split {0} into {1} equal parts", "divide {0} into {1} parts")),
+}
+_COUNT = ("How many {c} are in {w}?", "How many {c} are there in {w}?", "How many times does {c} appear in {w}?",
+          "How many times does {c} occur in {w}?", "Count the {c} in {w}.", "Count how many {c} {w} has.",
+          "In {w}, how many {c} are there?", "How often does {c} appear in {w}?", "What is the number of {c} in {w}?",
+          "{w}: how many {c}?", "Tell me how many {c} {w} contains.", "How many {c} does {w} have?",
+          "Count {c} in {w}", "Number of {c} in {w}?", "How many {c} can you find in {w}?",
+          "The word is {w}. How many {c} does it have?", "{w}: count the {c} in it.", "Take {w}. How many {c} in it?",
+          "Look at {w}. How many times does {c} appear in it?", "I have a word, {w}. Count its {c}.")
+_LETTER = ("{}", "'{}'", '"{}"', "{}'s", "the letter {}", "the letter '{}'", "letter {}", "{}s")
+_SPELL = ("Spell {w}.", "How do you spell {w}?", "Spell {w} letter by letter.", "Can you spell {w} for me?",
+          "Spell out {w}.", "spell: {w}", "What are the letters of {w}?", "How is {w} spelled?", "Please spell {w}.",
+          "Write {w} one letter at a time.", "Break {w} into letters.", "Give me the spelling of {w}.",
+          "What is the spelling of {w}?", "{w} - spell it", "Letters in {w}?", "Spell {w} for me, letter by letter.",
+          "{w}: spell it.", "The word is {w}. Spell it.", "Here is a word: {w}. How is it spelled?",
+          "{w}. Spell that for me.", "Take the word {w} and spell it out.", "I have a word, {w}. What are its letters?",
+          "{w}? Spell it, please.")
+_WORD = ("{}", "{}", "'{}'", '"{}"', "the word {}", "the word '{}'")
+
+
+def _ask(rng, frame, *slots):
+    """A user message: maybe a greeting, the frame's case and end punctuation varied, then the slots filled in."""
+    q, r = rng.choice(_GREETINGS) + frame, rng.random()
+    q = q.lower() if r < 0.15 else q.upper() if r < 0.18 else q[:1].upper() + q[1:] if r < 0.6 else q
+    if q[-1:] in "?.!" and rng.random() < 0.25:
+        q = q[:-1] + rng.choice(("", "", "!", "??", " ?"))
+    return q.format(*slots)
+
+
+def _number(rng):
+    digits = rng.choices((1, 2, 3, 4), (4, 4, 2, 1))[0]  # short operands common, as people ask
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10 ** digits - 1)
+
+
+@functools.cache
+def _corpus_words():
+    words = collections.Counter(w for _, _, d in stdlib_docstrings() for w in regex.findall(r"\b[a-z]{3,10}\b", d))
+    return sorted(w for w, n in words.items() if n >= 2)  # real English (and Python) words, ~4,000
+
+
+def _word(rng):
+    """A word: from the corpus, made up (syllables, doubled letters common) or random letters; then one letter
+    doubled in a word in four, since doubled letters are where a small model's copying slips."""
+    r = rng.random()
+    if r < 0.55:
+        w = rng.choice(_corpus_words())
+    elif r < 0.9:
+        w = "".join(rng.choice(("", "", "b", "c", "d", "f", "g", "h", "l", "m", "n", "p", "r", "s", "t", "st", "ch",
+                                "w", "k")) + rng.choice("aeiouy") * rng.choice((1, 1, 1, 2)) +
+                    rng.choice(("", "", "r", "n", "s", "ll", "ss", "tt", "rr", "pp", "ck", "m", "ng"))
+                    for _ in range(rng.randint(1, 4)))[:10].ljust(3, "s")
+    else:
+        w = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 10)))
+    if len(w) < 10 and rng.random() < 0.25:
+        i = rng.randrange(len(w))
+        w = w[:i + 1] + w[i:]
+    return w
 
 
 def _user_assistant(question, answer):
@@ -552,72 +659,108 @@ def _user_assistant(question, answer):
 
 def _tool_answer(expr, text):
     """Assistant parts: a calculator call, its output, then a sentence that ends in the result."""
-    out = str(use_calculator(expr))
-    return [{"type": "python", "text": expr}, {"type": "python_output", "text": out},
-            {"type": "text", "text": text.format(out)}]
+    out = use_calculator(expr)
+    shown = str(int(out)) if isinstance(out, float) and out.is_integer() else str(out)
+    return [{"type": "python", "text": expr}, {"type": "python_output", "text": str(out)},
+            {"type": "text", "text": text.format(shown)}]
 
 
 def _identity(rng):
-    questions = [(p + q, a) for qs, a in _IDENTITY for q in qs for p in ("", "Hi! ", "Hello. ", "Hey there! ")]
     while True:
-        q, a = rng.choice(questions)
-        yield q, _user_assistant(q, a)
+        q = rng.choice(_WHO) if rng.random() < 0.5 else rng.choice(_ABOUT[1]).format(rng.choice(_ABOUT[0]))
+        yield q, _user_assistant(_ask(rng, q), _IDENTITY)
 
 
 def _arithmetic(rng):
-    words = {"+": "plus", "-": "minus", "*": "times"}
     while True:
-        a, b, op = rng.randint(0, 999), rng.randint(0, 999), rng.choice("+-*")
-        q = rng.choice(("What is {a} {op} {b}?", "Calculate {a}{op}{b}.", "What is {a} {w} {b}?", "{a} {op} {b} = ?"))
-        expr = f"{a}{op}{b}"
-        yield expr, _user_assistant(q.format(a=a, b=b, op=op, w=words[op]), _tool_answer(expr, f"{a} {op} {b} = {{}}"))
+        op = rng.choice("++--**/")
+        a, b = _number(rng), _number(rng)
+        if op == "/":  # exact divisions: a = b * quotient, of four digits at most
+            b = max(1, b % 100)
+            a = b * min(_number(rng), 9999 // b)
+        asks, dos = _ARITH[op]
+        r = rng.random()
+        frame = (rng.choice(_ASK).format(rng.choice(asks)) if r < 0.6 else rng.choice(_DO).format(rng.choice(dos))
+                 if r < 0.85 else rng.choice(_PAIR[op]))
+        answer = _tool_answer(f"{a}{op}{b}", f"{a} {op} {b} = {{}}")
+        yield f"{a}{op}{b}", _user_assistant(_ask(rng, frame, a, b), answer)
+
+
+def _counting(rng):
+    while True:
+        w = _word(rng)
+        c = rng.choice(w) if rng.random() < 0.85 else rng.choice(string.ascii_lowercase)
+        q = _ask(rng, rng.choice(_COUNT).replace("{c}", "{0}").replace("{w}", "{1}"), rng.choice(_LETTER).format(c),
+                 rng.choice(_WORD).format(w))
+        yield w, _user_assistant(q, _tool_answer(f"'{w}'.count('{c}')", f"'{c}' appears {{}} time(s) in '{w}'."))
 
 
 def _spelling(rng):
-    common = collections.Counter(w for _, _, d in stdlib_docstrings() for w in regex.findall(r"\b[a-z]{3,10}\b", d))
-    words = sorted(w for w, n in common.items() if n >= 20)  # frequent lowercase words: real English, ~1000
     while True:
-        w = rng.choice(words)
-        if rng.random() < 0.5:
-            q = rng.choice(("Spell {w}.", "How do you spell '{w}'?", "Spell the word {w} letter by letter."))
-            yield w, _user_assistant(q.format(w=w), "-".join(w))
-        else:
-            c = rng.choice(w) if rng.random() < 0.8 else rng.choice(string.ascii_lowercase)
-            q = rng.choice(("How many '{c}' are in '{w}'?", "How many times does the letter {c} appear in {w}?",
-                            "Count the letter {c} in the word {w}."))
-            answer = _tool_answer(f"'{w}'.count('{c}')", f"Number of '{c}' in '{w}': {{}}")
-            yield w, _user_assistant(q.format(c=c, w=w), answer)
+        w = _word(rng)
+        yield w, _user_assistant(_ask(rng, rng.choice(_SPELL).replace("{w}", "{}"), rng.choice(_WORD).format(w)),
+                                 "-".join(w))
+
+
+@functools.cache
+def _docstrings():
+    """(name, first paragraph, its first sentence) of public stdlib functions with a short docstring paragraph."""
+    out = []
+    for name, kind, doc in stdlib_docstrings():
+        para = " ".join(doc.split("\n\n")[0].split())
+        m = regex.match(r"(.+?[.!?])(\s|$)", para)
+        if kind == "function" and m and "._" not in name and len(para) <= 200 and 20 <= len(m.group(1)):
+            out.append((name, para, m.group(1)))
+    return out
 
 
 def _docstring(rng):
-    """Questions on public module-level stdlib functions, answered by the first sentence of their docstring."""
-    sentences = {}
-    for name, kind, doc in stdlib_docstrings():
-        m = regex.match(r"(.+?[.!?])(\s|$)", " ".join(doc.split("\n\n")[0].split()))
-        if kind == "function" and m and name.count(".") == 1 and "._" not in name and not name.startswith("_"):
-            s = m.group(1)
-            if 20 <= len(s) <= 160 and s[0].isupper() and "->" not in s:
-                sentences.setdefault(name, s)
-    items = sorted(sentences.items())
+    """Reading: a function's docstring paragraph is in the question; the answer is its first sentence."""
+    frames = ('Here is the docstring of {0}:\n"""{1}"""\nWhat does {0} do, in one sentence?',
+              '{0}: """{1}"""\nSummarize what {0} does in one sentence.',
+              "Docstring of {0}: {1}\nIn one sentence, what does it do?",
+              'def {0}(...):\n    """{1}"""\nWhat is the first sentence of this docstring?',
+              "Read this and tell me what {0} does in one sentence: {1}")
     while True:
-        name, sentence = rng.choice(items)
-        q = rng.choice(("What does {} do?", "What is {} for?", "In one sentence, what does {} do?"))
-        yield name, _user_assistant(q.format(name), sentence)
+        name, para, sentence = rng.choice(_docstrings())
+        yield name, _user_assistant(_ask(rng, rng.choice(frames), name, para), sentence)
+
+
+def recall_conversations(split):
+    """Docstring questions answered from memory (the docstring is not in the prompt), for bits/byte only: recalling
+    an unseen function's first sentence is more than a 1M-parameter model can learn."""
+    return [_user_assistant(f"What does {name} do?", s) for name, _, s in _docstrings()
+            if _holdout(f"docstring/{name}", 20) == (split == "test")]
 
 
 def task_conversations(task, split, seed=0):
     """Endless conversations of one synthetic task; 'train' and 'test' draw from disjoint items (1 in 5 is test)."""
-    makers = {"identity": _identity, "arithmetic": _arithmetic, "spelling": _spelling, "docstring": _docstring}
+    makers = {"identity": _identity, "arithmetic": _arithmetic, "counting": _counting, "spelling": _spelling,
+              "docstring": _docstring}
     if task not in makers or split not in ("train", "test"):
         raise ValueError(f"unknown task {task!r} or split {split!r}: tasks are {TASKS}, splits 'train' and 'test'")
     items = makers[task](random.Random(f"{task}/{split}/{seed}"))
     return (messages for key, messages in items if _holdout(f"{task}/{key}", 20) == (split == "test"))
 
 
-def sft_mixture(seed=0, extra=()):
-    """epoch -> SFT conversations: any user conversations (`extra`), then the tasks' train splits round-robin."""
-    streams = lambda epoch: zip(*(task_conversations(t, "train", seed=seed + 1000 * epoch) for t in TASKS))
-    return lambda epoch: itertools.chain(extra, itertools.chain.from_iterable(streams(epoch)))
+MIXTURE = {"identity": 1, "arithmetic": 3, "counting": 2, "spelling": 5, "docstring": 2}  # conversations drawn per 13
+
+
+def sft_mixture(seed=0, extra=(), documents=None, text_every=8):
+    """epoch -> SFT items: any user conversations (`extra`), then the tasks' train splits drawn by MIXTURE weights,
+    with a pretraining document (a str, trained on whole) after every `text_every` conversations when `documents`
+    (epoch -> texts) is given, so that SFT keeps what pretraining taught."""
+    def items(epoch):
+        rng, tasks = random.Random(f"mixture/{seed}/{epoch}"), list(MIXTURE)
+        streams = [task_conversations(t, "train", seed=seed + 1000 * epoch) for t in tasks]
+        docs = itertools.chain.from_iterable(documents(1000 * epoch + k) for k in itertools.count()) \
+            if documents and text_every else None
+        yield from extra
+        for i in itertools.count(1):
+            yield next(streams[rng.choices(range(len(tasks)), MIXTURE.values())[0]])
+            if docs is not None and i % text_every == 0:
+                yield next(docs)
+    return items
 
 
 def _final_answer(text, numeric):
@@ -625,16 +768,45 @@ def _final_answer(text, numeric):
     if not numeric:
         return text
     numbers = regex.findall(r"-?\d+(?:\.\d+)?", text)
-    return numbers[-1] if numbers else None
+    return float(numbers[-1]) if numbers else None  # as a number: 12.0 is 12
 
 
 def check(messages, generated):
     """Exact match of a decoded completion with a task conversation's last (reference) message: the last number of the
     final text if the reference calls the calculator, else the whole stripped text."""
     ref = messages[-1]["content"]
-    numeric = isinstance(ref, list) and any(p["type"] == "python" for p in ref)
-    ref_text = ref if isinstance(ref, str) else ref[-1]["text"]
-    return _final_answer(generated, numeric) == _final_answer(ref_text, numeric)
+    if isinstance(ref, str):
+        return _final_answer(generated, False) == ref.strip()
+    got = _final_answer(generated, True)
+    return got is not None and got == _final_answer(ref[-1]["text"], True)
+
+
+def load_questions(path):
+    """Hand-written questions of a .jsonl file: {"skill": one of TASKS but docstring, "question", "answer"} a line."""
+    rows = []
+    for n, line in enumerate(_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: invalid JSON ({e}); each line must be a JSON object") from None
+        if not isinstance(rows[-1], dict) or rows[-1].get("skill") not in TASKS[:4] or not all(
+                isinstance(rows[-1].get(k), str) for k in ("question", "answer")):
+            raise ValueError(f"{path}:{n}: want {{\"skill\": one of {TASKS[:4]}, \"question\": str, \"answer\": str}}")
+    return rows
+
+
+def grade(skill, answer, generated):
+    """Whether a decoded completion answers a hand-written question: the last number of the final text for
+    arithmetic and counting, its letters for spelling, the answer named for identity."""
+    text = _final_answer(generated, False)
+    if skill in ("arithmetic", "counting"):
+        return _final_answer(generated, True) == float(answer)
+    if skill == "spelling":
+        return "".join(regex.findall(r"[a-z]", text.lower())) == answer.lower()
+    return answer.lower() in text.lower()
+
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 
@@ -712,8 +884,8 @@ def load_checkpoint(path, optimizer=True):
     return load_tree(os.path.join(path, "params.msgpack")), opt_state, meta
 
 
-def latest_checkpoint(root="checkpoints", stages=("sft", "base")):
-    """The newest step directory of the first stage that has one (SFT before base), or None."""
+def latest_checkpoint(root="checkpoints", stages=("rl", "sft", "base")):
+    """The newest step directory of the first stage that has one (RL before SFT before base), or None."""
     for stage in stages:
         if dirs := checkpoint_dirs(os.path.join(root, stage)):
             return dirs[-1]

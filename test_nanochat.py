@@ -11,6 +11,7 @@ import http.client
 import inspect
 import itertools
 import json
+import operator
 import os
 import pathlib
 import pickle
@@ -503,8 +504,8 @@ def test_task_evaluation_scores_exact_matches(monkeypatch):
             if task in ("identity", "arithmetic"):
                 answers[tuple(prompt)] = [t for t, m in zip(ids[len(prompt):], mask[len(prompt):]) if m][:-1]
     monkeypatch.setattr(nc, "generate", oracle)
-    acc = train.evaluate_tasks(None, cfg, btok, n=5)
-    assert acc == {"identity": 1.0, "arithmetic": 1.0, "spelling": 0.0, "docstring": 0.0}
+    acc, _ = train.evaluate_tasks(None, cfg, btok, n=5)
+    assert acc == {"identity": 1.0, "arithmetic": 1.0, "counting": 0.0, "spelling": 0.0, "docstring": 0.0}
 
 
 def test_step_never_recompiles(tiny_params):
@@ -516,7 +517,7 @@ def test_step_never_recompiles(tiny_params):
     x = jax.random.randint(jax.random.key(8), (2, 2, 16), 0, TINY.vocab_size)  # 2 micro-batches of 2 x 16
     losses = []
     for i in range(4):
-        params, opt, m = step(params, opt, x, jnp.roll(x, -1, axis=2), i, s, lrs, cfg=TINY)
+        params, opt, m = step(params, opt, (x, jnp.roll(x, -1, axis=2)), i, s, lrs, cfg=TINY)
         losses.append(float(m["loss"]))
         assert bool(m["finite"])
     assert losses[-1] < losses[0]  # the same batch: loss must fall
@@ -529,9 +530,9 @@ def test_grad_accumulation_equals_big_batch(tiny_params):
              momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
     lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
     p = perturbed(tiny_params, jax.random.key(10))
-    one, _, m1 = train.jit_train_step(p, init_opt(p), x[None], y[None], 0, s, lrs, cfg=TINY)
+    one, _, m1 = train.jit_train_step(p, init_opt(p), (x[None], y[None]), 0, s, lrs, cfg=TINY)
     p = perturbed(tiny_params, jax.random.key(10))
-    two, _, m2 = train.jit_train_step(p, init_opt(p), x.reshape(2, 2, 16), y.reshape(2, 2, 16), 0, s, lrs,
+    two, _, m2 = train.jit_train_step(p, init_opt(p), (x.reshape(2, 2, 16), y.reshape(2, 2, 16)), 0, s, lrs,
                                       cfg=TINY)
     np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
     chex.assert_trees_all_close(one, two, atol=2e-5)
@@ -544,7 +545,7 @@ def test_step_donates_params_and_opt_state(tiny_params):
              momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
     lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
     x = jnp.zeros((1, 2, 16), jnp.int32)
-    train.jit_train_step(p, opt, x, x, 0, s, lrs, cfg=TINY)
+    train.jit_train_step(p, opt, (x, x), 0, s, lrs, cfg=TINY)
     assert all(a.is_deleted() for a in jax.tree.leaves((p, opt)))  # updated in place: no second copy in memory
 
 
@@ -617,7 +618,7 @@ def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch
 
     def failing(*a, **k):
         params, opt, m = real(*a, **k)
-        return params, opt, {**m, "finite": m["finite"] & (a[4] < 3)}  # step 3 "diverges"
+        return params, opt, {**m, "finite": m["finite"] & (a[3] < 3)}  # step 3 "diverges"
 
     monkeypatch.setattr(train, "jit_train_step", failing)
     with pytest.raises(FloatingPointError, match="step 3: .*not finite; the last good checkpoint is .*step_000002"):
@@ -627,7 +628,7 @@ def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch
 
     def ctrl_c(*a, **k):  # Ctrl-C the moment a step's update is done, before the loop has counted the step
         out = real(*a, **k)
-        for _ in range(presses.get(a[4], 0)):
+        for _ in range(presses.get(a[3], 0)):
             signal.raise_signal(signal.SIGINT)  # handled before it returns (os.kill may land on an XLA thread)
         return out
 
@@ -644,6 +645,103 @@ def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch
     monkeypatch.setattr(train, "jit_train_step", real)
     _, _, rest, _ = run_base(root, "--num-iterations", "6", "--resume")
     assert rest == full[4:]  # no batch trained twice or skipped
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RL
+
+CONST = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0, momentum_start=0.95,
+             momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
+LRS = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
+
+
+def test_rl_loss_and_advantages_by_hand(tiny_params):
+    groups = [([[5, 6, 7, 8], [5, 6, 9]], [[0, 0, 1, 1], [0, 0, 1]], [1.0, 0.0]),  # prompt 5 6; 7 8 and 9 sampled
+              ([[3, 4, 2, 2], [3, 4, 1, 0]], [[0, 1, 0, 1], [0, 1, 1, 1]], [1.0, 1.0])]  # 2 at index 2: tool output
+    x, y, w = train.rl_batch(groups, T=5)
+    np.testing.assert_array_equal(w[:, :, 0], [[0.5, -0.5], [0, 0]])  # r - mean(r) of the group, no std division
+    assert (w == w[:, :, :1]).all()
+    np.testing.assert_array_equal(x[0], [[5, 6, 7, 0, 0], [5, 6, 0, 0, 0]])
+    np.testing.assert_array_equal(y[0], [[-1, 7, 8, -1, -1], [-1, 9, -1, -1, -1]])
+    np.testing.assert_array_equal(y[1], [[4, -1, 2, -1, -1], [4, 1, 0, -1, -1]])
+    params = perturbed(tiny_params, jax.random.key(3))
+    for i in range(2):  # -sum(logp * adv) / valid tokens, per prompt (a micro-batch of the step)
+        logp = np.asarray(jax.nn.log_softmax(forward(params, jnp.asarray(x[i]), TINY), -1), np.float64)
+        valid = [(j, t) for j in range(2) for t in range(5) if y[i, j, t] >= 0]
+        by_hand = -sum(logp[j, t, y[i, j, t]] * w[i, j, t] for j, t in valid) / len(valid)
+        np.testing.assert_allclose(train.weighted_loss(params, TINY, x[i], y[i], w[i]), by_hand, rtol=1e-5, atol=1e-7)
+    grads = jax.grad(train.weighted_loss)(params, TINY, x[1], y[1], w[1])  # all rewards equal: no signal, no NaN
+    assert all((np.asarray(g) == 0).all() for g in jax.tree.leaves(grads))
+    p = jax.tree.map(jnp.copy, params)
+    new, _, m = train.jit_train_step(p, init_opt(p), (x[1:], y[1:], w[1:]), 0, CONST, LRS, cfg=TINY)
+    assert bool(m["finite"]) and float(m["loss"]) == 0.0
+    chex.assert_trees_all_equal(new["h"], params["h"])  # Muon (no weight decay here) moves nothing; AdamW only
+    assert all(np.isfinite(a).all() for a in jax.tree.leaves(new))  # applies nanochat's fixed weight decays
+    with pytest.raises(FloatingPointError, match="not all finite"):
+        train.rl_batch([([[1, 2]], [[0, 1]], [float("nan")])], T=4)
+
+
+def test_rl_raises_the_reward_of_a_tiny_task(btok):
+    """SFT teaches "yes" and "no" equally to one question; RL rewarding "yes" makes the model say it."""
+    cfg = nc.Config(sequence_len=32, vocab_size=btok.n_vocab, n_layer=1, n_head=2, n_kv_head=2, n_embd=32)
+    ask = lambda answer: [{"role": "user", "content": "yes?"}, {"role": "assistant", "content": answer}]
+    rows = [data.render_conversation(btok, ask(a)) for a in ("yes", "no") * 4]
+    T = max(len(ids) for ids, _ in rows)
+    x = np.array([ids[:-1] + [0] * (T - len(ids)) for ids, _ in rows])
+    y = np.array([[t if m else -1 for t, m in zip(ids[1:], mask[1:])] + [-1] * (T - len(ids)) for ids, mask in rows])
+    params = nc.init_params(cfg, jax.random.key(0))
+    opt = init_opt(params)
+    for i in range(60):
+        params, opt, _ = train.jit_train_step(params, opt, (x[None], y[None]), i, CONST, LRS, cfg=cfg)
+    reward = lambda p, seed: np.mean(train.rollout(p, cfg, btok, ask("yes"), jax.random.key(seed), 64, 8)[2])
+    before = reward(params, 100)
+    assert 0.2 < before < 0.8  # SFT left both answers likely
+    opt = init_opt(params)
+    for i in range(10):
+        groups = [train.rollout(params, cfg, btok, ask("yes"), jax.random.key(i), 16, 8)]
+        batch = train.rl_batch(groups, cfg.sequence_len)
+        params, opt, m = train.jit_train_step(params, opt, batch, i, CONST, {k: v * 0.3 for k, v in LRS.items()},
+                                              cfg=cfg)
+    assert reward(params, 100) > before + 0.3
+
+
+RL_ARGS = ["--rl-prompts", "2", "--rl-samples", "2", "--rl-max-tokens", "8", "--rl-eval", "0", "--rl-iterations", "4"]
+
+
+def run_stage(root, stage, *extra):
+    args = train.parse_args(["--stage", stage, "--out", root, *TRAIN_ARGS, "--max-seq-len", "128",
+                             "--total-batch-size", "512", *extra])
+    return train.run_stage(args, stage, data.Tokenizer.load(os.path.join(root, "tokenizer.json")))
+
+
+def test_rl_stage_resumes_exactly_and_saves_on_ctrl_c(train_root, tmp_path, monkeypatch):
+    root = fresh_root(train_root, tmp_path / "full")
+    with pytest.raises(FileNotFoundError, match="no SFT checkpoint under .*: run `python train.py --stage sft` first"):
+        run_stage(root, "rl", *RL_ARGS)
+    with pytest.raises(SystemExit):  # argparse names the tasks there are
+        train.parse_args(["--rl-tasks", "poetry"])
+    run_stage(root, "base", "--num-iterations", "2")
+    run_stage(root, "sft", "--sft-iterations", "2")
+    cut = shutil.copytree(root, tmp_path / "cut")
+    params, _, full, _ = run_stage(root, "rl", *RL_ARGS)
+    assert len(full) == 4 and np.isfinite(full).all()
+    _, _, meta = data.load_checkpoint(data.latest_checkpoint(root), optimizer=False)
+    assert meta["stage"] == "rl" and meta["step"] == 4 and meta["schedule"]["warmdown_ratio"] == 1.0
+    real, calls = train.rollout, []
+
+    def ctrl_c(*a, **k):  # Ctrl-C in the middle of step 3's sampling (2 prompts a step)
+        calls.append(1)
+        if len(calls) == 5:
+            signal.raise_signal(signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(train, "rollout", ctrl_c)
+    with pytest.raises(KeyboardInterrupt, match="interrupted: saved .*rl.step_000003; continue with --resume"):
+        run_stage(str(cut), "rl", *RL_ARGS)  # the step in flight finishes, then the run saves and stops
+    monkeypatch.setattr(train, "rollout", real)
+    resumed, _, rest, _ = run_stage(str(cut), "rl", *RL_ARGS, "--resume")
+    assert rest == full[3:]  # the same prompts and samples: the key is threaded from (seed, step)
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(resumed), jax.device_get(params))))
 
 
 def run_cli(root, *extra, env=None):
@@ -683,28 +781,39 @@ def test_two_processes_equal_one(train_root, tmp_path):
 
 
 def test_default_pipeline(tmp_path):
-    """train.main at a tiny size: tokenizer -> base -> SFT -> task evaluation, and chat.py finds the SFT model."""
+    """train.main at a tiny size: tokenizer -> base -> SFT -> RL -> evaluation, and chat.py finds the RL model."""
     root = str(tmp_path)
     results = train.main(["--out", root, "--depth", "2", "--aspect-ratio", "32", "--head-dim", "16",
-                          "--max-seq-len", "64", "--device-batch-size", "2", "--total-batch-size", "256",
+                          "--max-seq-len", "128", "--device-batch-size", "2", "--total-batch-size", "512",
                           "--vocab-size", "300", "--tokenizer-max-chars", "1e5", "--num-iterations", "3",
-                          "--sft-iterations", "2", "--warmup-steps", "1", "--eval-every", "0", "--sample-every", "0",
-                          "--eval-tasks", "1", "--compile-cache", ""])
-    assert set(results["tasks"]) == set(data.TASKS) and all(0 <= a <= 1 for a in results["tasks"].values())
-    for stage, steps in (("base", 3), ("sft", 2)):
+                          "--sft-iterations", "2", "--warmup-steps", "1", "--eval-every", "1000", "--eval-steps", "1",
+                          "--sample-every", "0", "--eval-tasks", "1", "--compile-cache", "", "--rl-prompts", "2",
+                          "--rl-samples", "2", "--rl-max-tokens", "8", "--rl-eval", "1", "--rl-iterations", "2"])
+    for stage in ("sft", "rl"):  # each chat stage is graded on the template split and the hand-written questions
+        assert set(results[stage]["tasks"]) == set(data.TASKS)
+        assert set(results[stage]["questions"]) == {"arithmetic", "counting", "spelling", "identity"}
+        assert all(0 <= a <= 1 for a in [*results[stage]["tasks"].values(), *results[stage]["questions"].values()])
+        assert results[stage]["recall_bpb"] > 0
+    assert all(results[stage]["val_bpb"] > 0 for stage in ("base", "sft", "rl"))  # corpus bits/byte after each
+    for stage, steps in (("base", 3), ("sft", 2), ("rl", 2)):
         with open(os.path.join(root, stage, "metrics.jsonl")) as f:
-            losses = [json.loads(line)["loss"] for line in f]
+            losses = [json.loads(line)["loss"] for line in f if '"loss"' in line]
         assert len(losses) == steps and np.isfinite(losses).all()
     _, _, base = data.load_checkpoint(data.latest_checkpoint(root, ("base",)), optimizer=False)
-    sft_params, _, sft = data.load_checkpoint(data.latest_checkpoint(root, ("sft",)), optimizer=False)
+    _, _, sft = data.load_checkpoint(data.latest_checkpoint(root, ("sft",)), optimizer=False)
+    rl_params, _, rl = data.load_checkpoint(data.latest_checkpoint(root, ("rl",)), optimizer=False)
     # nanochat's chat_sft: 0.8 x the base lrs, no warmup, linear warmdown over the last half to 0, no weight decay,
-    # Muon momentum 0.85 -> 0.95 over 300 steps
+    # Muon momentum 0.85 -> 0.95 over 300 steps; chat_rl: a fraction of the base lrs decaying linearly to 0
     assert sft["lrs"] == pytest.approx({k: 0.8 * v for k, v in base["lrs"].items()})
     assert sft["schedule"] == {**base["schedule"], "num_iterations": 2, "warmup_steps": 0, "warmdown_ratio": 0.5,
                                "final_lr_frac": 0.0, "momentum_start": 0.85, "momentum": 0.95, "momentum_end": 0.95,
                                "momentum_warmup": 300, "weight_decay": 0.0}
-    params, cfg, tok = chat.load_checkpoint(root)  # chat.py's default: the newest SFT checkpoint
-    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(params), sft_params)))
+    frac = train.parse_args([]).rl_lr_frac
+    assert rl["lrs"] == pytest.approx({k: frac * v for k, v in base["lrs"].items()})
+    assert rl["schedule"]["warmdown_ratio"] == 1.0 and rl["schedule"]["final_lr_frac"] == 0.0
+    assert "pass@1" in results["rl"]["pass@k before"]["counting"] and "pass@2" in results["rl"]["pass@k"]["spelling"]
+    params, cfg, tok = chat.load_checkpoint(root)  # chat.py's default: the newest checkpoint of the last stage
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(params), rl_params)))
     assert cfg == nc.Config(**base["config"]) and tok.n_vocab == 300
 
 
@@ -1116,8 +1225,10 @@ def task_key(task, messages):
     if task == "arithmetic":
         return answer[0]["text"]
     if task == "spelling":
-        return answer.replace("-", "") if isinstance(answer, str) else re.match(r"'(\w+)'", answer[0]["text"])[1]
-    return re.search(r"\b(\w+\.\w+)\b", question)[1]
+        return answer.replace("-", "")
+    if task == "counting":
+        return re.match(r"'(\w+)'", answer[0]["text"])[1]
+    return re.search(r"[A-Za-z_]\w*(?:\.\w+)+", question)[0]  # the qualified name, the first dotted word
 
 
 def reference_completion(btok, messages):
@@ -1164,40 +1275,76 @@ def test_task_generator_and_checker(btok, task):
 
 def test_task_contents():
     take = lambda task, n: list(itertools.islice(data.task_conversations(task, "train"), n))
-    ops = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-    for (user, assistant) in take("arithmetic", 100):
-        a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)", assistant["content"][0]["text"]).groups()
+    ops, digits, phrasings = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}, [], set()
+    for (user, assistant) in take("arithmetic", 400):
+        a, op, b = re.fullmatch(r"(\d+)([-+*/])(\d+)", assistant["content"][0]["text"]).groups()
         value = ops[op](int(a), int(b))
+        shown = int(value) if op == "/" else value
+        assert op != "/" or value == shown  # exact divisions only
         assert [p["type"] for p in assistant["content"]] == ["python", "python_output", "text"]
         assert assistant["content"][1]["text"] == str(value)
-        assert assistant["content"][2]["text"] == f"{a} {op} {b} = {value}"
-        assert a in user["content"] and b in user["content"]
-    kinds = collections.Counter()
+        assert assistant["content"][2]["text"] == f"{a} {op} {b} = {shown}"
+        assert re.search(rf"(?<!\d){a}(?!\d)", user["content"]) and re.search(rf"(?<!\d){b}(?!\d)", user["content"])
+        digits += [len(a), len(b)]
+        phrasings.add(re.sub(r"\d+", "N", user["content"].lower()))
+    assert collections.Counter(digits).keys() == {1, 2, 3, 4} and np.mean(np.array(digits) <= 2) > 0.6
+    assert len(phrasings) > 300  # hardly a phrasing twice in 400
+    words = []
+    for (user, assistant) in take("counting", 200):
+        w, c = re.fullmatch(r"'([a-z]+)'\.count\('([a-z])'\)", assistant["content"][0]["text"]).groups()
+        assert assistant["content"][1]["text"] == str(w.count(c)) == str(data.use_calculator(f"'{w}'.count('{c}')"))
+        assert re.findall(r"\d+", assistant["content"][2]["text"])[-1] == str(w.count(c))
+        assert re.search(rf"\b{w}\b", user["content"]) and re.search(rf"\b{c}", user["content"])
+        words.append(w)
     for (user, assistant) in take("spelling", 200):
-        if isinstance(assistant["content"], str):
-            kinds["spell"] += 1
-            w = assistant["content"].replace("-", "")
-            assert assistant["content"] == "-".join(w) and w.isalpha() and w.islower() and 3 <= len(w) <= 10
-            assert w in user["content"]
-        else:
-            kinds["count"] += 1
-            w, c = re.fullmatch(r"'(\w+)'\.count\('(\w)'\)", assistant["content"][0]["text"]).groups()
-            assert assistant["content"][1]["text"] == str(w.count(c)) == str(data.use_calculator(f"'{w}'.count('{c}')"))
-            assert assistant["content"][2]["text"].endswith(f": {w.count(c)}")
-            assert w in user["content"] and c in user["content"]
-    assert kinds["spell"] > 50 and kinds["count"] > 50
-    docs = {}
-    for name, kind, doc in data.stdlib_docstrings():
-        if kind == "function":
-            docs.setdefault(name, doc)
-    for (user, assistant) in take("docstring", 100):
-        name = re.search(r"\b(\w+\.\w+)\b", user["content"])[1]
-        sentence, paragraph = assistant["content"], " ".join(docs[name].split("\n\n")[0].split())
-        assert paragraph.startswith(sentence) and sentence[-1] in ".!?"
-        assert paragraph[len(sentence):len(sentence) + 1] in ("", " ")
-        assert not re.search(r"[.!?]\s", sentence)  # the first sentence, not more
+        w = assistant["content"].replace("-", "")
+        assert assistant["content"] == "-".join(w) and w.isalpha() and w.islower() and 3 <= len(w) <= 10
+        assert re.search(rf"\b{w}\b", user["content"])
+        words.append(w)
+    assert len(set(words)) > 350 and not set(words) <= set(data._corpus_words())  # broad, made-up words too
+    assert np.mean([bool(re.search(r"(.)\1", w)) for w in words]) > 0.15  # doubled letters are common
+    for (user, assistant) in take("docstring", 100):  # reading: the answer is the paragraph's first sentence
+        sentence = assistant["content"]
+        assert sentence in user["content"] and sentence[-1] in ".!?" and not re.search(r"[.!?]\s", sentence)
     for (user, assistant) in take("identity", 50):
-        assert "nanochat" in assistant["content"] and user["content"].endswith(("?", "."))
+        assert "nanochat" in assistant["content"]
+
+
+def test_sft_mixture_keeps_pretraining_text():
+    docs = data.shuffled([f"document {i}" for i in range(5)])
+    items = list(itertools.islice(data.sft_mixture(3, extra=["mine"], documents=docs, text_every=4)(0), 1 + 40))
+    assert items[0] == "mine" and items[1:] == list(itertools.islice(data.sft_mixture(3, ["mine"], docs, 4)(0), 1, 41))
+    texts = [i for i, x in enumerate(items[1:]) if isinstance(x, str)]
+    assert texts == [4, 9, 14, 19, 24, 29, 34, 39]  # a document after every 4 conversations
+    assert set(items[1 + t] for t in texts) == {f"document {i}" for i in range(5)}  # cycles through the corpus
+    kinds = collections.Counter(task_of(m) for m in items[1:] if not isinstance(m, str))
+    assert set(kinds) <= set(data.MIXTURE)
+    assert not any(isinstance(x, str) for x in itertools.islice(data.sft_mixture(3)(0), 50))
+
+
+def task_of(messages):
+    answer = messages[1]["content"]
+    if isinstance(answer, list):
+        return "counting" if ".count(" in answer[0]["text"] else "arithmetic"
+    return "spelling" if re.fullmatch(r"[a-z](-[a-z])+", answer) else "identity" if "nanochat" in answer else "docstring"
+
+
+def test_heldout_questions_and_grading(tmp_path):
+    questions = data.load_questions(os.path.join(TESTDATA, "heldout_questions.jsonl"))
+    counts = collections.Counter(q["skill"] for q in questions)
+    assert len(questions) >= 40 and set(counts) == {"arithmetic", "counting", "spelling", "identity"}
+    assert data.grade("arithmetic", "47", "<|python_start|>12+35<|python_end|><|output_start|>47<|output_end|>"
+                      "12 + 35 = 47<|assistant_end|>")
+    assert data.grade("arithmetic", "12", "84 / 7 = 12.0") and not data.grade("arithmetic", "12", "13")
+    assert not data.grade("arithmetic", "47", "<|output_start|>47<|output_end|>I don't know.")
+    assert data.grade("counting", "3", "'r' appears 3 time(s) in 'strawberry'.") and not data.grade("counting", "3", "")
+    assert data.grade("spelling", "coffee", "c-o-f-f-e-e") and not data.grade("spelling", "coffee", "c-o-f-e-e")
+    assert data.grade("identity", "nanochat", "I'm nanochat, ...") and not data.grade("identity", "nanochat", "A bot.")
+    with pytest.raises(ValueError, match=r"README.md:1: invalid JSON"):
+        data.load_questions(os.path.join(TESTDATA, "..", "README.md"))
+    with pytest.raises(ValueError, match=r":1: want \{"):
+        (tmp_path / "q.jsonl").write_text('{"skill": "poetry", "question": "?", "answer": "!"}\n')
+        data.load_questions(tmp_path / "q.jsonl")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1519,7 +1666,7 @@ def test_pretrain_crops_long_documents(btok):
 
 def test_sft_packing_pads_and_masks(btok):
     B, T, n, buffer_size = 3, 160, 12, 10
-    convs = [m for task in data.TASKS for m in itertools.islice(data.task_conversations(task, "train", seed=4), 12)]
+    convs = [m for task in data.TASKS[:4] for m in itertools.islice(data.task_conversations(task, "train", seed=4), 12)]
     convs.append([{"role": "user", "content": "long " * 10}, {"role": "assistant", "content": "ok " * 60}])
     conversations = data.shuffled(convs, seed=6)
     got = list(itertools.islice(data.sft_batches(btok, conversations, B, T, buffer_size=buffer_size), n))

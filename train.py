@@ -1,6 +1,6 @@
-"""Train nanochat in JAX: base pretraining and SFT, one jitted step, checkpoints that resume bit for bit.
+"""Train nanochat in JAX: base pretraining, SFT and RL, one jitted step, checkpoints that resume bit for bit.
 
-    python train.py                      # the default pipeline on the embedded corpus: tokenizer -> base -> SFT -> eval
+    python train.py                      # the default pipeline on the embedded corpus: tokenizer -> base -> SFT -> RL
     python train.py --stage base --depth 6 --data 'shards/*.parquet' ...
 
 - `train_step`: forward, backward (a `lax.scan` over micro-batches accumulates gradients) and the MuonAdamW update
@@ -8,8 +8,11 @@
   fraction, Muon momentum warmup / warmdown, cosine Muon weight decay) are computed inside from the traced step,
   so nothing recompiles. The horizon, batch size and lr scaling follow nanochat's rules (`horizon`).
 - `train_loop`: the loop alone, over explicit values; it raises on a non-finite loss and on Ctrl-C (after saving).
-  `base_stage` / `sft_stage` say what a stage starts from and trains on; `run_stage` wires one up with devices,
-  data, evaluation and checkpoints (data.save_checkpoint, with the loader position, so --resume is exact).
+  `base_stage` / `sft_stage` / `rl_stage` say what a stage starts from and trains on; `run_stage` wires one up with
+  devices, data, evaluation and checkpoints (data.save_checkpoint, with the loader position, so --resume is exact).
+- RL is nanochat's chat_rl: on-policy REINFORCE on the tasks' checkers (`rollout`, `rl_batch`): advantage = reward
+  minus the mean of its group of samples, no KL, no ratio or clipping, the loss normalized per token (DAPO,
+  arXiv 2503.14476). The same train step, the advantages as per-token weights; the sampling key is (seed, step).
 - Data parallel with `jax.sharding` (a "data" mesh axis splits the batch, params replicated); multi-host through
   `jax.distributed.initialize`, each process packing its own shard of the documents.
 - --debug runs the same step un-jitted with NaN checks, so print() and breakpoint() work inside the model.
@@ -57,14 +60,24 @@ def schedules(step, s):
     return lrm, momentum, weight_decay
 
 
-def train_step(params, opt_state, inputs, targets, step, sched, lrs, cfg):
-    """Forward, backward over A micro-batches (inputs, targets: (A, B, T)) and one MuonAdamW update."""
-    def micro(grads, batch):
-        loss, g = jax.value_and_grad(nc.loss_fn)(params, *batch, cfg)
+def weighted_loss(params, cfg, inputs, targets, weights=None):
+    """The mean cross-entropy over valid targets; with per-token weights (RL's advantages) sum(nll * w) / valid,
+    nanochat's chat_rl objective with DAPO-style token-level normalization."""
+    if weights is None:
+        return nc.loss_fn(params, inputs, targets, cfg)
+    nll = nc.loss_fn(params, inputs, targets, cfg, reduction="none")  # -log p of each sampled token
+    return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(targets >= 0), 1)
+
+
+def train_step(params, opt_state, batch, step, sched, lrs, cfg):
+    """Forward, backward over A micro-batches and one MuonAdamW update; batch: (inputs, targets), int (A, B, T) each,
+    plus RL's per-token weights (A, B, T)."""
+    def micro(grads, b):
+        loss, g = jax.value_and_grad(weighted_loss)(params, cfg, *b)
         return jax.tree.map(jnp.add, grads, g), loss
 
-    grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), (inputs, targets))
-    grads = jax.tree.map(lambda g: g / inputs.shape[0], grads)  # nanochat divides each micro-loss by A
+    grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), batch)
+    grads = jax.tree.map(lambda g: g / batch[0].shape[0], grads)  # nanochat divides each micro-loss by A
     lrm, momentum, weight_decay = schedules(step, sched)
     labels, groups = nc.param_groups(params, lrm, momentum, weight_decay, muon_dtype=cfg.compute_dtype, **lrs)
     params, opt_state = muon.update(grads, opt_state, params, labels, groups)
@@ -110,11 +123,68 @@ def generate_ids(params, cfg, tok, prompt, max_tokens):
     return out
 
 
-def evaluate_tasks(params, cfg, tok, n=50, seed=0, max_tokens=160):
-    """Exact-match accuracy per synthetic task on n conversations of its held-out split."""
+def evaluate_tasks(params, cfg, tok, n=50, questions=(), seed=0, max_tokens=160):
+    """Exact-match accuracy per synthetic task on n conversations of its held-out split, and per skill on
+    hand-written questions (data.load_questions), greedy: ({task: accuracy}, {skill: accuracy})."""
     reply = lambda c: tok.decode(generate_ids(params, cfg, tok, data.render_for_completion(tok, c), max_tokens))
-    return {task: float(np.mean([data.check(c, reply(c)) for c in itertools.islice(
+    tasks = {task: float(np.mean([data.check(c, reply(c)) for c in itertools.islice(
         data.task_conversations(task, "test", seed=seed), n)])) for task in data.TASKS}
+    graded = [(q["skill"], data.grade(q["skill"], q["answer"], reply([{"role": "user", "content": q["question"]},
+                                                                        {"role": "assistant", "content": "?"}])))
+              for q in questions]
+    return tasks, {s: float(np.mean([ok for k, ok in graded if k == s])) for s in dict(graded)}
+
+# ------------------------------------------------------------------------------------------------ RL
+
+
+def rollout(params, cfg, tok, conversation, key, num_samples, max_tokens, temperature=1.0, top_k=50):
+    """num_samples replies to a task conversation, sampled by the KV-cache engine with the calculator in the loop:
+    (prompt + reply ids, masks: 1 on the sampled tokens, 0 on the prompt and the forced tool output, rewards: 1.0
+    where the task's checker accepts the reply)."""
+    prompt, stop = data.render_for_completion(tok, conversation), (tok.special["<|assistant_end|>"], tok.bos)
+    rows, masks = [list(prompt) for _ in range(num_samples)], [[0] * len(prompt) for _ in range(num_samples)]
+    tool = data.calculator_tool(tok)
+    for column, mask in nc.generate(params, cfg, prompt, max_tokens=max_tokens, key=key, temperature=temperature,
+                                    top_k=top_k, num_samples=num_samples, stop_ids=stop, tool=tool):
+        for row, m, t, k in zip(rows, masks, column, mask):
+            if row[-1] not in stop:  # a finished row takes no more tokens
+                row.append(t)
+                m.append(k)
+    return rows, masks, [float(data.check(conversation, tok.decode(r[len(prompt):]))) for r in rows]
+
+
+def rl_batch(groups, T):
+    """(inputs, targets, weights), (P, G, T) each, of P groups of G rollouts (rows, masks, rewards): targets only on
+    sampled tokens, each row weighted by its advantage, reward minus its group's mean (no std division)."""
+    P, G = len(groups), len(groups[0][0])
+    x, y, w = np.zeros((P, G, T), np.int32), np.full((P, G, T), -1, np.int32), np.zeros((P, G, T), np.float32)
+    for i, (rows, masks, rewards) in enumerate(groups):
+        r = np.asarray(rewards, np.float64)
+        if not np.isfinite(r).all():
+            raise FloatingPointError(f"rewards {rewards} are not all finite: a task's reward must be a number")
+        for j, (row, mask) in enumerate(zip(rows, masks)):
+            n = len(row) - 1
+            x[i, j, :n], w[i, j] = row[:-1], r[j] - r.mean()
+            y[i, j, :n] = np.where(np.asarray(mask[1:]) == 1, row[1:], -1)
+    return x, y, w
+
+
+def rl_prompts(tasks, seed, step, n):
+    """RL step `step`'s n task conversations, round-robin over tasks, from train streams seeded by (seed, step): a
+    resumed run samples the same prompts."""
+    streams = [data.task_conversations(t, "train", seed=f"{seed}/rl{step}") for t in tasks]
+    return [next(streams[i % len(tasks)]) for i in range(n)]
+
+
+def evaluate_passk(params, cfg, tok, tasks, n, k, key, max_tokens):
+    """nanochat's pass@k (any of the first k samples at temperature 1 correct) on n test conversations per task:
+    {task: {"pass@1": ..., "pass@k": ...}}."""
+    out = {}
+    for t in tasks:
+        hits = [np.cumsum(rollout(params, cfg, tok, c, jax.random.fold_in(key, i), k, max_tokens)[2]) > 0
+                for i, c in enumerate(itertools.islice(data.task_conversations(t, "test"), n))]
+        out[t] = {f"pass@{j}": float(np.mean([h[j - 1] for h in hits])) for j in sorted({1, k})}
+    return out
 
 # ------------------------------------------------------------------------------------------------ data across processes
 
@@ -144,11 +214,12 @@ def ctrl_c_flag():
         signal.signal(signal.SIGINT, previous)
 
 
-def train_loop(params, opt_state, batches, states, step, sched, lrs, cfg, *, before_step=lambda *a: None,
+def train_loop(params, opt_state, next_batch, states, step, sched, lrs, cfg, *, before_step=lambda *a: None,
                save=lambda *a: None, save_every=-1, stop=(), log=lambda record: None, debug=False):
     """Train from `step` to sched["num_iterations"]; returns (params, opt_state, the losses of this call).
 
-    batches yields (inputs, targets, data states after them); before_step(params, step, last) runs before each step
+    next_batch(params, step) -> (batch, data states after it) (RL samples it from the params); before_step(params,
+    step, last) runs before each step
     and at the end; save(params, opt_state, step, states) -> its path, every save_every steps and at the end. Raises
     FloatingPointError on a non-finite loss, and KeyboardInterrupt (after saving) once `stop` is non-empty."""
     steps, start, last_saved, losses, smooth = sched["num_iterations"], step, None, [], 0.0
@@ -163,10 +234,10 @@ def train_loop(params, opt_state, batches, states, step, sched, lrs, cfg, *, bef
             last_saved = save(params, opt_state, step, states)
         if last:
             return params, opt_state, losses
-        inputs, targets, next_states = next(batches)
+        batch, next_states = next_batch(params, step)
         t0 = time.perf_counter()
         with jax.disable_jit(debug), jax.debug_nans(debug):
-            params, opt_state, m = step_fn(params, opt_state, inputs, targets, step, sched, lrs, cfg=cfg)
+            params, opt_state, m = step_fn(params, opt_state, batch, step, sched, lrs, cfg=cfg)
         loss, dt = float(m["loss"]), time.perf_counter() - t0
         if not bool(m["finite"]):
             saved = (f"the last good checkpoint is {last_saved} (--resume continues from it)" if last_saved else
@@ -175,7 +246,7 @@ def train_loop(params, opt_state, batches, states, step, sched, lrs, cfg, *, bef
         step, states = step + 1, next_states
         losses.append(loss)
         smooth = 0.9 * smooth + 0.1 * loss
-        tps, eta = inputs.size / dt, (steps - step) * (time.perf_counter() - t_run) / (step - start)
+        tps, eta = batch[0].size / dt, (steps - step) * (time.perf_counter() - t_run) / (step - start)
         print(f"step {step:5d}/{steps} | loss {smooth / (1 - 0.9 ** (step - start)):.4f} | lrm {float(m['lrm']):.3f} | "
               f"{dt * 1e3:.0f} ms | {tps:,.0f} tok/s | {tps * flops / 1e9:,.1f} GFLOP/s | eta {eta / 60:.1f} min",
               flush=True)
@@ -221,20 +292,47 @@ def base_stage(args, tok, key):
 
 
 def sft_stage(args, tok, key):
-    """SFT from the newest base checkpoint on the synthetic chat tasks (+ --sft-data), with nanochat's chat_sft
-    schedule: 0.8x the lrs, no warmup, a linear warmdown over the last half to 0, no weight decay."""
+    """SFT from the newest base checkpoint on the synthetic chat tasks (+ --sft-data) with a corpus document every
+    --sft-text-every conversations, and nanochat's chat_sft schedule: 0.8x the lrs, no warmup, a linear warmdown
+    over the last half to 0, no weight decay."""
     base = data.latest_checkpoint(args.out, ("base",))
     if base is None:
         raise FileNotFoundError(f"no base checkpoint under {args.out}/base: run `python train.py --stage base` first")
     params, _, meta = data.load_checkpoint(base, optimizer=False)
     extra = [c for path in args.sft_data for c in data.load_conversations(path)]
     return dict(cfg=nc.Config(**meta["config"]), init=lambda: params, packer=data.sft_batches,
-                docs=data.sft_mixture(args.seed, extra), iterations=args.sft_iterations, lr_frac=args.init_lr_frac,
+                docs=data.sft_mixture(args.seed, extra, data.corpus(args.data, "train", seed=args.seed),
+                                      args.sft_text_every), iterations=args.sft_iterations, lr_frac=args.init_lr_frac,
                 sched=dict(warmup_steps=0, warmdown_ratio=0.5, final_lr_frac=0.0, momentum=0.95, momentum_end=0.95,
                            momentum_warmup=300, weight_decay=0.0))
 
 
-STAGES = {"base": base_stage, "sft": sft_stage}
+def rl_stage(args, tok, key):
+    """RL from the newest SFT checkpoint, nanochat's chat_rl: each step samples --rl-samples replies to each of
+    --rl-prompts task questions and takes one REINFORCE step (no KL, no ratio or clipping) on them; lrs --rl-lr-frac
+    of the base lrs, decaying linearly to 0, no weight decay."""
+    sft = data.latest_checkpoint(args.out, ("sft",))
+    if sft is None:
+        raise FileNotFoundError(f"no SFT checkpoint under {args.out}/sft: run `python train.py --stage sft` first")
+    if jax.process_count() > 1:
+        raise ValueError("the RL stage runs in one process (any number of its devices); run it without --coordinator")
+    params, _, meta = data.load_checkpoint(sft, optimizer=False)
+    cfg, G = nc.Config(**meta["config"]), args.rl_samples
+
+    def next_batch(params, step, split):
+        step_key = jax.random.fold_in(key, step)  # prompts and samples follow from (seed, step): resume is exact
+        groups = [rollout(local(params), cfg, tok, c, jax.random.fold_in(step_key, i), G, args.rl_max_tokens)
+                  for i, c in enumerate(rl_prompts(args.rl_tasks, args.seed, step, args.rl_prompts))]
+        T = min(cfg.sequence_len, nc._bucket(max(len(r) for g in groups for r in g[0])))  # few shapes: few compiles
+        print(f"step {step + 1:5d} | reward {np.mean([g[2] for g in groups]):.3f}", flush=True)
+        return jax.device_put(rl_batch(groups, T), split), []
+    return dict(cfg=cfg, init=lambda: params, next_batch=next_batch, iterations=args.rl_iterations,
+                lr_frac=args.rl_lr_frac, shape=f"{args.rl_prompts} prompts x {G} samples",
+                sched=dict(warmup_steps=0, warmdown_ratio=1.0, final_lr_frac=0.0, momentum=0.95, momentum_end=0.95,
+                           momentum_warmup=1, weight_decay=0.0))
+
+
+STAGES = {"base": base_stage, "sft": sft_stage, "rl": rl_stage}
 
 
 def run_stage(args, stage, tok):
@@ -256,10 +354,15 @@ def run_stage(args, stage, tok):
         opt_state = muon.init(params, *nc.param_groups(params))
     mesh = Mesh(np.array(jax.devices()), ("data",))
     params, opt_state = jax.device_put((params, opt_state), NamedSharding(mesh, P()))  # replicated
-    batches, states = sharded_batches(args, tok, s, batch // (rows * T), T, NamedSharding(mesh, P(None, "data")),
-                                      states)
+    split = NamedSharding(mesh, P(None, "data"))
+    if "next_batch" in s:  # RL: sampled from the params
+        next_batch = functools.partial(s["next_batch"], split=split)
+    else:
+        batches, states = sharded_batches(args, tok, s, batch // (rows * T), T, split, states)
+        next_batch = lambda *_: next(batches)
+    shape = s.get("shape", f"{batch:,} tokens ({batch // (rows * T)} x {rows} x {T})")
     print(f"{stage}: {cfg}\n{nc.num_scaling_params(cfg)['total']:,} params, {sched['num_iterations']} steps of "
-          f"{batch:,} tokens ({batch // (rows * T)} x {rows} x {T}), {jax.device_count()} devices, lr scale "
+          f"{shape}, {jax.device_count()} devices, lr scale "
           f"{lr_scale:.3f}, Muon wd {sched['weight_decay']:.3g}")
     os.makedirs(out_dir, exist_ok=True)
     meta = {"stage": stage, "config": dataclasses.asdict(cfg), "tokenizer": "tokenizer.json", "schedule": sched,
@@ -275,17 +378,16 @@ def run_stage(args, stage, tok):
     with open(os.path.join(out_dir, "metrics.jsonl") if jax.process_index() == 0 else os.devnull, "a") as f, \
             ctrl_c_flag() as stop:
         log = lambda record: f.write(json.dumps(record) + "\n")
-        params, _, losses = train_loop(params, opt_state, batches, states, step, sched, lrs, cfg, stop=stop,
+        params, _, losses = train_loop(params, opt_state, next_batch, states, step, sched, lrs, cfg, stop=stop,
                                        before_step=evaluator(args, stage, tok, cfg, evals, log), save=save,
                                        save_every=args.save_every, log=log, debug=args.debug)
-    return params, cfg, losses, {"val_bpb": evals["val_bpb"], "steps": sched["num_iterations"],
-                                 "time": time.perf_counter() - t}
+    return params, cfg, losses, {**evals, "steps": sched["num_iterations"], "time": time.perf_counter() - t}
 
 
 def sharded_batches(args, tok, s, A, T, split, states=None):
-    """(global batches (A, rows, T) split over the devices, this process's loader states) for stage set-up s: the
-    documents are cut into --data-shards shards (default: one per process), each packed into its share of the rows;
-    a checkpoint's states hold every shard's loader position, in shard order."""
+    """(global batches, (A, rows, T) inputs and targets split over the devices, this process's loader states) for
+    stage set-up s: the documents are cut into --data-shards shards (default: one per process), each packed into
+    its share of the rows; a checkpoint's states hold every shard's loader position, in shard order."""
     n_shards, rows = args.data_shards or jax.process_count(), args.device_batch_size * jax.device_count()
     if n_shards % jax.process_count() or rows % n_shards:
         raise ValueError(f"--data-shards {n_shards} must be a multiple of the {jax.process_count()} processes and "
@@ -300,7 +402,7 @@ def sharded_batches(args, tok, s, A, T, split, states=None):
         while True:
             parts = [next(it) for it in its]
             x, y = (np.concatenate([p[i].reshape(A, rows // n_shards, T) for p in parts], axis=1) for i in (0, 1))
-            yield (*(jax.make_array_from_process_local_data(split, a) for a in (x, y)), [p[2] for p in parts])
+            yield tuple(jax.make_array_from_process_local_data(split, a) for a in (x, y)), [p[2] for p in parts]
     return batches(), states
 
 
@@ -312,12 +414,22 @@ def evaluator(args, stage, tok, cfg, results, log):
     prompt = [tok.bos] + tok.encode(text) if stage == "base" else data.render_for_completion(tok, chat)
 
     def before_step(params, step, last):
+        if stage == "rl" and args.rl_eval > 0 and (step == 0 or last):  # nanochat's pass@k before and after RL
+            results["pass@k" if last else "pass@k before"] = r = evaluate_passk(
+                local(params), cfg, tok, args.rl_tasks, args.rl_eval, args.rl_samples, jax.random.key(1),
+                args.rl_max_tokens)
+            print(f"step {step:5d} | {json.dumps(r)}")
+            log({"step": step, "pass@k": r})
         if args.eval_every > 0 and (step % args.eval_every == 0 or last):
             val = data.pretrain_batches(tok, data.every_nth(val_docs, jax.process_index(), jax.process_count()),
                                         args.device_batch_size, cfg.sequence_len)
             results["val_bpb"] = evaluate_bpb(params, cfg, val, token_bytes, args.eval_steps)
             print(f"step {step:5d} | val bpb {results['val_bpb']:.4f}")
             log({"step": step, "val_bpb": results["val_bpb"]})
+            if last and stage != "base":  # docstring recall: held-out first sentences, without the docstring
+                recall = data.sft_batches(tok, lambda _: data.recall_conversations("test"), args.device_batch_size,
+                                          cfg.sequence_len)
+                results["recall_bpb"] = evaluate_bpb(params, cfg, recall, token_bytes, args.eval_steps)
         if args.sample_every > 0 and step > 0 and (step % args.sample_every == 0 or last):
             print(f"  sample: {text!r} -> {tok.decode(generate_ids(local(params), cfg, tok, prompt, 24))!r}")
     return before_step
@@ -340,6 +452,9 @@ def get_tokenizer(args):
     return tok
 
 
+QUESTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata", "heldout_questions.jsonl")
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """--help keeps the docstring's layout and shows every flag's default."""
 
@@ -347,22 +462,24 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     a = p.add_argument
-    a("--stage", default="all", choices=["all", "tokenizer", "base", "sft"], help="what to run (all: every stage)")
+    a("--stage", default="all", choices=["all", "tokenizer", *STAGES], help="what to run (all: every stage)")
     a("--data", nargs="*", default=[], help=".txt/.jsonl/.parquet files, dirs or globs; none: the embedded corpus")
     a("--sft-data", nargs="*", default=[], help="extra SFT conversations, CustomJSON .jsonl files")
+    a("--sft-text-every", type=int, default=8, help="a corpus document in SFT after every N conversations (0: none)")
+    a("--questions", default=QUESTIONS, help="hand-written questions graded after SFT and RL ('': none)")
     a("--out", default="checkpoints", help="root directory of the tokenizer and checkpoints")
     a("--vocab-size", type=int, default=384, help="tokenizer vocab size, nanochat's 9 special tokens included")
     a("--tokenizer-max-chars", type=float, default=2e9, help="characters of the corpus the tokenizer trains on")
-    g = p.add_argument_group("model (nanochat's depth dial; the defaults are the 'nano' preset)")
-    g.add_argument("--depth", type=int, default=4, help="transformer layers; width and heads follow from it")
+    g = p.add_argument_group("model (nanochat's depth dial; the defaults chosen by measurement, README)")
+    g.add_argument("--depth", type=int, default=3, help="transformer layers; width and heads follow from it")
     g.add_argument("--aspect-ratio", type=int, default=32, help="width = depth x aspect ratio, in whole heads")
     g.add_argument("--head-dim", type=int, default=32, help="attention head size")
     g.add_argument("--max-seq-len", type=int, default=256, help="context length T of training and chat")
     g.add_argument("--window-pattern", default="L", help="e.g. SSSL: S = quarter context, L = full")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     g = p.add_argument_group("horizon and batch")
-    g.add_argument("--num-iterations", type=int, default=300, help="base steps (-1: from flops or ratio)")
-    g.add_argument("--sft-iterations", type=int, default=120, help="SFT steps")
+    g.add_argument("--num-iterations", type=int, default=600, help="base steps (-1: from flops or ratio)")
+    g.add_argument("--sft-iterations", type=int, default=1500, help="SFT steps")
     g.add_argument("--target-flops", type=float, default=-1.0, help="base training FLOPs (-1: use the ratio)")
     g.add_argument("--target-param-data-ratio", type=float, default=12.0, help="tokens per scaling parameter")
     g.add_argument("--device-batch-size", type=int, default=16, help="rows per device per micro-batch")
@@ -372,17 +489,24 @@ def parse_args(argv=None):
     g.add_argument("--unembedding-lr", type=float, default=0.008, help="AdamW lr of lm_head")
     g.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr of the transformer's matrices")
     g.add_argument("--scalar-lr", type=float, default=0.5, help="AdamW lr of the per-layer residual scalars")
-    g.add_argument("--batch-lr-scale", type=float, default=1.0, help="scales every lr but the smear's (-1: "
-                   "nanochat's sqrt(total batch / 2^19); 1 trains the small default model faster)")
+    g.add_argument("--batch-lr-scale", type=float, default=1.0, help="lr scale (-1: nanochat's sqrt(batch / 2^19))")
     g.add_argument("--weight-decay", type=float, default=0.28, help="Muon weight decay before nanochat's scaling")
     g.add_argument("--warmup-steps", type=int, default=40, help="base lr warmup steps (SFT: none)")
     g.add_argument("--warmdown-ratio", type=float, default=0.65, help="fraction of base steps of lr decay (SFT: 0.5)")
     g.add_argument("--final-lr-frac", type=float, default=0.05, help="base lr at the end, as a fraction (SFT: 0)")
     g.add_argument("--init-lr-frac", type=float, default=0.8, help="SFT lrs as a fraction of the base lrs")
+    g = p.add_argument_group("RL (nanochat's chat_rl: REINFORCE with group-mean advantages)")
+    g.add_argument("--rl-iterations", type=int, default=40, help="RL steps")
+    g.add_argument("--rl-prompts", type=int, default=8, help="task questions per step")
+    g.add_argument("--rl-samples", type=int, default=8, help="sampled replies per question (and k of pass@k)")
+    g.add_argument("--rl-tasks", nargs="+", default=["spelling", "counting"], choices=data.TASKS, help="reward tasks")
+    g.add_argument("--rl-max-tokens", type=int, default=64, help="most tokens sampled per reply")
+    g.add_argument("--rl-lr-frac", type=float, default=0.02, help="RL lrs / base lrs (nanochat: 0.05; README)")
+    g.add_argument("--rl-eval", type=int, default=16, help="test questions per task for pass@k before and after")
     g = p.add_argument_group("evaluation, checkpoints, debugging")
     g.add_argument("--eval-every", type=int, default=100, help="val bpb every N steps (0: never)")
     g.add_argument("--eval-steps", type=int, default=8, help="val batches per evaluation")
-    g.add_argument("--eval-tasks", type=int, default=50, help="held-out conversations per chat task after SFT")
+    g.add_argument("--eval-tasks", type=int, default=50, help="test conversations per chat task after SFT and RL")
     g.add_argument("--sample-every", type=int, default=100, help="print samples every N steps (0: never)")
     g.add_argument("--save-every", type=int, default=-1, help="checkpoint every N steps (-1: only the last)")
     g.add_argument("--keep", type=int, default=3, help="checkpoints kept per stage")
@@ -428,12 +552,14 @@ def main(argv=None):
     setup_process(args.compile_cache)
     init_distributed(args)
     t, tok, results = time.perf_counter(), get_tokenizer(args), {}
-    for stage in {"all": ("base", "sft"), "tokenizer": (), "base": ("base",), "sft": ("sft",)}[args.stage]:
+    for stage in {"all": tuple(STAGES), "tokenizer": ()}.get(args.stage, (args.stage,)):
         params, cfg, losses, info = run_stage(args, stage, tok)
-        results[stage] = dict(val_bpb=info["val_bpb"], final_loss=losses[-1] if losses else None,
-                              minutes=info["time"] / 60)
-        if stage == "sft" and args.eval_tasks > 0:
-            results["tasks"] = evaluate_tasks(local(params), cfg, tok, n=args.eval_tasks)
+        results[stage] = dict(final_loss=losses[-1] if losses else None, minutes=info["time"] / 60,
+                              **{k: v for k, v in info.items() if k not in ("steps", "time")})
+        if stage != "base" and args.eval_tasks > 0:
+            questions = data.load_questions(args.questions) if args.questions else ()
+            results[stage]["tasks"], results[stage]["questions"] = evaluate_tasks(local(params), cfg, tok,
+                                                                                  args.eval_tasks, questions)
     results["total_minutes"] = (time.perf_counter() - t) / 60
     print(json.dumps(results))
     return results
