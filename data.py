@@ -539,9 +539,8 @@ def calculator_tool(tok):
     return tool
 
 # ------------------------------------------------------------------------------------------------ tasks
-# Each task generator draws its user message from many phrasings (greetings, case, end punctuation, quotes, operator
-# words and verbs) and its items from broad pools (operands of 1-4 digits with short ones common, corpus words and
-# made-up words), so a model learns to copy numbers and words out of the question rather than a template.
+# Many phrasings (greetings, case, punctuation, quotes, operator words and verbs) over broad pools (1-4 digit operands,
+# short ones common; corpus and made-up words): a model learns to copy from the question, not a template.
 
 TASKS = ("identity", "arithmetic", "counting", "spelling", "docstring")
 _GREETINGS = ("",) * 6 + ("Hi! ", "Hello. ", "Hey there! ", "hi, ", "Good morning! ", "Hello!\n", "Quick question: ",

@@ -822,6 +822,10 @@ def test_train_cli_error_is_one_line_and_help_shows_defaults(tmp_path, capsys):
            "--compile-cache", ""]
     r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.startswith("error: no/such.txt: no such file") and r.stderr.count("\n") == 1
+    r = subprocess.run(cmd[:2] + ["--rl-tasks", "poetry"], cwd=pathlib.Path(__file__).parent, capture_output=True,
+                       text=True, timeout=120)  # a bad flag: one line too, naming the choices
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error: argument --rl-tasks: invalid choice: 'poetry' (choose from 'identity', ")
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
     out = " ".join(capsys.readouterr().out.split())

@@ -459,8 +459,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     """--help keeps the docstring's layout and shows every flag's default."""
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # a bad flag: one line, not the whole usage
+        self.exit(2, f"error: {message} (python train.py --help lists every flag)\n")
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = Parser(description=__doc__, formatter_class=HelpFormatter)
     a = p.add_argument
     a("--stage", default="all", choices=["all", "tokenizer", *STAGES], help="what to run (all: every stage)")
     a("--data", nargs="*", default=[], help=".txt/.jsonl/.parquet files, dirs or globs; none: the embedded corpus")
