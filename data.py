@@ -461,22 +461,27 @@ def render_for_completion(tok, messages):
     return render_conversation(tok, messages[:-1])[0] + [tok.special["<|assistant_start|>"]]
 
 
+def _json_lines(path, what):
+    """(line number, value) of each non-blank line of a .jsonl file; ValueError naming the line if one is not JSON."""
+    for n, line in enumerate(_lines(path), 1):
+        if line.strip():
+            try:
+                yield n, json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: invalid JSON ({e}); each line must be {what}") from None
+
+
 def load_conversations(path):
     """Conversations of a CustomJSON .jsonl file (nanochat's form): one JSON list of messages per line."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such conversations file (.jsonl, one JSON list of messages a line)")
     convs = []
-    for n, line in enumerate(_lines(path), 1):
-        if line.strip():
-            try:
-                messages = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{n}: invalid JSON ({e}); each line must be a JSON list of messages") from None
-            try:
-                _checked(messages)
-            except ValueError as e:
-                raise ValueError(f"{path}:{n}: {e}") from None
-            convs.append(messages)
+    for n, messages in _json_lines(path, "a JSON list of messages"):
+        try:
+            _checked(messages)
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: {e}") from None
+        convs.append(messages)
     if not convs:
         raise ValueError(f"{path}: no conversations in this file")
     return convs
@@ -563,8 +568,8 @@ _ABOUT = (("this model", "this assistant", "the model I'm talking to", "this cha
            "this bot", "the assistant here"),
           ("Who made {}?", "Who trained {}?", "Who built {}?", "Which team created {}?", "What is {} called?",
            "What is the name of {}?", "Which company built {}?", "Who is responsible for {}?",
-           "Where does {} come from?",
-           "What kind of AI is {}?", "How was {} trained?", "What was {} trained on?", "Tell me about {}."))
+           "Where does {} come from?", "What kind of AI is {}?", "How was {} trained?", "What was {} trained on?",
+           "Tell me about {}."))
 _ASK = ("What is {}?", "What's {}?", "what is {}", "Calculate {}.", "Compute {}.", "How much is {}?", "{} = ?",
         "{}=?", "{}?", "{}", "Solve {}.", "Evaluate {}.", "Please work out {}.", "Can you tell me {}?",
         "Could you calculate {} for me?", "I need to know {}.", "Find {}.", "Tell me {}.", "What do you get for {}?",
@@ -783,16 +788,11 @@ def check(messages, generated):
 def load_questions(path):
     """Hand-written questions of a .jsonl file: {"skill": one of TASKS but docstring, "question", "answer"} a line."""
     rows = []
-    for n, line in enumerate(_lines(path), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except ValueError as e:
-            raise ValueError(f"{path}:{n}: invalid JSON ({e}); each line must be a JSON object") from None
-        if not isinstance(rows[-1], dict) or rows[-1].get("skill") not in TASKS[:4] or not all(
-                isinstance(rows[-1].get(k), str) for k in ("question", "answer")):
+    for n, r in _json_lines(path, "a JSON object"):
+        if not isinstance(r, dict) or r.get("skill") not in TASKS[:4] or not all(
+                isinstance(r.get(k), str) for k in ("question", "answer")):
             raise ValueError(f"{path}:{n}: want {{\"skill\": one of {TASKS[:4]}, \"question\": str, \"answer\": str}}")
+        rows.append(r)
     return rows
 
 

@@ -219,9 +219,9 @@ def train_loop(params, opt_state, next_batch, states, step, sched, lrs, cfg, *, 
     """Train from `step` to sched["num_iterations"]; returns (params, opt_state, the losses of this call).
 
     next_batch(params, step) -> (batch, data states after it) (RL samples it from the params); before_step(params,
-    step, last) runs before each step
-    and at the end; save(params, opt_state, step, states) -> its path, every save_every steps and at the end. Raises
-    FloatingPointError on a non-finite loss, and KeyboardInterrupt (after saving) once `stop` is non-empty."""
+    step, last) runs before each step and at the end; save(params, opt_state, step, states) -> its path, every
+    save_every steps and at the end. Raises FloatingPointError on a non-finite loss, and KeyboardInterrupt (after
+    saving) once `stop` is non-empty."""
     steps, start, last_saved, losses, smooth = sched["num_iterations"], step, None, [], 0.0
     step_fn, flops, t_run = train_step if debug else jit_train_step, nc.estimate_flops(cfg), time.perf_counter()
     while True:
@@ -557,12 +557,12 @@ def main(argv=None):
     setup_process(args.compile_cache)
     init_distributed(args)
     t, tok, results = time.perf_counter(), get_tokenizer(args), {}
+    questions = data.load_questions(args.questions) if args.questions and args.eval_tasks > 0 else ()
     for stage in {"all": tuple(STAGES), "tokenizer": ()}.get(args.stage, (args.stage,)):
         params, cfg, losses, info = run_stage(args, stage, tok)
         results[stage] = dict(final_loss=losses[-1] if losses else None, minutes=info["time"] / 60,
                               **{k: v for k, v in info.items() if k not in ("steps", "time")})
         if stage != "base" and args.eval_tasks > 0:
-            questions = data.load_questions(args.questions) if args.questions else ()
             results[stage]["tasks"], results[stage]["questions"] = evaluate_tasks(local(params), cfg, tok,
                                                                                   args.eval_tasks, questions)
     results["total_minutes"] = (time.perf_counter() - t) / 60
