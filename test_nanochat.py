@@ -15,6 +15,7 @@ import operator
 import os
 import pathlib
 import pickle
+import platform
 import random
 import re
 import select
@@ -36,6 +37,7 @@ import pytest
 
 import chat
 import data
+import evaluate
 import muon
 import nanochat as nc
 import scaling
@@ -483,7 +485,7 @@ def test_bits_per_byte(tiny_params):
     nats = np.asarray(loss_fn(params, x, y, TINY, reduction="none"))
     nb = np.where(y >= 0, token_bytes[np.maximum(y, 0)], 0)
     want = (nats * (nb > 0)).sum() / (np.log(2) * nb.sum())
-    got = train.evaluate_bpb(params, TINY, iter([(x, y, None)] * 3), jnp.asarray(token_bytes), 2)
+    got = evaluate.evaluate_bpb(params, TINY, iter([(x, y, None)] * 3), jnp.asarray(token_bytes), 2)
     assert got == pytest.approx(want, rel=1e-5)
 
 
@@ -504,7 +506,7 @@ def test_task_evaluation_scores_exact_matches(monkeypatch):
             if task in ("identity", "arithmetic"):
                 answers[tuple(prompt)] = [t for t, m in zip(ids[len(prompt):], mask[len(prompt):]) if m][:-1]
     monkeypatch.setattr(nc, "generate", oracle)
-    acc, _ = train.evaluate_tasks(None, cfg, btok, n=5)
+    acc, _ = evaluate.evaluate_tasks(None, cfg, btok, n=5)
     assert acc == {"identity": 1.0, "arithmetic": 1.0, "counting": 0.0, "spelling": 0.0, "docstring": 0.0}
 
 
@@ -716,7 +718,7 @@ def run_stage(root, stage, *extra):
 
 def test_rl_stage_resumes_exactly_and_saves_on_ctrl_c(train_root, tmp_path, monkeypatch):
     root = fresh_root(train_root, tmp_path / "full")
-    with pytest.raises(FileNotFoundError, match="no SFT checkpoint under .*: run `python train.py --stage sft` first"):
+    with pytest.raises(FileNotFoundError, match="no sft checkpoint under .*: run `python train.py --stage sft` first"):
         run_stage(root, "rl", *RL_ARGS)
     with pytest.raises(SystemExit):  # argparse names the tasks there are
         train.parse_args(["--rl-tasks", "poetry"])
@@ -781,9 +783,12 @@ def test_two_processes_equal_one(train_root, tmp_path):
 
 
 def test_default_pipeline(tmp_path):
-    """train.main at a tiny size: tokenizer -> base -> SFT -> RL -> evaluation, and chat.py finds the RL model."""
-    root = str(tmp_path)
-    results = train.main(["--out", root, "--depth", "2", "--aspect-ratio", "32", "--head-dim", "16",
+    """train.main at a tiny size: tokenizer -> base -> SFT -> RL -> evaluation (CORE, ChatCORE, our tasks) and the
+    report card; chat.py finds the RL model."""
+    root = str(tmp_path / "run")
+    write_chat_data(tmp_path / "chat")
+    results = train.main(argv := ["--out", root, "--eval-bundle", str(CORE_DIR / "eval_bundle"), "--chat-data",
+                          str(tmp_path / "chat"), "--eval-max", "4", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "16",
                           "--max-seq-len", "128", "--device-batch-size", "2", "--total-batch-size", "512",
                           "--vocab-size", "300", "--tokenizer-max-chars", "1e5", "--num-iterations", "3",
                           "--sft-iterations", "2", "--warmup-steps", "1", "--eval-every", "1000", "--eval-steps", "1",
@@ -815,6 +820,29 @@ def test_default_pipeline(tmp_path):
     params, cfg, tok = chat.load_checkpoint(root)  # chat.py's default: the newest checkpoint of the last stage
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(params), rl_params)))
     assert cfg == nc.Config(**base["config"]) and tok.n_vocab == 300
+    assert set(results["base"]["core"]["results"]) == {"pydoc_qa", "opposites", "because_schema", "doc_lm", "doc_lm_qa"}
+    assert set(results["sft"]["chatcore"]["results"]) == set(evaluate.CHAT_TASKS)
+    report = open(os.path.join(root, "report.md")).read()  # the report card, from each stage's report.json
+    for stage in ("base", "sft", "rl"):
+        r = json.load(open(os.path.join(root, stage, "report.json")))
+        assert r["tokens"] > 0 and r["train_time"] > 0 and r["machine"]["jax"] == jax.__version__
+        flops = nc.estimate_flops(nc.Config(**r["config"]))
+        mfu = r["tokens"] * flops / (r["train_time"] * r["machine"]["peak_flops"] * r["machine"]["devices"])
+        core, chatcore = r.get("core", {}).get("core_metric"), r.get("chatcore", {}).get("chatcore")
+        row = (f"| {stage} | {nc.num_scaling_params(cfg)['total']:,} | {flops:,.0f} | {r['steps']} | {r['tokens']:,} | "
+               f"{r['train_time']:.0f} s | {100 * mfu:.1f}% | {r['val_bpb']:.4f} | "
+               f"{'' if core is None else f'{core:.4f}'} | {'' if chatcore is None else f'{chatcore:.4f}'} |")
+        assert row in report and f"\n## {stage}\n" in report
+        assert all(f"- `{p!r}` -> `{c!r}`" in report for p, c in r["samples"].items())
+    assert f"| {platform.python_version()}, jax {jax.__version__} (cpu) | 1 x cpu |" in report
+    assert f"CORE on `{CORE_DIR / 'eval_bundle'}`:\n\n| task | accuracy | centred |" in report
+    assert f"ChatCORE tasks on `{tmp_path / 'chat'}`:\n\n| task | accuracy |" in report
+    assert "| hand-written questions | arithmetic | counting | spelling | identity |" in report
+    assert f"| opposites | {results['base']['core']['results']['opposites']:.4f} |" in report
+    os.remove(os.path.join(root, "report.md"))  # a stage run alone rewrites the card from every stage's part
+    train.main(argv + ["--stage", "rl", "--eval-tasks", "0"])
+    again = open(os.path.join(root, "report.md")).read()
+    assert all(f"\n## {stage}\n" in again for stage in ("base", "sft", "rl")) and "--stage rl --eval-tasks 0" in again
 
 
 def test_train_cli_error_is_one_line_and_help_shows_defaults(tmp_path, capsys):
@@ -2401,3 +2429,379 @@ def test_tiny_real_sweep(tmp_path):
     sweep(out, "1", "2")  # resumed: both runs are in the CSV, nothing trains
     assert os.path.getmtime(os.path.join(out, "scale_c.csv")) == mtime
     assert sweep(str(tmp_path / "again"), "1")[0]["val_bpb"] == rows[0]["val_bpb"]  # same seed: the same numbers
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Evaluations: CORE, ChatCORE, the sandbox, the report card
+
+CORE_DIR = TESTDATA / "core_eval"
+
+
+@pytest.fixture(scope="session")
+def nanochat_d2():
+    return chat.load_nanochat_checkpoint(str(TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"))
+
+
+def test_core_equals_nanochat(nanochat_d2):
+    """nanochat's own CORE code on its checkpoint (testdata/core_eval/README.md): every example's decision equal,
+    mean losses within 1e-4, token rows, spans and prompts (few-shot included) exact, the accuracies and CORE equal."""
+    params, cfg, tok = nanochat_d2
+    expected = json.loads((CORE_DIR / "expected.json").read_text())
+    tasks = evaluate.load_bundle(str(CORE_DIR / "eval_bundle"))
+    out = evaluate.evaluate_core(params, cfg, tok, tasks, batch_tokens=512, details=True)  # several batches per task
+    assert [t["label"] for t in tasks] == list(expected["results"])
+    for task in tasks:
+        want, got = expected["tasks"][task["label"]], out["per_example"][task["label"]]
+        lines = [l for _, l in data._json_lines(CORE_DIR / "eval_bundle" / "eval_data" / want["dataset_uri"], "")]
+        assert task["data"] == [lines[i] for i in want["shuffled_lines"]]  # Random(1337)'s shuffle
+        assert got["correct"] == [bool(c) for c in want["correct"]]
+        for ex, losses in zip(want["examples"], got["mean_losses"]):
+            np.testing.assert_allclose(losses, ex.get("mean_losses", [ex.get("mean_loss")]), atol=1e-4)
+            if "detail" in ex:
+                fewshot = [task["data"][i] for i in ex["fewshot_idx"]]
+                item = task["data"][ex["idx"]]
+                assert evaluate.core_prompts(item, task["type"], task["delimiter"], fewshot) == ex["detail"]["prompts"]
+                assert evaluate.core_example(tok, task, ex["idx"]) == (
+                    ex["detail"]["tokens"][-1:] if task["type"] == "language_modeling" else ex["detail"]["tokens"],
+                    ex["start_idxs"], ex["end_idxs"])
+    assert out["results"] == expected["results"] and out["centered_results"] == expected["centered_results"]
+    assert out["core_metric"] == pytest.approx(expected["core_metric"], abs=1e-12)
+
+
+def test_core_cli_on_four_devices_and_its_errors(tmp_path):
+    """evaluate.py on a 4-device mesh (each batch's rows split over the devices) gives nanochat's CORE; bad bundles
+    and checkpoints are one-line errors."""
+    cmd = [sys.executable, "evaluate.py", "--nanochat-checkpoint", str(TESTDATA / "nanochat_checkpoint")]
+    run = lambda *a: subprocess.run(cmd + list(a), cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
+                                    timeout=300, env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    r = run("--eval-bundle", str(CORE_DIR / "eval_bundle"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "4 devices" in r.stdout
+    expected = json.loads((CORE_DIR / "expected.json").read_text())
+    assert json.loads(r.stdout.splitlines()[-1])["core"]["core_metric"] == pytest.approx(expected["core_metric"])
+    bad = tmp_path / "bundle"
+    shutil.copytree(CORE_DIR / "eval_bundle", bad)
+    (bad / "eval_data" / "opposites.jsonl").write_text('{"query": "up", "gold": 0}\n')
+    for args, message in [(["--eval-bundle", str(tmp_path / "nowhere")], "no core.yaml here, not an eval_bundle"),
+                          (["--eval-bundle", str(bad)], "opposites.jsonl: example 0 lacks one of ('query', 'choices'"),
+                          (["--chat-data", str(tmp_path)], "none of the ChatCORE datasets"),
+                          ([], "give --eval-bundle DIR (CORE) and/or --chat-data DIR (ChatCORE)")]:
+        r = run(*args)
+        assert r.returncode in (1, 2) and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr[-2000:]
+
+
+def test_core_yaml_and_bad_bundles(tmp_path):
+    yaml = tmp_path / "core.yaml"
+    yaml.write_text("# a comment\nicl_tasks:\n- label: a  # inline comment\n  num_fewshot:\n  - 0\n  - 3\n"
+                    "  continuation_delimiter: \"#### \\n\"\n-\n  label: 'it''s'\n  num_fewshot: [10, 5]\n"
+                    "  has_categories: true\neval_gauntlet:\n  weighting: EQUAL\n")
+    assert evaluate.read_icl_tasks(str(yaml)) == [
+        {"label": "a", "num_fewshot": [0, 3], "continuation_delimiter": "#### \n"},
+        {"label": "it's", "num_fewshot": [10, 5], "has_categories": True}]
+    bundle = tmp_path / "b"
+    shutil.copytree(CORE_DIR / "eval_bundle", bundle)
+    with pytest.raises(ValueError, match="task 'opposites' takes 3-shot examples from the others of its 3"):
+        evaluate.load_bundle(str(bundle), max_per_task=3)
+    (bundle / "eval_meta_data.csv").write_text("Eval Task,Random baseline\npydoc_qa,25\n")
+    with pytest.raises(ValueError, match="no 'Random baseline' for task 'opposites'"):
+        evaluate.load_bundle(str(bundle))
+    (bundle / "core.yaml").write_text("icl_tasks:\n- label: x\n  what is this\n")
+    with pytest.raises(ValueError, match=r"core.yaml:3: cannot read 'what is this'"):
+        evaluate.load_bundle(str(bundle))
+
+
+def test_core_task_types_by_hand(btok):
+    """The three task types' prompts and scored spans, worked out by hand with the byte tokenizer."""
+    mc = dict(label="mc", type="multiple_choice", num_fewshot=1, delimiter=" ",
+              data=[{"query": "Pets:", "choices": ["cat", "car"], "gold": 0}, {"query": "Q", "choices": ["a"], "gold": 0}])
+    rows, starts, ends = evaluate.core_example(btok, mc, 0)
+    assert [btok.decode(r[1:]) for r in rows] == ["Q a\n\nPets: cat", "Q a\n\nPets: car"]
+    assert starts == [len("Q a\n\nPets: ca") + 1] * 2 and ends == [len(rows[0])] * 2  # the shared prefix is not scored
+    schema = dict(label="s", type="schema", num_fewshot=0, delimiter=" ",
+                  data=[{"context_options": ["It rained", "It was sunny"], "continuation": "so it is wet.", "gold": 0}])
+    rows, starts, ends = evaluate.core_example(btok, schema, 0)
+    assert [btok.decode(r[s:e]) for r, s, e in zip(rows, starts, ends)] == [" so it is wet."] * 2  # the shared suffix
+    lm = dict(label="lm", type="language_modeling", num_fewshot=0, delimiter="\nAnswer: ",
+              data=[{"context": "  Capital of France? ", "continuation": "Paris"}])
+    (row,), (s,), (e,) = evaluate.core_example(btok, lm, 0)
+    assert btok.decode(row[1:s]) == "Capital of France?\nAnswer:" and btok.decode(row[s:e]) == " Paris"
+
+
+def write_chat_data(root):
+    """Small ChatCORE datasets in the public layouts: ARC-Easy as Hugging Face parquet, ARC-Challenge as AI2's
+    own .jsonl, the others as Hugging Face .jsonl; returns {task: rows as written}."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    arc = [{"id": f"q{i}", "question": f"Which is number {i}?", "answerKey": "ABCD"[i % 4],
+            "choices": {"text": [f"number {j}" for j in range(4)], "label": list("ABCD")}} for i in range(6)]
+    ai2 = [{"id": "c1", "answerKey": "2", "question": {"stem": "Pick two.", "choices": [
+        {"text": "one", "label": "1"}, {"text": "two", "label": "2"}, {"text": "three", "label": "3"}]}}]
+    mmlu = [{"question": f"{i} + 1 =", "subject": "math", "choices": [str(i + d) for d in range(4)], "answer": 1}
+            for i in range(5)]
+    gsm = [{"question": f"Tom has {i} apples and buys 2 more. How many?",
+            "answer": f"He has {i}+2=<<{i}+2={i + 2}>>{i + 2} apples.\n#### {i + 2}"} for i in range(4)]
+    he = [{"task_id": "HumanEval/0", "prompt": "import math\n\ndef root(x):\n    \"\"\"Square root.\"\"\"\n",
+           "canonical_solution": "    return math.sqrt(x)\n", "entry_point": "root",
+           "test": "def check(f):\n    assert f(9) == 3\n"}]
+    folders = {"ai2_arc/ARC-Easy": None, "ai2_arc/ARC-Challenge": ai2, "mmlu/all": mmlu, "gsm8k/main": gsm,
+               "openai_humaneval/openai_humaneval": he}
+    for folder, rows in folders.items():
+        (root / folder).mkdir(parents=True)
+        if rows is not None:
+            (root / folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(arc), root / "ai2_arc/ARC-Easy/test-00000-of-00001.parquet")
+    (root / "gsm8k/main/train-00000-of-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gsm[::-1]))
+    return {"ARC-Easy": arc, "ARC-Challenge": ai2, "MMLU": mmlu, "GSM8K": gsm, "HumanEval": he}
+
+
+def test_chatcore_categorical_is_the_letters_argmax(tmp_path, btok):
+    rows = write_chat_data(tmp_path)
+    tasks = evaluate.load_chat_tasks(str(tmp_path))
+    order = np.random.default_rng(42).permutation(6)  # nanochat's Dataset.shuffle(seed=42)
+    assert [c["messages"][-1]["content"] for c in tasks["ARC-Easy"]] == [rows["ARC-Easy"][i]["answerKey"] for i in order]
+    assert tasks["ARC-Challenge"][0]["messages"] == [
+        {"role": "user", "content": "Multiple Choice question: Pick two.\n- one=1\n- two=2\n- three=3\n\n"
+                                    "Respond only with the letter of the correct answer."},
+        {"role": "assistant", "content": "2"}]
+    cfg = nc.Config(sequence_len=256, vocab_size=btok.n_vocab, n_layer=2, n_head=2, n_kv_head=2, n_embd=32)
+    params = nc.init_params(cfg, jax.random.key(3))
+    params["lm_head"] = jax.random.normal(jax.random.key(4), params["lm_head"].shape)  # not the zero init
+    want = {}
+    for name in ("ARC-Easy", "ARC-Challenge", "MMLU"):  # by hand: one row at a time, the full forward's last logits
+        hits = []
+        for c in tasks[name]:
+            ids = data.render_for_completion(btok, c["messages"])
+            z = np.asarray(forward(params, jnp.array([ids]), cfg))[0, -1]
+            hits.append(c["letters"][int(np.argmax(z[[btok.encode(l)[0] for l in c["letters"]]]))] ==
+                        c["messages"][-1]["content"])
+        want[name] = np.mean(hits)
+    categorical = {n: tasks[n] for n in want}
+    for batch_tokens in (256, 1 << 14):  # one row per batch, or all rows in one
+        assert evaluate.evaluate_chat(params, cfg, btok, categorical, batch_tokens=batch_tokens)["results"] == want
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "mmlu", bad / "mmlu")
+    (bad / "mmlu/all/test.jsonl").write_text('{"question": "q", "choices": ["a", "b"], "answer": 7}\n')
+    with pytest.raises(ValueError, match="mmlu/all: row 0: .*want the layout of Hugging Face's cais/mmlu"):
+        evaluate.load_chat_tasks(str(bad))
+
+
+def test_gsm8k_humaneval_and_chatcore(tmp_path, btok, monkeypatch):
+    assert evaluate.gsm8k_answer("so 3 + 4 = 7\n#### 1,234.5 dollars") == "1234.5"
+    assert evaluate.gsm8k_answer("#### -12") == "-12" and evaluate.gsm8k_answer("the answer is 12") is None
+    assert evaluate.gsm8k_parts("It is 12/60=<<12/60=0.2>>0.2 a minute.\n#### 0.2") == [
+        {"type": "text", "text": "It is 12/60="}, {"type": "python", "text": "12/60"},
+        {"type": "python_output", "text": "0.2"}, {"type": "text", "text": "0.2 a minute.\n#### 0.2"}]
+    write_chat_data(tmp_path)
+    tasks = evaluate.load_chat_tasks(str(tmp_path))
+    he = tasks["HumanEval"][0]
+    program = evaluate.humaneval_program(he, "Here:\n```python\ndef root(x):\n    return math.sqrt(x)\n```\nDone.")
+    assert program.startswith("import math\n\ndef root(x):\n") and program.endswith("check(root)")
+    cfg = nc.Config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=2, n_kv_head=2, n_embd=32)
+    params = nc.init_params(cfg, jax.random.key(0))
+
+    def answer(right):  # the engine's completion replaced by the reference answer (or a wrong one)
+        refs = {}
+        for c in tasks["GSM8K"] + tasks["HumanEval"]:
+            ref = c["messages"][-1]["content"]
+            text = f"#### {evaluate.gsm8k_answer(ref[-1]['text'])}" if isinstance(ref, list) else ref
+            refs[tuple(data.render_for_completion(btok, c["messages"]))] = text if right else text[:-3] + "1"
+        return lambda p, cfg, tok, prompt, n, *a: [btok.encode(refs[tuple(prompt)])] * n
+
+    for right in (True, False):
+        monkeypatch.setattr(evaluate, "completions", answer(right))
+        generative = {n: tasks[n] for n in ("GSM8K", "HumanEval")}
+        assert evaluate.evaluate_chat(params, cfg, btok, generative)["results"] == {"GSM8K": right, "HumanEval": right}
+    out = evaluate.evaluate_chat(params, cfg, btok, tasks)
+    centred = [(out["results"][n] - b) / (1 - b) for n, b in (("ARC-Easy", .25), ("ARC-Challenge", .25), ("MMLU", .25),
+                                                             ("GSM8K", 0), ("HumanEval", 0))]
+    assert out["chatcore"] == pytest.approx(np.mean(centred))
+    del tasks["MMLU"]
+    assert evaluate.evaluate_chat(params, cfg, btok, tasks)["chatcore"] is None  # ChatCORE needs all five
+
+
+GOOD_PROGRAM = "def add(a, b):\n    return a + b\n\ndef check(f):\n    assert f(2, 3) == 5\n\ncheck(add)\n"
+
+
+def tree_snapshot(d):
+    # every path under d with its content (None for a directory), to show that nothing outside changed
+    return {p: None if os.path.isdir(p) else open(p, "rb").read()
+            for root, dirs, files in os.walk(d) for p in [os.path.join(root, n) for n in dirs + files]}
+
+
+def test_sandbox_correct_program_passes():
+    assert evaluate.run_program(GOOD_PROGRAM)[:2] == (True, None)
+
+
+def test_sandbox_failing_assert_fails():
+    passed, error, _ = evaluate.run_program(GOOD_PROGRAM.replace("== 5", "== 6"))
+    assert not passed and "AssertionError" in error
+
+
+def test_sandbox_exit_status():
+    assert evaluate.run_program("import sys; sys.exit(3)")[:2] == (False, "exit status 3")
+    assert evaluate.run_program("import os; os.abort()")[:2] == (False, "killed by signal 6")
+
+
+def test_sandbox_infinite_loop_times_out():
+    t = time.time()
+    passed, error, _ = evaluate.run_program("while True:\n    pass\n", timeout=1)
+    assert not passed and error == "timed out after 1 s"
+    assert time.time() - t < 3
+
+
+@pytest.mark.parametrize("code", ["x = []\nwhile True:\n    x.append(b'x' * 10**7)\n", "bytearray(10**10)"])
+def test_sandbox_unbounded_allocation_fails(code):
+    t = time.time()
+    passed, error, _ = evaluate.run_program(code, timeout=5)
+    assert not passed and "MemoryError" in error
+    assert time.time() - t < 3  # the memory limit stops it, not the timeout
+
+
+def test_sandbox_output_flood_is_cut():
+    t = time.time()
+    passed, error, stdout = evaluate.run_program("while True:\n    print('x' * 10**6)\n", timeout=5)
+    assert not passed and "File too large" in error
+    assert len(stdout) <= 10_000 and time.time() - t < 5
+
+
+@pytest.mark.parametrize("code", ["import socket\nsocket.socket()\n",
+                                  "import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)\n",
+                                  "import urllib.request\nurllib.request.urlopen('http://127.0.0.1:80', timeout=1)\n"])
+def test_sandbox_network_fails(code):
+    passed, error, _ = evaluate.run_program(code, timeout=2)
+    assert not passed and "sandbox: socket." in error
+
+
+def test_sandbox_network_fails_without_namespaces(monkeypatch):
+    # where unshare is refused (containers, unprivileged users), the audit hook alone must still stop sockets
+    assert "0x10000000 | 0x40000000" in evaluate.SANDBOX
+    monkeypatch.setattr(evaluate, "SANDBOX", evaluate.SANDBOX.replace("0x10000000 | 0x40000000", "-1"))  # EINVAL
+    passed, error, stdout = evaluate.run_program("import os\nprint(os.getuid())\nimport socket\nsocket.socket()\n", timeout=2)
+    assert not passed and "sandbox: socket.__new__" in error and stdout == f"{os.getuid()}\n"
+    assert evaluate.run_program(GOOD_PROGRAM)[:2] == (True, None)
+
+
+@pytest.mark.parametrize("code", [
+    "open({target!r}, 'w').write('pwned')",
+    "import os\nos.close(os.open({target!r}, os.O_WRONLY | os.O_CREAT))",
+    "import pathlib\npathlib.Path({target!r}).write_text('pwned')",
+    "import os\nos.symlink({target!r}, 'link')\nopen('link', 'w').write('pwned')",  # symlinks are followed
+    "import os\nos.mkdir({target!r})",
+    "import shutil\nshutil.copy('program.py', {target!r})",
+])
+def test_sandbox_write_outside_fails(tmp_path, code):
+    target = str(tmp_path / "new.txt")
+    before = tree_snapshot(tmp_path)
+    passed, error, _ = evaluate.run_program(code.format(target=target))
+    assert not passed and "PermissionError: sandbox:" in error
+    assert not os.path.exists(target) and tree_snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("code", [
+    "import os\nos.remove({victim!r})",
+    "import os\nos.rename({victim!r}, 'stolen.txt')",
+    "import os\nos.replace('program.py', {victim!r})",
+    "import shutil\nshutil.move({victim!r}, 'stolen.txt')",
+    "import shutil\nshutil.rmtree({folder!r})",
+    "import os\nos.chmod({victim!r}, 0)",
+    "import os\nos.truncate({victim!r}, 0)",
+    "open({victim!r}, 'a').write('more')",
+    "import os\nos.link({victim!r}, 'hard')\nopen('hard', 'a').write('more')",  # a hard link would share the inode
+    "import os\nfd = os.open({victim!r}, os.O_RDONLY)\nos.chmod(fd, 0)",  # fds are checked by the file they are on
+    "import os\nd = os.open({folder!r}, os.O_RDONLY)\nos.remove('victim.txt', dir_fd=d)",
+])
+def test_sandbox_change_outside_fails(tmp_path, code):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    victim = folder / "victim.txt"
+    victim.write_text("precious")
+    os.chmod(victim, 0o644)
+    before = tree_snapshot(tmp_path)
+    passed, error, _ = evaluate.run_program(code.format(victim=str(victim), folder=str(folder)))
+    assert not passed and "PermissionError: sandbox:" in error
+    assert victim.read_text() == "precious" and os.stat(victim).st_mode & 0o777 == 0o644
+    assert tree_snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("code", [
+    "import os\nassert os.system('touch {target}') == 0",
+    "import subprocess\nsubprocess.run(['touch', {target!r}])",
+    "import os\nos.execv('/usr/bin/touch', ['touch', {target!r}])",
+    "import os\nif os.fork() == 0:\n    open({target!r}, 'w')",
+    "import multiprocessing as mp\nif __name__ == '__main__':\n"
+    "    p = mp.get_context('spawn').Process(target=print)\n    p.start()\n    p.join()",
+    "import ctypes\nctypes.CDLL(None).system(b'touch {target}')",
+    "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",  # the parent (pytest) must survive
+])
+def test_sandbox_process_creation_and_ctypes_fail(tmp_path, code):
+    target = str(tmp_path / "touched")
+    passed, error, _ = evaluate.run_program(code.format(target=target))
+    assert not passed and "sandbox:" in error
+    assert not os.path.exists(target)
+
+
+def test_sandbox_own_temp_dir_is_writable_and_removed():
+    code = ("import os, shutil, tempfile\n"
+            "open('data.txt', 'w').write('hello')\n"
+            "assert open('data.txt').read() == 'hello'\n"
+            "os.makedirs('a/b')\nos.rename('data.txt', 'a/b/data.txt')\nshutil.rmtree('a')\n"
+            "with tempfile.TemporaryFile() as f:\n    f.write(b'x')\n"
+            "print(os.getcwd())\n")
+    passed, error, stdout = evaluate.run_program(code)
+    assert (passed, error) == (True, None)
+    cwd = stdout.strip()
+    assert cwd.startswith("/") and not os.path.exists(cwd)
+
+
+def test_sandbox_ordinary_imports_work():
+    code = ("import math, itertools, collections, re, json, functools, heapq, string, typing, fractions, decimal\n"
+            "import random, hashlib, bisect, statistics, datetime, copy, operator, sys\n"
+            "assert hashlib.sha256(b'x').hexdigest().startswith('2d711642')\n"
+            "assert json.loads(json.dumps({'a': [1, 2]})) == {'a': [1, 2]}\n"
+            "sys.setrecursionlimit(10_000)\n"
+            "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
+            "assert depth(5_000) == 5_000\n")
+    assert evaluate.run_program(code)[:2] == (True, None)
+
+
+def test_sandbox_run_goes_on(tmp_path):
+    # after every kind of failure in a row, the parent is fine and a normal program still passes
+    bad = ["while True: pass", "bytearray(10**10)", "import socket; socket.socket()", "import ctypes",
+           f"open({str(tmp_path / 'x')!r}, 'w')", "import os; os.system('true')", "raise SystemExit(7)"]
+    for code in bad:
+        assert evaluate.run_program(code, timeout=1)[0] is False
+    assert evaluate.run_program(GOOD_PROGRAM)[:2] == (True, None)
+    assert os.listdir(tmp_path) == []
+
+
+def test_rl_on_gsm8k_takes_nanochat_settings(train_root, tmp_path):
+    """--rl-tasks gsm8k: nanochat's chat_rl settings unless a flag says otherwise, GSM8K's train split walked in
+    order and rewarded by its '####' answer; a checkpoint of another tokenizer is refused in one line."""
+    args = train.parse_args(["--rl-tasks", "gsm8k"])
+    assert (args.rl_prompts, args.rl_samples, args.rl_max_tokens, args.rl_lr_frac, args.rl_iterations, args.rl_eval,
+            args.rl_eval_every) == (16, 16, 256, 0.05, -1, 400, 60)
+    assert train.parse_args(["--rl-tasks", "gsm8k", "--rl-prompts", "2"]).rl_prompts == 2
+    assert train.parse_args([]).rl_prompts == 8 and train.parse_args([]).rl_eval_every == 0
+    write_chat_data(tmp_path / "chat")
+    root = fresh_root(train_root, tmp_path / "run")
+    run_stage(root, "base", "--num-iterations", "2")
+    run_stage(root, "sft", "--sft-iterations", "2")
+    gsm = ["--rl-tasks", "gsm8k", "--chat-data", str(tmp_path / "chat"), "--rl-prompts", "2", "--rl-samples", "2",
+           "--rl-max-tokens", "8", "--rl-eval", "2", "--rl-eval-every", "1"]
+    tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
+    cfg = nc.Config(**json.load(open(os.path.join(data.latest_checkpoint(root, ("sft",)), "meta.json")))["config"])
+    tasks = train.rl_tasks(train.parse_args(gsm), tok, cfg)
+    train_rows = [json.loads(l) for l in open(tmp_path / "chat/gsm8k/main/train-00000-of-00001.jsonl")]
+    order = np.random.default_rng(42).permutation(4)
+    steps = [[c for c, _ in train.rl_prompts(tasks, step, 2)] for step in range(3)]  # in order, then round again
+    assert [c[0]["content"] for s in steps for c in s] == [train_rows[i]["question"] for i in [*order, *order[:2]]]
+    reward = tasks["gsm8k"][2]
+    assert reward(steps[0][0], f"#### {evaluate.gsm8k_answer(train_rows[order[0]]['answer'])}") is True
+    assert reward(steps[0][0], "#### 1000") is False
+    _, _, losses, info = run_stage(root, "rl", *gsm)
+    assert len(losses) == 2 and np.isfinite(losses).all()  # one epoch: 4 questions / 2 a step
+    assert set(info) >= {"pass@k before", "pass@k 1", "pass@k"} and set(info["pass@k"]["gsm8k"]) == {"pass@1", "pass@2"}
+    other = data.train_tokenizer(["a different corpus for another tokenizer"] * 50, 280)
+    other.save(os.path.join(root, "tokenizer.json"))
+    with pytest.raises(ValueError, match="was trained with another tokenizer than .*tokenizer.json"):
+        run_stage(root, "rl", *gsm)

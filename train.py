@@ -38,6 +38,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import data
+import evaluate
 import muon
 import nanochat as nc
 
@@ -90,57 +91,19 @@ jit_train_step = jax.jit(train_step, static_argnames="cfg", donate_argnames=("pa
 # ------------------------------------------------------------------------------------------------ evaluation
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def _bpb_sums(params, inputs, targets, token_bytes, cfg):
-    nats = nc.loss_fn(params, inputs, targets, cfg, reduction="none")
-    nbytes = jnp.where(targets >= 0, token_bytes[jnp.maximum(targets, 0)], 0)
-    return jnp.sum(nats * (nbytes > 0)), jnp.sum(nbytes)
-
-
 def local(params):
     """This process's own replica of replicated params (what per-process evaluation and sampling run on)."""
     return jax.tree.map(lambda x: x.addressable_data(0), params)
 
 
-def evaluate_bpb(params, cfg, batches, token_bytes, steps):
-    """nanochat's bits per byte: summed nats over summed bytes of the targets; specials count 0 bytes."""
-    sums = np.zeros(2)
-    for inputs, targets, _ in itertools.islice(batches, steps):
-        sums += [float(x) for x in _bpb_sums(local(params), inputs, targets, token_bytes, cfg)]
-    if jax.process_count() > 1:  # every process evaluated its own slice of the val documents
-        sums = multihost_utils.process_allgather(sums).sum(0)
-    return sums[0] / (math.log(2) * max(sums[1], 1))
-
-
-def generate_ids(params, cfg, tok, prompt, max_tokens):
-    """Greedy continuation ids of one prompt through the KV-cache engine, with the calculator tool."""
-    out, stop = [], (tok.special["<|assistant_end|>"], tok.bos)
-    for (t,), _ in nc.generate(params, cfg, prompt, max_tokens=max_tokens, key=jax.random.key(0), temperature=0.0,
-                               stop_ids=stop, tool=data.calculator_tool(tok)):
-        if t in stop:
-            break
-        out.append(t)
-    return out
-
-
-def evaluate_tasks(params, cfg, tok, n=50, questions=(), seed=0, max_tokens=160):
-    """Exact-match accuracy per synthetic task on n conversations of its held-out split, and per skill on
-    hand-written questions (data.load_questions), greedy: ({task: accuracy}, {skill: accuracy})."""
-    reply = lambda c: tok.decode(generate_ids(params, cfg, tok, data.render_for_completion(tok, c), max_tokens))
-    tasks = {task: float(np.mean([data.check(c, reply(c)) for c in itertools.islice(
-        data.task_conversations(task, "test", seed=seed), n)])) for task in data.TASKS}
-    graded = [(q["skill"], data.grade(q["skill"], q["answer"], reply([{"role": "user", "content": q["question"]},
-                                                                        {"role": "assistant", "content": "?"}])))
-              for q in questions]
-    return tasks, {s: float(np.mean([ok for k, ok in graded if k == s])) for s in dict(graded)}
-
 # ------------------------------------------------------------------------------------------------ RL
 
 
-def rollout(params, cfg, tok, conversation, key, num_samples, max_tokens, temperature=1.0, top_k=50):
+def rollout(params, cfg, tok, conversation, key, num_samples, max_tokens, temperature=1.0, top_k=50,
+            reward=data.check):
     """num_samples replies to a task conversation, sampled by the KV-cache engine with the calculator in the loop:
-    (prompt + reply ids, masks: 1 on the sampled tokens, 0 on the prompt and the forced tool output, rewards: 1.0
-    where the task's checker accepts the reply)."""
+    (prompt + reply ids, masks: 1 on the sampled tokens, 0 on the prompt and the forced tool output, rewards:
+    reward(conversation, decoded reply), 1.0 where the task's checker accepts it)."""
     prompt, stop = data.render_for_completion(tok, conversation), (tok.special["<|assistant_end|>"], tok.bos)
     rows, masks = [list(prompt) for _ in range(num_samples)], [[0] * len(prompt) for _ in range(num_samples)]
     tool = data.calculator_tool(tok)
@@ -150,7 +113,7 @@ def rollout(params, cfg, tok, conversation, key, num_samples, max_tokens, temper
             if row[-1] not in stop:  # a finished row takes no more tokens
                 row.append(t)
                 m.append(k)
-    return rows, masks, [float(data.check(conversation, tok.decode(r[len(prompt):]))) for r in rows]
+    return rows, masks, [float(reward(conversation, tok.decode(r[len(prompt):]))) for r in rows]
 
 
 def rl_batch(groups, T):
@@ -169,20 +132,42 @@ def rl_batch(groups, T):
     return x, y, w
 
 
-def rl_prompts(tasks, seed, step, n):
-    """RL step `step`'s n task conversations, round-robin over tasks, from train streams seeded by (seed, step): a
-    resumed run samples the same prompts."""
-    streams = [data.task_conversations(t, "train", seed=f"{seed}/rl{step}") for t in tasks]
-    return [next(streams[i % len(tasks)]) for i in range(n)]
+def rl_tasks(args, tok, cfg):
+    """{task: (train(step, count) -> that step's conversations, test() -> test conversations, reward, train size)}.
+    Our tasks draw from streams seeded by (seed, step), so a resumed run samples the same prompts (size None); GSM8K
+    walks its shuffled train split in order as nanochat's chat_rl, keeping the prompts that leave room to answer."""
+    def ours(t):
+        seeded = lambda step: data.task_conversations(t, "train", seed=f"{args.seed}/rl{step}")
+        return (lambda step, count: list(itertools.islice(seeded(step), count)),
+                lambda: data.task_conversations(t, "test"), data.check, None)
+    out = {t: ours(t) for t in args.rl_tasks if t != "gsm8k"}
+    if "gsm8k" in args.rl_tasks:
+        if not args.chat_data:
+            raise FileNotFoundError("--rl-tasks gsm8k reads GSM8K from --chat-data DIR (README: Evaluations)")
+        fits = lambda c: len(data.render_for_completion(tok, c)) < cfg.sequence_len - 1
+        train, test = ([c["messages"] for c in evaluate.load_chat_task(args.chat_data, "GSM8K", split)
+                        if fits(c["messages"])] for split in ("train", "test"))
+        if not train:
+            raise ValueError(f"no GSM8K question fits in the model's context of {cfg.sequence_len} tokens")
+        out["gsm8k"] = (lambda step, count: [train[(step * count + i) % len(train)] for i in range(count)],
+                        lambda: iter(test), evaluate.gsm8k_correct, len(train))
+    return out
+
+
+def rl_prompts(tasks, step, n):
+    """RL step `step`'s n (conversation, reward) pairs, round-robin over the tasks."""
+    names = list(tasks)
+    drawn = {t: iter(tasks[t][0](step, len(range(j, n, len(names))))) for j, t in enumerate(names)}  # interleaved
+    return [(next(drawn[t]), tasks[t][2]) for t in (names[i % len(names)] for i in range(n))]
 
 
 def evaluate_passk(params, cfg, tok, tasks, n, k, key, max_tokens):
     """nanochat's pass@k (any of the first k samples at temperature 1 correct) on n test conversations per task:
     {task: {"pass@1": ..., "pass@k": ...}}."""
     out = {}
-    for t in tasks:
-        hits = [np.cumsum(rollout(params, cfg, tok, c, jax.random.fold_in(key, i), k, max_tokens)[2]) > 0
-                for i, c in enumerate(itertools.islice(data.task_conversations(t, "test"), n))]
+    for t, (_, test, reward, _) in tasks.items():
+        hits = [np.cumsum(rollout(params, cfg, tok, c, jax.random.fold_in(key, i), k, max_tokens, reward=reward)[2])
+                > 0 for i, c in enumerate(itertools.islice(test(), n))]
         out[t] = {f"pass@{j}": float(np.mean([h[j - 1] for h in hits])) for j in sorted({1, k})}
     return out
 
@@ -250,7 +235,7 @@ def train_loop(params, opt_state, next_batch, states, step, sched, lrs, cfg, *, 
         print(f"step {step:5d}/{steps} | loss {smooth / (1 - 0.9 ** (step - start)):.4f} | lrm {float(m['lrm']):.3f} | "
               f"{dt * 1e3:.0f} ms | {tps:,.0f} tok/s | {tps * flops / 1e9:,.1f} GFLOP/s | eta {eta / 60:.1f} min",
               flush=True)
-        log({"step": step, "loss": loss, "lrm": float(m["lrm"]), "dt": dt, "tok_per_s": tps})
+        log({"step": step, "loss": loss, "lrm": float(m["lrm"]), "dt": dt, "tokens": batch[0].size, "tok_per_s": tps})
 
 # ------------------------------------------------------------------------------------------------ the stages
 
@@ -283,6 +268,19 @@ def base_schedule(args, steps, lr_scale, wd):
     return sched, lrs
 
 
+def start_from(args, stage, tok):
+    """(params, cfg) of the newest checkpoint of `stage`, which must have been trained with this run's tokenizer."""
+    path = data.latest_checkpoint(args.out, (stage,))
+    if path is None:
+        raise FileNotFoundError(f"no {stage} checkpoint under {args.out}/{stage}: run `python train.py --stage "
+                                f"{stage}` first")
+    params, _, meta = data.load_checkpoint(path, optimizer=False)
+    if data.Tokenizer.load(os.path.join(path, meta["tokenizer"])).tokens != tok.tokens:
+        raise ValueError(f"{path} was trained with another tokenizer than {args.out}/tokenizer.json; start from a "
+                         "checkpoint of this --out, or train its stages again")
+    return params, nc.Config(**meta["config"])
+
+
 def base_stage(args, tok, key):
     """Pretraining from fresh weights on the corpus: the model from the command line."""
     cfg = nc.config_for_depth(args.depth, tok.n_vocab, args.aspect_ratio, args.head_dim, sequence_len=args.max_seq_len,
@@ -295,12 +293,9 @@ def sft_stage(args, tok, key):
     """SFT from the newest base checkpoint on the synthetic chat tasks (+ --sft-data) with a corpus document every
     --sft-text-every conversations, and nanochat's chat_sft schedule: 0.8x the lrs, no warmup, a linear warmdown
     over the last half to 0, no weight decay."""
-    base = data.latest_checkpoint(args.out, ("base",))
-    if base is None:
-        raise FileNotFoundError(f"no base checkpoint under {args.out}/base: run `python train.py --stage base` first")
-    params, _, meta = data.load_checkpoint(base, optimizer=False)
+    params, cfg = start_from(args, "base", tok)
     extra = [c for path in args.sft_data for c in data.load_conversations(path)]
-    return dict(cfg=nc.Config(**meta["config"]), init=lambda: params, packer=data.sft_batches,
+    return dict(cfg=cfg, init=lambda: params, packer=data.sft_batches,
                 docs=data.sft_mixture(args.seed, extra, data.corpus(args.data, "train", seed=args.seed),
                                       args.sft_text_every), iterations=args.sft_iterations, lr_frac=args.init_lr_frac,
                 sched=dict(warmup_steps=0, warmdown_ratio=0.5, final_lr_frac=0.0, momentum=0.95, momentum_end=0.95,
@@ -311,22 +306,23 @@ def rl_stage(args, tok, key):
     """RL from the newest SFT checkpoint, nanochat's chat_rl: each step samples --rl-samples replies to each of
     --rl-prompts task questions and takes one REINFORCE step (no KL, no ratio or clipping) on them; lrs --rl-lr-frac
     of the base lrs, decaying linearly to 0, no weight decay."""
-    sft = data.latest_checkpoint(args.out, ("sft",))
-    if sft is None:
-        raise FileNotFoundError(f"no SFT checkpoint under {args.out}/sft: run `python train.py --stage sft` first")
     if jax.process_count() > 1:
         raise ValueError("the RL stage runs in one process (any number of its devices); run it without --coordinator")
-    params, _, meta = data.load_checkpoint(sft, optimizer=False)
-    cfg, G = nc.Config(**meta["config"]), args.rl_samples
+    params, cfg = start_from(args, "sft", tok)
+    tasks, G = rl_tasks(args, tok, cfg), args.rl_samples
 
     def next_batch(params, step, split):
         step_key = jax.random.fold_in(key, step)  # prompts and samples follow from (seed, step): resume is exact
-        groups = [rollout(local(params), cfg, tok, c, jax.random.fold_in(step_key, i), G, args.rl_max_tokens)
-                  for i, c in enumerate(rl_prompts(args.rl_tasks, args.seed, step, args.rl_prompts))]
+        groups = [rollout(local(params), cfg, tok, c, jax.random.fold_in(step_key, i), G, args.rl_max_tokens,
+                          reward=reward) for i, (c, reward) in enumerate(rl_prompts(tasks, step, args.rl_prompts))]
         T = min(cfg.sequence_len, nc._bucket(max(len(r) for g in groups for r in g[0])))  # few shapes: few compiles
         print(f"step {step + 1:5d} | reward {np.mean([g[2] for g in groups]):.3f}", flush=True)
         return jax.device_put(rl_batch(groups, T), split), []
-    return dict(cfg=cfg, init=lambda: params, next_batch=next_batch, iterations=args.rl_iterations,
+    epoch = min((size for *_, size in tasks.values() if size), default=0) // args.rl_prompts  # nanochat: one
+    if args.rl_iterations <= 0 and not epoch:
+        raise ValueError("--rl-iterations -1 (one epoch) needs a dataset task: --rl-tasks gsm8k")
+    return dict(cfg=cfg, init=lambda: params, next_batch=next_batch, tasks=tasks,
+                iterations=args.rl_iterations if args.rl_iterations > 0 else epoch,
                 lr_frac=args.rl_lr_frac, shape=f"{args.rl_prompts} prompts x {G} samples",
                 sched=dict(warmup_steps=0, warmdown_ratio=1.0, final_lr_frac=0.0, momentum=0.95, momentum_end=0.95,
                            momentum_warmup=1, weight_decay=0.0))
@@ -367,7 +363,7 @@ def run_stage(args, stage, tok):
     os.makedirs(out_dir, exist_ok=True)
     meta = {"stage": stage, "config": dataclasses.asdict(cfg), "tokenizer": "tokenizer.json", "schedule": sched,
             "lrs": lrs, "args": vars(args)}
-    evals = {"val_bpb": None}
+    evals = {"val_bpb": None, "tokens": 0, "train_time": 0.0}
 
     def save(params, opt_state, step, states):
         info = {**meta, "step": step, "data_states": gather_states(states), "val_bpb": evals["val_bpb"]}
@@ -377,10 +373,14 @@ def run_stage(args, stage, tok):
     t = time.perf_counter()
     with open(os.path.join(out_dir, "metrics.jsonl") if jax.process_index() == 0 else os.devnull, "a") as f, \
             ctrl_c_flag() as stop:
-        log = lambda record: f.write(json.dumps(record) + "\n")
+        def log(record):
+            f.write(json.dumps(record) + "\n")
+            if "dt" in record and record["step"] > step + 1:  # the report's MFU; the first step also compiled
+                evals["tokens"] += record["tokens"]
+                evals["train_time"] += record["dt"]
         params, _, losses = train_loop(params, opt_state, next_batch, states, step, sched, lrs, cfg, stop=stop,
-                                       before_step=evaluator(args, stage, tok, cfg, evals, log), save=save,
-                                       save_every=args.save_every, log=log, debug=args.debug)
+                                       before_step=evaluator(args, stage, tok, cfg, evals, log, s.get("tasks")),
+                                       save=save, save_every=args.save_every, log=log, debug=args.debug)
     return params, cfg, losses, {**evals, "steps": sched["num_iterations"], "time": time.perf_counter() - t}
 
 
@@ -406,32 +406,36 @@ def sharded_batches(args, tok, s, A, T, split, states=None):
     return batches(), states
 
 
-def evaluator(args, stage, tok, cfg, results, log):
-    """The loop's before_step: val bits per byte every --eval-every steps, samples every --sample-every steps."""
+def evaluator(args, stage, tok, cfg, results, log, tasks=None):
+    """The loop's before_step: val bits per byte every --eval-every steps, samples every --sample-every steps, RL's
+    pass@k on its tasks before, after and every --rl-eval-every steps."""
     val_docs, token_bytes = data.corpus(args.data, "val"), jnp.asarray(tok.token_bytes())
     text = "The " if stage == "base" else "Who are you?"
     chat = [{"role": "user", "content": text}, {"role": "assistant", "content": "?"}]
     prompt = [tok.bos] + tok.encode(text) if stage == "base" else data.render_for_completion(tok, chat)
 
     def before_step(params, step, last):
-        if stage == "rl" and args.rl_eval > 0 and (step == 0 or last):  # nanochat's pass@k before and after RL
-            results["pass@k" if last else "pass@k before"] = r = evaluate_passk(
-                local(params), cfg, tok, args.rl_tasks, args.rl_eval, args.rl_samples, jax.random.key(1),
-                args.rl_max_tokens)
+        every = args.rl_eval_every > 0 and step % args.rl_eval_every == 0
+        if stage == "rl" and args.rl_eval > 0 and (step == 0 or last or every):  # nanochat's pass@k
+            results["pass@k" if last else "pass@k before" if step == 0 else f"pass@k {step}"] = r = evaluate_passk(
+                local(params), cfg, tok, tasks, args.rl_eval, min(args.rl_samples, 8), jax.random.key(1),
+                args.rl_max_tokens)  # nanochat samples 8 (its device batch) for pass@k
             print(f"step {step:5d} | {json.dumps(r)}")
             log({"step": step, "pass@k": r})
         if args.eval_every > 0 and (step % args.eval_every == 0 or last):
             val = data.pretrain_batches(tok, data.every_nth(val_docs, jax.process_index(), jax.process_count()),
                                         args.device_batch_size, cfg.sequence_len)
-            results["val_bpb"] = evaluate_bpb(params, cfg, val, token_bytes, args.eval_steps)
+            results["val_bpb"] = evaluate.evaluate_bpb(local(params), cfg, val, token_bytes, args.eval_steps)
             print(f"step {step:5d} | val bpb {results['val_bpb']:.4f}")
             log({"step": step, "val_bpb": results["val_bpb"]})
             if last and stage != "base":  # docstring recall: held-out first sentences, without the docstring
                 recall = data.sft_batches(tok, lambda _: data.recall_conversations("test"), args.device_batch_size,
                                           cfg.sequence_len)
-                results["recall_bpb"] = evaluate_bpb(params, cfg, recall, token_bytes, args.eval_steps)
+                results["recall_bpb"] = evaluate.evaluate_bpb(local(params), cfg, recall, token_bytes,
+                                                              args.eval_steps)
         if args.sample_every > 0 and step > 0 and (step % args.sample_every == 0 or last):
-            print(f"  sample: {text!r} -> {tok.decode(generate_ids(local(params), cfg, tok, prompt, 24))!r}")
+            sample = evaluate.completions(local(params), cfg, tok, prompt, 1, 24)[0]
+            print(f"  sample: {text!r} -> {tok.decode(sample)!r}")
     return before_step
 
 # ------------------------------------------------------------------------------------------------ command line
@@ -453,6 +457,10 @@ def get_tokenizer(args):
 
 
 QUESTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata", "heldout_questions.jsonl")
+
+
+RL_DEFAULTS = {"rl_iterations": (40, -1), "rl_prompts": (8, 16), "rl_samples": (8, 16), "rl_max_tokens": (64, 256),
+               "rl_lr_frac": (0.02, 0.05), "rl_eval": (16, 400), "rl_eval_every": (0, 60)}  # ours | nanochat's
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -501,17 +509,24 @@ def parse_args(argv=None):
     g.add_argument("--final-lr-frac", type=float, default=0.05, help="base lr at the end, as a fraction (SFT: 0)")
     g.add_argument("--init-lr-frac", type=float, default=0.8, help="SFT lrs as a fraction of the base lrs")
     g = p.add_argument_group("RL (nanochat's chat_rl: REINFORCE with group-mean advantages)")
-    g.add_argument("--rl-iterations", type=int, default=40, help="RL steps")
-    g.add_argument("--rl-prompts", type=int, default=8, help="task questions per step")
-    g.add_argument("--rl-samples", type=int, default=8, help="sampled replies per question (and k of pass@k)")
-    g.add_argument("--rl-tasks", nargs="+", default=["spelling", "counting"], choices=data.TASKS, help="reward tasks")
-    g.add_argument("--rl-max-tokens", type=int, default=64, help="most tokens sampled per reply")
-    g.add_argument("--rl-lr-frac", type=float, default=0.02, help="RL lrs / base lrs (nanochat: 0.05; README)")
-    g.add_argument("--rl-eval", type=int, default=16, help="test questions per task for pass@k before and after")
+    rl = lambda flag, kind, what: g.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=what + (
+        " (default {}; gsm8k: nanochat's {})".format(*RL_DEFAULTS[flag[2:].replace("-", "_")])))
+    rl("--rl-iterations", int, "RL steps (-1: one epoch of the dataset)")
+    rl("--rl-prompts", int, "task questions per step")
+    rl("--rl-samples", int, "sampled replies per question (and k of pass@k)")
+    rl("--rl-max-tokens", int, "most tokens sampled per reply")
+    rl("--rl-lr-frac", float, "RL lrs / base lrs (README)")
+    rl("--rl-eval", int, "test questions per task for pass@k before and after")
+    rl("--rl-eval-every", int, "pass@k also every N steps (0: never)")
+    g.add_argument("--rl-tasks", nargs="+", default=["spelling", "counting"], choices=[*data.TASKS, "gsm8k"],
+                   help="reward tasks (gsm8k: GSM8K's train split from --chat-data)")
     g = p.add_argument_group("evaluation, checkpoints, debugging")
     g.add_argument("--eval-every", type=int, default=100, help="val bpb every N steps (0: never)")
     g.add_argument("--eval-steps", type=int, default=8, help="val batches per evaluation")
     g.add_argument("--eval-tasks", type=int, default=50, help="test conversations per chat task after SFT and RL")
+    g.add_argument("--eval-bundle", default=None, help="nanochat's eval_bundle dir: CORE after base (README)")
+    g.add_argument("--chat-data", default=None, help="dir of ARC, MMLU, GSM8K, HumanEval: ChatCORE after SFT, RL")
+    g.add_argument("--eval-max", type=int, default=-1, help="at most N examples per CORE and ChatCORE task (-1: all)")
     g.add_argument("--sample-every", type=int, default=100, help="print samples every N steps (0: never)")
     g.add_argument("--save-every", type=int, default=-1, help="checkpoint every N steps (-1: only the last)")
     g.add_argument("--keep", type=int, default=3, help="checkpoints kept per stage")
@@ -526,7 +541,10 @@ def parse_args(argv=None):
     g.add_argument("--num-processes", type=int, default=None, help="processes of a --coordinator run")
     g.add_argument("--process-id", type=int, default=None, help="this process's rank, 0 to --num-processes - 1")
     g.add_argument("--distributed", action="store_true", help="jax.distributed.initialize() on TPU pods, SLURM")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for k, v in RL_DEFAULTS.items():  # the RL flags not given: ours, or nanochat's chat_rl on GSM8K
+        setattr(args, k, getattr(args, k, v["gsm8k" in args.rl_tasks]))
+    return args
 
 
 def setup_process(compile_cache):
@@ -558,13 +576,23 @@ def main(argv=None):
     init_distributed(args)
     t, tok, results = time.perf_counter(), get_tokenizer(args), {}
     questions = data.load_questions(args.questions) if args.questions and args.eval_tasks > 0 else ()
+    bundle = evaluate.load_bundle(args.eval_bundle, args.eval_max) if args.eval_bundle else None  # read up front:
+    chat_tasks = evaluate.load_chat_tasks(args.chat_data, args.eval_max) if args.chat_data else {}  # bad input fails
+    rows = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P("data"))  # evaluation batches: the train mesh
     for stage in {"all": tuple(STAGES), "tokenizer": ()}.get(args.stage, (args.stage,)):
         params, cfg, losses, info = run_stage(args, stage, tok)
-        results[stage] = dict(final_loss=losses[-1] if losses else None, minutes=info["time"] / 60,
-                              **{k: v for k, v in info.items() if k not in ("steps", "time")})
+        r = results[stage] = dict(final_loss=losses[-1] if losses else None, minutes=info["time"] / 60,
+                                  **{k: v for k, v in info.items() if k != "time"})
+        if stage == "base" and bundle:
+            r["core"] = dict(evaluate.evaluate_core(params, cfg, tok, bundle, rows), data=args.eval_bundle)
         if stage != "base" and args.eval_tasks > 0:
-            results[stage]["tasks"], results[stage]["questions"] = evaluate_tasks(local(params), cfg, tok,
-                                                                                  args.eval_tasks, questions)
+            r["tasks"], r["questions"] = evaluate.evaluate_tasks(local(params), cfg, tok, args.eval_tasks, questions)
+        if stage != "base" and chat_tasks:
+            r["chatcore"] = dict(evaluate.evaluate_chat(params, cfg, tok, chat_tasks, rows), data=args.chat_data)
+        if jax.process_index() == 0:
+            evaluate.save_section(args.out, stage, dict(r, config=dataclasses.asdict(cfg), argv=argv or sys.argv[1:],
+                                                        samples=evaluate.samples(local(params), cfg, tok, stage)))
+            print(f"report card: {evaluate.write_report(args.out)}")
     results["total_minutes"] = (time.perf_counter() - t) / 60
     print(json.dumps(results))
     return results
