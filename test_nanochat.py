@@ -348,11 +348,11 @@ def test_imports_flow_one_way():
 
 
 def test_readme_snippets_run():
-    """README's "Using the pieces": block, attention, Muon on another model and the train step, each alone."""
+    """README's "Using the pieces": block, attention, Muon on another model, the train step and CORE, each alone."""
     readme = (pathlib.Path(__file__).parent / "README.md").read_text()
     section = readme[readme.index("## Using the pieces"):readme.index("## Training")]
     snippets = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(snippets) == 4 and all("assert " in s for s in snippets)  # each checks its own result
+    assert len(snippets) == 5 and all("assert " in s for s in snippets)  # each checks its own result
     for code in snippets:
         exec(compile(code, "README.md", "exec"), {})
 
