@@ -13,7 +13,6 @@ import time
 START = time.time()  # time to first step counts from here: imports, init, trace, compile and the step
 
 import argparse
-import functools
 import json
 import os
 import pathlib
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import data
+import evaluate
 import muon
 import nanochat as nc
 import train
@@ -43,24 +43,6 @@ CONFIGS = {
     "d6": nc.Config(sequence_len=512, vocab_size=8192, n_layer=6, n_head=6, n_kv_head=6, n_embd=384,
                     window_pattern="L"),
 }
-
-# bf16 dense peak FLOP/s by device kind (vendor datasheets), for MFU on accelerators
-BF16_PEAK = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L4": 121e12, "TPU v4": 275e12,
-             "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12, "TPU v6 lite": 918e12,
-             "TPU v6e": 918e12}
-
-
-@functools.cache
-def sgemm_peak():
-    """FLOP/s of a 1024^2 fp32 matmul on the default device: the peak that MFU is measured against."""
-    a = jnp.ones((1024, 1024), jnp.float32)
-    f = jax.jit(lambda a: a @ a)
-    f(a).block_until_ready()
-    t = time.perf_counter()
-    for _ in range(10):
-        f(a).block_until_ready()
-    return 10 * 2 * 1024**3 / (time.perf_counter() - t)
-
 
 def bench_tokenizer(args):
     """Train the BPE on `--mb` MB of distinct text (the default corpus, then the stdlib's own source files); median
@@ -119,7 +101,7 @@ def generate_timing(params, cfg, batch, prompt_len=16, new=200, repeats=3):
 
 def bench_decode(args):
     """nanochat's Engine benchmark: a 16-token prompt, 200 sampled tokens (temperature 1), batch 1 and 8."""
-    peak = sgemm_peak()
+    peak = evaluate.peak_flops()[0]  # a 1024^2 fp32 matmul's FLOP/s here
     for name in args.configs:
         cfg = CONFIGS[name]
         params = nc.init_params(cfg, jax.random.key(0))
@@ -154,7 +136,7 @@ def train_step_timing(cfg, B, steps, warmup=3):
 
 def bench_train(args):
     """Each config in a fresh process with an empty compilation cache (cold), then again with it filled (warm)."""
-    peak = sgemm_peak()
+    peak = evaluate.peak_flops()[0]  # a 1024^2 fp32 matmul's FLOP/s here
     for name in args.configs:
         cfg, (B, T) = CONFIGS[name], BATCH[name]
         runs = []
@@ -184,7 +166,7 @@ def bench_accel(args):
         skipped = "no GPU or TPU here; run it where one is (CPU: bench.py train)"
         print(json.dumps({"bench": "accel", "skipped": skipped}))
         return
-    peak = next((v for k, v in BF16_PEAK.items() if k in device.device_kind), None)
+    peak = evaluate.peak_flops()[0]  # the chip's dense bf16 peak
     for depth in args.depths:
         cfg = nc.config_for_depth(depth, 32768, sequence_len=2048, compute_dtype="bfloat16")
         for B in (64, 32, 16, 8, 4, 2, 1):

@@ -592,8 +592,9 @@ BASE_PROMPTS = ("The capital of France is", "The chemical symbol of gold is", "I
                 "will be", "The opposite of hot is", "The planets of the solar system are:", "My favorite color is",
                 "If 5*x + 3 = 13, then x is")  # nanochat's base_eval samples
 CHAT_PROMPTS = ("Who are you?", "What is 17 times 23?", "Spell the word garden.", "How many r are in strawberry?")
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L4": 121e12, "TPU v4": 275e12,
-             "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6": 918e12}  # dense FLOP/s per chip
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2250e12, "A100": 312e12, "L4": 121e12,
+             "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5": 459e12, "TPU v6 lite": 918e12}  # dense, per chip;
+# matched in this order against jax's device_kind ("TPU v5 lite" is v5e, "TPU v5" v5p, "TPU v6 lite" v6e)
 
 
 def samples(params, cfg, tok, stage):
@@ -605,6 +606,7 @@ def samples(params, cfg, tok, stage):
             for q in CHAT_PROMPTS}
 
 
+@functools.cache
 def peak_flops():
     """(FLOP/s per device that MFU divides by, how it was found): a known accelerator's dense bf16 peak, or on a CPU
     the measured rate of a 1024 x 1024 fp32 matmul."""
