@@ -22,6 +22,7 @@
 """
 
 import argparse
+import contextlib
 import csv
 import functools
 import glob
@@ -87,7 +88,8 @@ def map_rows(fn, rows, pad, split=None, batch_tokens=1 << 14):
         x, lengths = np.full((B, T), pad, np.int32), np.ones(B, np.int32)
         for j, i in enumerate(take):
             x[j, :len(rows[i])], lengths[j] = rows[i], len(rows[i])
-        results = [_host(a) for a in fn(put(x), put(lengths))]
+        with jax.set_mesh(split.mesh) if split is not None else contextlib.nullcontext():  # for splash's shard_map
+            results = [_host(a) for a in fn(put(x), put(lengths))]
         for j, i in enumerate(take):
             out[i] = tuple(a[j] for a in results)
     return out

@@ -16,7 +16,8 @@ statistics, the attention softmax, logits and loss stay fp32 (nanochat's COMPUTE
 
 Read `init_params`, `param_groups` (how the optimizer treats each leaf), then `block`: one layer over one layer's
 weights, shared by training, prefill and decode. `attend` is the plain attention; `causal_attention` (training)
-and `attend_cpu` are the backends' fast routes to the same numbers (cuDNN on GPU), tested against it.
+takes the backend's fast route to the same numbers (`attention_route`: cuDNN on GPU, Pallas splash attention on
+TPU, `attend_cpu` on CPU), each tested against it.
 Inference is nanochat's Engine: a preallocated KV cache written in place at a traced position (donated: one
 compiled decode step serves every position), masks from absolute positions so sliding windows hold while decoding,
 prompts padded to power-of-two buckets, greedy / temperature / top-k sampling, tools that force tokens.
@@ -43,6 +44,7 @@ QK_SCALE = 1.2
 SMEAR_CHANNELS = 24  # the smear gate reads this many channels of the current token
 VE_GATE_CHANNELS = 12  # the value-embedding gate reads this many channels of the block input
 EPS = float(np.finfo(np.float32).eps)  # F.rms_norm's default eps for fp32
+ATTENTION = ("auto", "cudnn", "splash", "cpu", "xla", "plain")  # causal_attention's routes (attention_route)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,7 @@ class Config:
     n_embd: int = 768
     window_pattern: str = "SSSL"
     compute_dtype: str = "float32"  # or "bfloat16": matmuls in bf16, fp32 master weights
+    attention: str = "auto"  # causal_attention's route, one of ATTENTION; auto: by backend and shape
 
     def __post_init__(self):
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
@@ -64,6 +67,8 @@ class Config:
             raise ValueError(f"n_head {self.n_head} must be a multiple of n_kv_head {self.n_kv_head}")
         if not self.window_pattern or set(self.window_pattern.upper()) - set("SL"):
             raise ValueError(f"window_pattern {self.window_pattern!r} must be a non-empty string of S and L")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention {self.attention!r} must be one of {ATTENTION}")
         if self.n_embd < SMEAR_CHANNELS:
             raise ValueError(f"n_embd must be at least {SMEAR_CHANNELS} (the smear gate reads that many channels)")
 
@@ -200,15 +205,55 @@ def attend_cpu(q, k, v, mask):
     return y.astype(v.dtype).transpose(0, 3, 1, 2, 4).reshape(B, Tq, H, D)
 
 
-def causal_attention(q, k, v, window, block=128):
-    """attend() over positions 0..T-1 (training) by the backend's fast route to the same numbers: cuDNN's fused
-    flash attention on a GPU in bf16; on a CPU, `attend_cpu` on blocks of 128 queries, each over only the keys from
-    its window's start to its own end (fully masked key blocks are never computed); else the plain attend()."""
-    pos = jnp.arange(q.shape[1])
-    if jax.default_backend() == "gpu" and q.dtype == jnp.bfloat16:
+def attention_route(impl, backend, dtype, T, head_dim):
+    """The route causal_attention takes: `impl` unless "auto"; then cuDNN's fused flash attention on a GPU in bf16,
+    the Pallas splash kernel on a TPU (T and head_dim multiples of 128), blocked `attend_cpu` on a CPU, else the plain
+    attend(). "xla" is jax.nn.dot_product_attention's own XLA path."""
+    if impl != "auto":
+        return impl
+    if backend == "gpu" and dtype == jnp.bfloat16:
+        return "cudnn"
+    if backend == "tpu" and T % 128 == 0 and head_dim % 128 == 0:
+        return "splash"
+    return "cpu" if backend == "cpu" else "plain"
+
+
+def splash_attention(q, k, v, window):
+    """attend() by the splash-attention kernel JAX ships for TPUs (Pallas; interpreted on other backends, for tests):
+    one MQA kernel per kv head over the query heads it serves. Under a mesh (jax.set_mesh) each device runs it on its
+    own rows: a Pallas call is not partitioned by XLA, so shard_map splits the batch over the mesh's axes."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    B, T, H, D = q.shape
+    K, b = k.shape[2], 512 if T % 512 == 0 else 128
+    mask = sm.CausalMask((T, T)) if window >= T - 1 else sm.LocalMask((T, T), (window, 0), 0)
+    sizes = sk.BlockSizes(*[b] * 8)  # query and key tiles of the forward and backward kernels
+    kernel = sk.make_splash_mqa_single_device(sm.MultiHeadMask([mask] * (H // K)), block_sizes=sizes,
+                                              interpret=jax.default_backend() != "tpu")
+
+    def run(q, k, v):  # the kernel takes unscaled (heads, T, D) queries and (T, D) keys and values
+        qg = (q * D**-0.5).reshape(-1, T, K, H // K, D).transpose(0, 2, 3, 1, 4)  # (B, K, H/K, T, D)
+        y = jax.vmap(jax.vmap(kernel))(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+        return y.transpose(0, 3, 1, 2, 4).reshape(q.shape)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or B % mesh.size:  # no mesh, or rows that do not split: one call (XLA gathers what it needs)
+        return run(q, k, v)
+    rows = jax.sharding.PartitionSpec(mesh.axis_names)  # data parallel: the batch is split over every axis
+    return jax.shard_map(run, in_specs=(rows,) * 3, out_specs=rows, check_vma=False)(q, k, v)
+
+
+def causal_attention(q, k, v, window, impl="auto", block=128):
+    """attend() over positions 0..T-1 (training) by the route `attention_route` picks, all to the same numbers: on a
+    CPU, `attend_cpu` on blocks of 128 queries, each over only the keys from its window's start to its own end
+    (fully masked key blocks are never computed); cuDNN or splash attention on accelerators (tested against attend)."""
+    route = attention_route(impl, jax.default_backend(), q.dtype, q.shape[1], q.shape[-1])
+    if route in ("cudnn", "xla"):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window, 0),
-                                            implementation="cudnn")
-    if jax.default_backend() != "cpu":
+                                            implementation=route)
+    if route == "splash":
+        return splash_attention(q, k, v, window)
+    pos = jnp.arange(q.shape[1])
+    if route == "plain":
         return attend(q, k, v, attention_mask(pos, pos, window))
     blocks = [(s, s + block, max(0, s - window)) for s in range(0, q.shape[1], block)]
     return jnp.concatenate([attend_cpu(q[:, s:e], k[:, lo:e], v[:, lo:e], attention_mask(pos[s:e], pos[lo:e], window))
@@ -223,7 +268,7 @@ def smear(x, gate_w, lam, prev=None):
     return x + gate * jnp.concatenate([prev, x[:, :-1]], axis=1)
 
 
-def attention(w, x, ve, cos, sin, window, cache=None, pos=0):
+def attention(w, x, ve, cos, sin, window, cache=None, pos=0, impl="auto"):
     """Causal self-attention of x (B, T, C), normed, with one layer's weights w -> (y (B, T, C), cache or None).
 
     Without a cache the tokens sit at positions 0..T-1. With one (k, v: (B, S, K, D)) they sit at `pos`: their k, v
@@ -239,7 +284,7 @@ def attention(w, x, ve, cos, sin, window, cache=None, pos=0):
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     q, k = rms_norm(q) * QK_SCALE, rms_norm(k) * QK_SCALE
     if cache is None:
-        y = causal_attention(q, k, v, window)
+        y = causal_attention(q, k, v, window, impl)
     else:  # in place on the donated cache: one compiled step serves every position
         k, v = cache = tuple(jax.lax.dynamic_update_slice(c, a, (0, pos, 0, 0)) for c, a in zip(cache, (k, v)))
         mask = attention_mask(pos + jnp.arange(T), jnp.arange(k.shape[1]), window)
@@ -247,10 +292,10 @@ def attention(w, x, ve, cos, sin, window, cache=None, pos=0):
     return y.reshape(B, T, C) @ w["c_proj"], cache
 
 
-def block(layer, x, x0, ve, cos, sin, window, cache=None, pos=0):
+def block(layer, x, x0, ve, cos, sin, window, cache=None, pos=0, impl="auto"):
     """One transformer layer on the residual stream x (B, T, C); x0: the smeared embeddings; returns (x, cache)."""
     x = layer["resid_lambda"] * x + layer["x0_lambda"] * x0
-    y, cache = attention(layer["attn"], rms_norm(x), ve, cos, sin, window, cache, pos)
+    y, cache = attention(layer["attn"], rms_norm(x), ve, cos, sin, window, cache, pos, impl)
     x = x + y
     x = x + jnp.square(jax.nn.relu(rms_norm(x) @ layer["mlp"]["c_fc"])) @ layer["mlp"]["c_proj"]  # ReLU^2 MLP
     return x, cache
@@ -281,7 +326,7 @@ def trunk(p, tokens, x, cfg, caches=None, pos=0):
     x0, x_backout = x, None
     for i, (layer, window) in enumerate(zip(p["layers"], window_sizes(cfg))):
         ve = layer["value_embed"][tokens] if "value_embed" in layer else None
-        x, caches[i] = block(layer, x, x0, ve, cos, sin, window, caches[i], pos)
+        x, caches[i] = block(layer, x, x0, ve, cos, sin, window, caches[i], pos, cfg.attention)
         if i == cfg.n_layer // 2:
             x_backout = x
     x = x - p["backout_lambda"] * x_backout  # backout: remove part of the mid-network residual before the head

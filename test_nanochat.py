@@ -212,6 +212,32 @@ def test_fast_attention_equals_plain(T, window, dtype):
         assert np.abs(plain - nc.attend(q, k, v, nc.attention_mask(pos, pos, T)).astype(jnp.float32)).max() > 0.1
 
 
+@pytest.mark.parametrize("route", ["cpu", "xla", "plain", "splash"])
+def test_every_attention_route_equals_plain(route):
+    """Each route causal_attention can take (the library's XLA path and TPU's splash kernel, interpreted, included)
+    gives the plain attend's outputs and gradients, with a binding window and GQA (4 query heads on 2 kv heads)."""
+    keys = jax.random.split(jax.random.key(13), 4)
+    q, k, v = (jax.random.normal(key, (2, 256, h, 128)) for key, h in zip(keys, (4, 2, 2)))
+    pos, w = jnp.arange(256), jax.random.normal(keys[3], (2, 256, 4, 128))
+    for window in (100, 256):
+        loss = lambda f: jax.value_and_grad(lambda q, k, v: jnp.sum(f(q, k, v) * w), (0, 1, 2))(q, k, v)
+        want = loss(lambda q, k, v: nc.attend(q, k, v, nc.attention_mask(pos, pos, window)))
+        got = loss(lambda q, k, v: nc.causal_attention(q, k, v, window, route))
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+        for g, h in zip(got[1], want[1]):
+            np.testing.assert_allclose(g, h, rtol=0, atol=1e-4 * float(jnp.abs(h).max()))
+
+
+def test_attention_route_is_picked_by_backend_and_shape():
+    route = lambda impl, backend, dtype, T=2048, D=128: nc.attention_route(impl, backend, jnp.dtype(dtype), T, D)
+    assert route("auto", "gpu", "bfloat16") == "cudnn" and route("auto", "gpu", "float32") == "plain"
+    assert route("auto", "tpu", "bfloat16") == "splash" and route("auto", "tpu", "bfloat16", T=100) == "plain"
+    assert route("auto", "tpu", "bfloat16", D=64) == "plain" and route("auto", "cpu", "float32") == "cpu"
+    assert route("xla", "gpu", "bfloat16") == "xla"  # forced
+    with pytest.raises(ValueError, match="attention 'flash' must be one of"):
+        nc.Config(attention="flash")
+
+
 def test_sliding_window_limits_context():
     cfg = nc.Config(sequence_len=512, vocab_size=100, n_layer=1, n_head=2, n_kv_head=2, n_embd=32,
                     window_pattern="S")
@@ -760,7 +786,18 @@ def test_four_devices_equal_one(train_root, tmp_path):
     four, out4 = run_cli(fresh_root(train_root, tmp_path / "four"), "--device-batch-size", "2",
                          env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
     # one device accumulates 4 micro-batches of 2 rows; four devices take 2 rows each of one micro-batch of 8
-    assert "(4 x 2 x 32), 1 devices" in out1 and "(1 x 8 x 32), 4 devices" in out4
+    assert "(4 x 2 x 32), 1 devices, attention cpu" in out1 and "(1 x 8 x 32), 4 devices, attention cpu" in out4
+    np.testing.assert_allclose(four, one, rtol=1e-5)
+
+
+def test_splash_attention_on_four_devices_equals_one(train_root, tmp_path):
+    """TPU's splash-attention route (interpreted here), run per device through shard_map on a 4-device mesh, trains
+    to the losses of the CPU route on one device; the startup line names the route."""
+    args = ("--max-seq-len", "128", "--device-batch-size", "2", "--total-batch-size", "1024")
+    one, out1 = run_cli(fresh_root(train_root, tmp_path / "one"), *args)
+    four, out4 = run_cli(fresh_root(train_root, tmp_path / "four"), *args, "--attention", "splash",
+                         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    assert "1 devices, attention cpu," in out1 and "4 devices, attention splash," in out4
     np.testing.assert_allclose(four, one, rtol=1e-5)
 
 
@@ -787,13 +824,13 @@ def test_default_pipeline(tmp_path):
     report card; chat.py finds the RL model."""
     root = str(tmp_path / "run")
     write_chat_data(tmp_path / "chat")
-    results = train.main(argv := ["--out", root, "--eval-bundle", str(CORE_DIR / "eval_bundle"), "--chat-data",
-                          str(tmp_path / "chat"), "--eval-max", "4", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "16",
-                          "--max-seq-len", "128", "--device-batch-size", "2", "--total-batch-size", "512",
-                          "--vocab-size", "300", "--tokenizer-max-chars", "1e5", "--num-iterations", "3",
-                          "--sft-iterations", "2", "--warmup-steps", "1", "--eval-every", "1000", "--eval-steps", "1",
-                          "--sample-every", "0", "--eval-tasks", "1", "--compile-cache", "", "--rl-prompts", "2",
-                          "--rl-samples", "2", "--rl-max-tokens", "8", "--rl-eval", "1", "--rl-iterations", "2"])
+    argv = ["--out", root, "--eval-bundle", str(CORE_DIR / "eval_bundle"), "--chat-data", str(tmp_path / "chat"),
+            "--eval-max", "4", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "16", "--max-seq-len", "128",
+            "--device-batch-size", "2", "--total-batch-size", "512", "--vocab-size", "300", "--tokenizer-max-chars",
+            "1e5", "--num-iterations", "3", "--sft-iterations", "2", "--warmup-steps", "1", "--eval-every", "1000",
+            "--eval-steps", "1", "--sample-every", "0", "--eval-tasks", "1", "--compile-cache", "", "--rl-prompts", "2",
+            "--rl-samples", "2", "--rl-max-tokens", "8", "--rl-eval", "1", "--rl-iterations", "2"]
+    results = train.main(argv)
     for stage in ("sft", "rl"):  # each chat stage is graded on the template split and the hand-written questions
         assert set(results[stage]["tasks"]) == set(data.TASKS)
         assert set(results[stage]["questions"]) == {"arithmetic", "counting", "spelling", "identity"}
@@ -2472,8 +2509,9 @@ def test_core_cli_on_four_devices_and_its_errors(tmp_path):
     """evaluate.py on a 4-device mesh (each batch's rows split over the devices) gives nanochat's CORE; bad bundles
     and checkpoints are one-line errors."""
     cmd = [sys.executable, "evaluate.py", "--nanochat-checkpoint", str(TESTDATA / "nanochat_checkpoint")]
+    four = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     run = lambda *a: subprocess.run(cmd + list(a), cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
-                                    timeout=300, env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+                                    timeout=300, env=four)
     r = run("--eval-bundle", str(CORE_DIR / "eval_bundle"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "4 devices" in r.stdout
@@ -2513,7 +2551,8 @@ def test_core_yaml_and_bad_bundles(tmp_path):
 def test_core_task_types_by_hand(btok):
     """The three task types' prompts and scored spans, worked out by hand with the byte tokenizer."""
     mc = dict(label="mc", type="multiple_choice", num_fewshot=1, delimiter=" ",
-              data=[{"query": "Pets:", "choices": ["cat", "car"], "gold": 0}, {"query": "Q", "choices": ["a"], "gold": 0}])
+              data=[{"query": "Pets:", "choices": ["cat", "car"], "gold": 0},
+                    {"query": "Q", "choices": ["a"], "gold": 0}])
     rows, starts, ends = evaluate.core_example(btok, mc, 0)
     assert [btok.decode(r[1:]) for r in rows] == ["Q a\n\nPets: cat", "Q a\n\nPets: car"]
     assert starts == [len("Q a\n\nPets: ca") + 1] * 2 and ends == [len(rows[0])] * 2  # the shared prefix is not scored
@@ -2558,7 +2597,8 @@ def test_chatcore_categorical_is_the_letters_argmax(tmp_path, btok):
     rows = write_chat_data(tmp_path)
     tasks = evaluate.load_chat_tasks(str(tmp_path))
     order = np.random.default_rng(42).permutation(6)  # nanochat's Dataset.shuffle(seed=42)
-    assert [c["messages"][-1]["content"] for c in tasks["ARC-Easy"]] == [rows["ARC-Easy"][i]["answerKey"] for i in order]
+    answers = [c["messages"][-1]["content"] for c in tasks["ARC-Easy"]]
+    assert answers == [rows["ARC-Easy"][i]["answerKey"] for i in order]
     assert tasks["ARC-Challenge"][0]["messages"] == [
         {"role": "user", "content": "Multiple Choice question: Pick two.\n- one=1\n- two=2\n- three=3\n\n"
                                     "Respond only with the letter of the correct answer."},
@@ -2676,7 +2716,8 @@ def test_sandbox_network_fails_without_namespaces(monkeypatch):
     # where unshare is refused (containers, unprivileged users), the audit hook alone must still stop sockets
     assert "0x10000000 | 0x40000000" in evaluate.SANDBOX
     monkeypatch.setattr(evaluate, "SANDBOX", evaluate.SANDBOX.replace("0x10000000 | 0x40000000", "-1"))  # EINVAL
-    passed, error, stdout = evaluate.run_program("import os\nprint(os.getuid())\nimport socket\nsocket.socket()\n", timeout=2)
+    code = "import os\nprint(os.getuid())\nimport socket\nsocket.socket()\n"
+    passed, error, stdout = evaluate.run_program(code, timeout=2)
     assert not passed and "sandbox: socket.__new__" in error and stdout == f"{os.getuid()}\n"
     assert evaluate.run_program(GOOD_PROGRAM)[:2] == (True, None)
 

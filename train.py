@@ -284,7 +284,8 @@ def start_from(args, stage, tok):
 def base_stage(args, tok, key):
     """Pretraining from fresh weights on the corpus: the model from the command line."""
     cfg = nc.config_for_depth(args.depth, tok.n_vocab, args.aspect_ratio, args.head_dim, sequence_len=args.max_seq_len,
-                              window_pattern=args.window_pattern, compute_dtype=args.dtype)
+                              window_pattern=args.window_pattern, compute_dtype=args.dtype if args.dtype != "auto"
+                              else "float32" if jax.default_backend() == "cpu" else "bfloat16")
     return dict(cfg=cfg, init=lambda: nc.init_params(cfg, key), packer=data.pretrain_batches,
                 docs=data.corpus(args.data, "train", seed=args.seed), iterations=args.num_iterations)
 
@@ -334,7 +335,8 @@ STAGES = {"base": base_stage, "sft": sft_stage, "rl": rl_stage}
 def run_stage(args, stage, tok):
     """Run a stage to its horizon (or on from its newest checkpoint): (params, cfg, this run's losses, info)."""
     s, out_dir = STAGES[stage](args, tok, jax.random.key(args.seed)), os.path.join(args.out, stage)
-    cfg, T, rows = s["cfg"], s["cfg"].sequence_len, args.device_batch_size * jax.device_count()
+    cfg = dataclasses.replace(s["cfg"], attention=args.attention)  # a route forced for this machine, not saved
+    T, rows = cfg.sequence_len, args.device_batch_size * jax.device_count()
     steps, batch, lr_scale, wd = horizon(args, cfg, rows, s["iterations"])
     if batch % (rows * T):
         raise ValueError(f"--total-batch-size {batch} must be a multiple of {rows * T} (device batch x devices x T)")
@@ -357,11 +359,13 @@ def run_stage(args, stage, tok):
         batches, states = sharded_batches(args, tok, s, batch // (rows * T), T, split, states)
         next_batch = lambda *_: next(batches)
     shape = s.get("shape", f"{batch:,} tokens ({batch // (rows * T)} x {rows} x {T})")
+    route = nc.attention_route(cfg.attention, jax.default_backend(), jnp.dtype(cfg.compute_dtype), T, cfg.head_dim)
     print(f"{stage}: {cfg}\n{nc.num_scaling_params(cfg)['total']:,} params, {sched['num_iterations']} steps of "
-          f"{shape}, {jax.device_count()} devices, lr scale "
-          f"{lr_scale:.3f}, Muon wd {sched['weight_decay']:.3g}")
+          f"{shape}, {jax.device_count()} devices, attention {route}, lr scale {lr_scale:.3f}, Muon wd "
+          f"{sched['weight_decay']:.3g}")
     os.makedirs(out_dir, exist_ok=True)
-    meta = {"stage": stage, "config": dataclasses.asdict(cfg), "tokenizer": "tokenizer.json", "schedule": sched,
+    meta = {"stage": stage, "config": dataclasses.asdict(dataclasses.replace(cfg, attention="auto")),
+            "tokenizer": "tokenizer.json", "schedule": sched,
             "lrs": lrs, "args": vars(args)}
     evals = {"val_bpb": None, "tokens": 0, "train_time": 0.0}
 
@@ -372,7 +376,7 @@ def run_stage(args, stage, tok):
 
     t = time.perf_counter()
     with open(os.path.join(out_dir, "metrics.jsonl") if jax.process_index() == 0 else os.devnull, "a") as f, \
-            ctrl_c_flag() as stop:
+            ctrl_c_flag() as stop, jax.set_mesh(mesh):  # the mesh: for splash attention's shard_map
         def log(record):
             f.write(json.dumps(record) + "\n")
             if "dt" in record and record["step"] > step + 1:  # the report's MFU; the first step also compiled
@@ -489,7 +493,10 @@ def parse_args(argv=None):
     g.add_argument("--head-dim", type=int, default=32, help="attention head size")
     g.add_argument("--max-seq-len", type=int, default=256, help="context length T of training and chat")
     g.add_argument("--window-pattern", default="L", help="e.g. SSSL: S = quarter context, L = full")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype (auto: float32 on a CPU, bfloat16 on a GPU or TPU)")
+    g.add_argument("--attention", default="auto", choices=nc.ATTENTION, help="attention route (auto: by backend, "
+                   "shape; the startup line names it)")
     g = p.add_argument_group("horizon and batch")
     g.add_argument("--num-iterations", type=int, default=600, help="base steps (-1: from flops or ratio)")
     g.add_argument("--sft-iterations", type=int, default=1500, help="SFT steps")
