@@ -178,8 +178,10 @@ def bench_accel(args):
                     raise
         tok_s = B * cfg.sequence_len / r["step_s"]
         flops = nc.estimate_flops(cfg) * tok_s
+        route = nc.attention_route(cfg.attention, device.platform, jnp.bfloat16, cfg.sequence_len, cfg.head_dim)
         print(json.dumps({"bench": "accel", "what": "train", "device": device.device_kind, "depth": depth,
-                          "params": nc.num_scaling_params(cfg)["total"], "batch": [B, cfg.sequence_len],
+                          "attention": route, "params": nc.num_scaling_params(cfg)["total"],
+                          "batch": [B, cfg.sequence_len],
                           "tok_per_s": round(tok_s), "step_ms": round(r["step_s"] * 1e3, 1),
                           "tflop_per_s": round(flops / 1e12, 1), "mfu": round(flops / peak, 3) if peak else None,
                           "first_step_s": round(r["first_call_s"], 1), "loss": round(r["loss"], 4)}), flush=True)
