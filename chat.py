@@ -53,7 +53,8 @@ def load_checkpoint(path="checkpoints"):
     if step_dir is None:
         raise FileNotFoundError(f"no checkpoint in {path}/: train one first with `python train.py`")
     params, _, meta = data.load_checkpoint(step_dir, optimizer=False)
-    cfg, tok = nc.Config(**meta["config"]), data.Tokenizer.load(os.path.join(step_dir, meta["tokenizer"]))
+    cfg = nc.config_from(meta["config"], os.path.join(step_dir, "meta.json"))
+    tok = data.Tokenizer.load(os.path.join(step_dir, meta["tokenizer"]))
     return jax.tree.map(jnp.asarray, params), cfg, tok
 
 
@@ -93,7 +94,17 @@ _TORCH_GLOBALS = {("collections", "OrderedDict"): collections.OrderedDict,
 
 
 def read_torch_state_dict(path):
-    """A `torch.save`d state_dict (zip format) as {name: numpy array}, without torch and without running code."""
+    """A `torch.save`d state_dict (zip format) as {name: numpy array}, without torch and without running code; a
+    damaged or foreign file is a ValueError naming it."""
+    try:
+        return _read_torch_zip(path)
+    except (zipfile.BadZipFile, KeyError, EOFError, pickle.UnpicklingError, ValueError) as e:
+        said = str(e)  # our own errors name the file already
+        raise ValueError(said if said.startswith(f"{path}: ") else
+                         f"{path}: a damaged torch checkpoint ({type(e).__name__}: {said})") from None
+
+
+def _read_torch_zip(path):
     with zipfile.ZipFile(path) as z:
         pkl = next((n for n in z.namelist() if n.endswith("/data.pkl")), None)
         if pkl is None:
@@ -105,7 +116,10 @@ def read_torch_state_dict(path):
         def storage(dtype, key, location, numel):
             if not isinstance(dtype, np.dtype):
                 raise pickle.UnpicklingError(f"{path}: a storage of unknown type")
-            return np.frombuffer(z.read(f"{prefix}data/{key}"), dtype, count=numel)
+            raw = z.read(f"{prefix}data/{key}")
+            if len(raw) < numel * dtype.itemsize:
+                raise pickle.UnpicklingError(f"{path}: storage {key} is shorter than its {numel} elements")
+            return np.frombuffer(raw, dtype, count=numel)
 
         with z.open(pkl) as f:
             sd = _Unpickler(f, path, _TORCH_GLOBALS, storage).load()

@@ -825,19 +825,27 @@ def _unpack(code, payload):
 
 
 def save_tree(path, tree):
-    """Write a nested dict of arrays as msgpack, atomically (temp file, fsync, rename)."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    """Write a nested dict of arrays as msgpack, atomically (temp file, fsync, rename); returns its CRC-32."""
+    tmp, raw = f"{path}.tmp{os.getpid()}", msgpack.packb(tree, default=_pack)
     with open(tmp, "wb") as f:
-        f.write(msgpack.packb(tree, default=_pack))
+        f.write(raw)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return zlib.crc32(raw)
 
 
-def load_tree(path):
-    """Read a tree written by save_tree (arrays come back as read-only numpy views)."""
+def load_tree(path, crc=None):
+    """Read a tree written by save_tree (arrays come back as read-only numpy views); a file that does not unpack, or
+    whose CRC-32 is not `crc`, is a ValueError."""
     with open(path, "rb") as f:
-        return msgpack.unpackb(f.read(), ext_hook=_unpack, strict_map_key=False)
+        raw = f.read()
+    try:
+        if crc is not None and zlib.crc32(raw) != crc:
+            raise ValueError(f"CRC-32 {zlib.crc32(raw)}, saved as {crc}")
+        return msgpack.unpackb(raw, ext_hook=_unpack, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:  # flipped bits, a truncated or foreign file
+        raise ValueError(f"{path}: damaged ({type(e).__name__}: {e}); use an earlier checkpoint") from None
 
 
 def checkpoint_dirs(root):
@@ -854,21 +862,26 @@ def save_checkpoint(root, step, params, opt_state, meta, keep=3, files=None):
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        save_tree(os.path.join(tmp, "params.msgpack"), params)
+        crc = {"params.msgpack": save_tree(os.path.join(tmp, "params.msgpack"), params)}
         if opt_state is not None:
-            save_tree(os.path.join(tmp, "opt.msgpack"), opt_state)
+            crc["opt.msgpack"] = save_tree(os.path.join(tmp, "opt.msgpack"), opt_state)
         with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
+            json.dump({**meta, "crc32": crc}, f, indent=1)
         for name, write in (files or {}).items():
             write(os.path.join(tmp, name))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if os.path.isdir(final):  # re-saving a step: move the old one aside only now that the new one is complete
-        shutil.rmtree(final)
+    # every rename is atomic and what is deleted is renamed away first: a kill -9 at any moment leaves each step_*
+    # directory complete or absent
+    if os.path.isdir(final):  # re-saving a step: set the old one aside only now that the new one is complete
+        os.replace(final, f"{final}.old{os.getpid()}")
     os.replace(tmp, final)
     for old in checkpoint_dirs(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        os.replace(old, f"{old}.old{os.getpid()}")
+    for stale in glob.glob(os.path.join(root, "step_*.old*")) + glob.glob(os.path.join(root, "step_*.tmp*")):
+        # the old steps set aside above, and whatever a killed save left behind
+        shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
@@ -877,10 +890,24 @@ def load_checkpoint(path, optimizer=True):
     if not os.path.isfile(os.path.join(path, "meta.json")):
         raise FileNotFoundError(f"{path}: not a checkpoint directory (no meta.json); train one with train.py")
     with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    opt_path = os.path.join(path, "opt.msgpack")
-    opt_state = load_tree(opt_path) if optimizer and os.path.isfile(opt_path) else None  # 2x the params' size
-    return load_tree(os.path.join(path, "params.msgpack")), opt_state, meta
+        try:
+            meta = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path}/meta.json: damaged ({e}); use an earlier checkpoint") from None
+    crc, opt_path = meta.pop("crc32", {}), os.path.join(path, "opt.msgpack")  # (no CRCs in older checkpoints)
+    opt_state = load_tree(opt_path, crc.get("opt.msgpack")) if optimizer and os.path.isfile(opt_path) else None
+    return load_tree(os.path.join(path, "params.msgpack"), crc.get("params.msgpack")), opt_state, meta
+
+
+def load_newest(root, log=print):
+    """(path, params, opt_state, meta) of the newest step directory under root that loads, or None: a damaged one
+    (saves are atomic, so only the disk or a hand can damage one) is named and skipped."""
+    for path in reversed(checkpoint_dirs(root)):
+        try:
+            return (path, *load_checkpoint(path))
+        except (ValueError, OSError) as e:
+            log(f"skipping {path}: {e}")
+    return None
 
 
 def latest_checkpoint(root="checkpoints", stages=("rl", "sft", "base")):

@@ -86,6 +86,14 @@ class Config:
         return [i for i in range(self.n_layer) if i % 2 == (self.n_layer - 1) % 2]
 
 
+def config_from(d, where):
+    """Config(**d) of a checkpoint's meta: a field this version does not know is a one-line error, not a TypeError."""
+    if unknown := sorted(set(d) - {f.name for f in dataclasses.fields(Config)}):
+        raise ValueError(f"{where}: config fields {unknown} are unknown to this version of nanochat.py; read it with "
+                         "the version that wrote it")
+    return Config(**d)
+
+
 # The nano model that trains in minutes on a laptop CPU (~0.98M params; vocab: train.py's default tokenizer).
 NANO = Config(sequence_len=256, vocab_size=384, n_layer=4, n_head=4, n_kv_head=4, n_embd=128, window_pattern="L")
 

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiktoken
 
 import chat
 import data
@@ -1989,7 +1990,7 @@ def test_malicious_pickles_are_refused(tmp_path):
     with zipfile.ZipFile(tmp_path / "model_000001.pt", "w") as z:
         z.writestr("model_000001/data.pkl", evil)
         z.writestr("model_000001/byteorder", "little")
-    with pytest.raises(pickle.UnpicklingError, match=r"refusing to load posix\.system"):
+    with pytest.raises(ValueError, match=r"model_000001.pt: refusing to load posix\.system"):
         chat.read_torch_state_dict(tmp_path / "model_000001.pt")
     (tmp_path / "tokenizer").mkdir()
     (tmp_path / "tokenizer" / "tokenizer.pkl").write_bytes(pickle.dumps(_Evil(marker)))
@@ -1999,6 +2000,91 @@ def test_malicious_pickles_are_refused(tmp_path):
     code, _, err = run_chat(["--nanochat-checkpoint", str(tmp_path)])
     assert code == 1 and "refusing to load posix.system" in err and len(err.splitlines()) == 1
     assert not marker.exists()  # nothing ran
+
+def test_damaged_torch_checkpoints_are_one_line_errors(tmp_path):
+    """Each way a nanochat .pt can be broken, built here from the real one: a ValueError naming the file (chat.py
+    prints it as one line), never a traceback or a half-read model."""
+    real = TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"
+    with zipfile.ZipFile(real / "model_000100.pt") as z:
+        files = {n: z.read(n) for n in z.namelist()}
+
+    def broken(name, change=None, drop=None, raw=None):
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copy(real / "meta_000100.json", d)
+        if raw is not None:
+            (d / "model_000100.pt").write_bytes(raw)
+        else:
+            with zipfile.ZipFile(d / "model_000100.pt", "w") as z:
+                for n, b in files.items():
+                    if n != drop:
+                        z.writestr(n, change(n, b) if change else b)
+        return d
+
+    pkl, store = "model_000100/data.pkl", "model_000100/data/0"
+    cases = [(broken("notzip", raw=b"not a zip at all"), "a damaged torch checkpoint (BadZipFile"),
+             (broken("nopkl", drop=pkl), "not a torch zip checkpoint (no data.pkl)"),
+             (broken("big", lambda n, b: b"big" if n.endswith("byteorder") else b), "a big-endian checkpoint"),
+             (broken("kind", lambda n, b: b.replace(b"torch\nFloatStorage", b"collections\nOrderedDict") if n == pkl
+                     else b), "a storage of unknown type"),
+             (broken("short", lambda n, b: b[:-4] if n == store else b), "storage 0 is shorter than its"),
+             (broken("gone", drop=store), "a damaged torch checkpoint (KeyError"),
+             (broken("cut", lambda n, b: b[:len(b) // 2] if n == pkl else b), "a damaged torch checkpoint")]
+    for d, message in cases:
+        with pytest.raises(ValueError, match=re.escape(f"{d / 'model_000100.pt'}: {message}")):
+            chat.read_torch_state_dict(d / "model_000100.pt")
+    with pytest.raises(pickle.UnpicklingError, match="a tensor runs past its storage"):
+        chat._rebuild_tensor(np.zeros(4, np.float32), 2, (3,), (1,))
+    fine = broken("fine")  # a whole checkpoint, but no tokenizer above it, then a tokenizer of another size
+    with pytest.raises(FileNotFoundError, match="no tokenizer/tokenizer.pkl here or in the 3 directories above"):
+        chat.load_nanochat_checkpoint(str(fine))
+    (tmp_path / "tokenizer").mkdir()
+    ranks = {bytes([i]): i for i in range(256)}
+    specials = {s: 256 + i for i, s in enumerate(data.SPECIAL_TOKENS)}
+    small = tiktoken.Encoding("small", pat_str=data.SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+    (tmp_path / "tokenizer" / "tokenizer.pkl").write_bytes(pickle.dumps(small))
+    with pytest.raises(ValueError, match="265 tokens, but the model has vocab_size 512"):
+        chat.load_nanochat_checkpoint(str(fine))
+    code, _, err = run_chat(["--nanochat-checkpoint", str(tmp_path / "short")])
+    assert code == 1 and err.count("\n") == 1 and "storage 0 is shorter" in err
+
+
+def test_damaged_checkpoint_is_skipped_by_resume_and_kill9_never_leaves_half_a_step(tmp_path, tiny_params):
+    """A damaged params.msgpack or meta.json is a one-line error, and --resume's loader falls back to the previous
+    step; a process killed at random moments while saving (kill -9) leaves every step_* complete or absent."""
+    root = str(tmp_path / "ck")
+    for step in (1, 2):
+        data.save_checkpoint(root, step, tiny_params, None, {"step": step})
+    newest = os.path.join(root, "step_000002")
+    raw = open(os.path.join(newest, "params.msgpack"), "rb").read()
+    for damage in (raw[:len(raw) // 2], raw[:100] + b"\xc1" + raw[101:]):  # truncated; a byte msgpack never uses
+        open(os.path.join(newest, "params.msgpack"), "wb").write(damage)
+        with pytest.raises(ValueError, match="params.msgpack: damaged .*; use an earlier checkpoint"):
+            data.load_checkpoint(newest)
+        said = []
+        path, params, _, meta = data.load_newest(root, log=said.append)
+        assert path.endswith("step_000001") and meta == {"step": 1} and said[0].startswith(f"skipping {newest}")
+    open(os.path.join(root, "step_000001", "meta.json"), "w").write('{"step": ')
+    with pytest.raises(ValueError, match="meta.json: damaged"):
+        data.load_checkpoint(os.path.join(root, "step_000001"))
+    assert data.load_newest(root, log=lambda *_: None) is None
+    with pytest.raises(ValueError, match=r"meta.json: config fields \['n_expert'\] are unknown to this version"):
+        nc.config_from({**dataclasses.asdict(TINY), "n_expert": 8}, "ck/meta.json")
+    saver = (f"import data, numpy as np\nbig = {{'w': np.arange(4_000_000, dtype=np.float32)}}\n"
+             f"for step in range(10**6):\n"
+             f"    data.save_checkpoint({root!r}, step % 3 + 10, big, big, {{'step': step}})\n")
+    shutil.rmtree(root)
+    for delay in (0.6, 0.9, 1.3, 1.7, 2.2):
+        p = subprocess.Popen([sys.executable, "-c", saver], cwd=pathlib.Path(__file__).parent)
+        time.sleep(delay)
+        p.kill()  # SIGKILL, wherever the save is
+        p.wait()
+        for step_dir in data.checkpoint_dirs(root):  # whatever is there is whole
+            params, opt, meta = data.load_checkpoint(step_dir)
+            assert params["w"].shape == (4_000_000,) and float(params["w"][-1]) == 3_999_999 and opt is not None
+    assert data.checkpoint_dirs(root)  # some saves completed
+    data.save_checkpoint(root, 99, tiny_params, None, {})  # the next save sweeps what the killed ones left
+    assert all(re.fullmatch(r"step_\d{6}", n) for n in os.listdir(root))
 
 # ---------------------------------------------------------------------------------------------------------------
 # chat.py: terminal and web

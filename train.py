@@ -278,7 +278,7 @@ def start_from(args, stage, tok):
     if data.Tokenizer.load(os.path.join(path, meta["tokenizer"])).tokens != tok.tokens:
         raise ValueError(f"{path} was trained with another tokenizer than {args.out}/tokenizer.json; start from a "
                          "checkpoint of this --out, or train its stages again")
-    return params, nc.Config(**meta["config"])
+    return params, nc.config_from(meta["config"], os.path.join(path, "meta.json"))
 
 
 def base_stage(args, tok, key):
@@ -343,8 +343,8 @@ def run_stage(args, stage, tok):
     sched, lrs = base_schedule(args, steps, lr_scale, wd)
     sched, lrs = {**sched, **s.get("sched", {})}, {k: v * s.get("lr_frac", 1.0) for k, v in lrs.items()}
     step, states = 0, None
-    if args.resume and (resume := data.latest_checkpoint(args.out, (stage,))):
-        params, opt_state, meta = data.load_checkpoint(resume)
+    if args.resume and (found := data.load_newest(out_dir)):
+        resume, params, opt_state, meta = found
         step, sched, lrs, states = meta["step"], meta["schedule"], meta["lrs"], meta["data_states"]
         print(f"resuming {resume} at step {step}")
     else:
