@@ -324,9 +324,24 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _event(self, obj):
         self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
 
+    def _refusal(self, post):
+        """Why a request is not served, or None: a Host that does not name this loopback server (DNS rebinding), a
+        page of another origin (browsers send its Origin) driving the model, a POST body that is not JSON."""
+        host, origin, port = self.headers.get("Host", ""), self.headers.get("Origin"), self.server.server_address[1]
+        if self.server.loopback and not re.fullmatch(rf"(localhost|127\.0\.0\.1|\[::1\])(:{port})?", host, re.I):
+            return _Reject(421, f"Host {host!r} is not this server: open it as http://127.0.0.1:{port}/")
+        if origin is not None and origin.lower() != f"http://{host}".lower() and origin not in self.server.origins:
+            return _Reject(403, f"requests from pages of {origin} are refused; to allow them, serve with "
+                                f"--allow-origin {origin}")
+        if post and self.headers.get_content_type() != "application/json":
+            return _Reject(415, "send the body as JSON, with Content-Type: application/json")
+        return None
+
     def do_GET(self):
         path = urllib.parse.urlsplit(self.path).path
-        if path == "/":
+        if refused := self._refusal(post=False):
+            self._error(refused.status, str(refused), refused.code)
+        elif path == "/":
             self._send(200, "text/html; charset=utf-8", self.server.page)
         elif path == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": self.server.name, "object": "model",
@@ -337,6 +352,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         params, cfg, tok = self.server.model
         try:
+            if refused := self._refusal(post=True):
+                raise refused
             n = self.headers.get("Content-Length", "")
             if not re.fullmatch(r"[0-9]{1,18}", n):  # not isdigit(): int() refuses '²' and 5000 digits
                 raise _Reject(411, "send a Content-Length header (the body's size in bytes)")
@@ -387,10 +404,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.log_message("client went away after %d tokens: generation stopped", n)
 
 
-def make_server(params, cfg, tok, host="127.0.0.1", port=8000, name="nanochat", **defaults):
-    """The web chat and API server (port 0: any free port); defaults: max_tokens, temperature, top_k."""
+def make_server(params, cfg, tok, host="127.0.0.1", port=8000, name="nanochat", allow_origins=(), **defaults):
+    """The web chat and API server (port 0: any free port); defaults: max_tokens, temperature, top_k. Pages of other
+    origins than its own are refused unless listed in allow_origins (e.g. "http://localhost:3000")."""
     server = http.server.ThreadingHTTPServer((host, port), _Handler)
     server.model, server.name, server.lock = (params, cfg, tok), name, threading.Lock()
+    server.loopback, server.origins = host in ("localhost", "127.0.0.1", "::1"), set(allow_origins)
     server.created = int(time.time())
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "ui.html"), "rb") as f:
         server.page = f.read()  # the web chat: one page, no dependencies
@@ -411,6 +430,7 @@ def main():
     p.add_argument("--serve", action="store_true", help="serve the web chat and the OpenAI-compatible API")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--allow-origin", nargs="*", default=[], help="origins of other pages allowed to use the server")
     p.add_argument("--compile-cache", default=os.path.expanduser("~/.cache/nanochat_jax/xla"),
                    help="persistent XLA compilation cache ('' to disable)")
     args = p.parse_args()
@@ -426,8 +446,8 @@ def main():
         sys.exit(f"error: {e}")
     if args.serve:
         try:
-            server = make_server(params, cfg, tok, args.host, args.port, max_tokens=args.max_tokens,
-                                 temperature=args.temperature, top_k=args.top_k)
+            server = make_server(params, cfg, tok, args.host, args.port, allow_origins=args.allow_origin,
+                                 max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k)
         except (OSError, OverflowError) as e:  # the port is taken, the host unknown, ...
             sys.exit(f"error: cannot serve on {args.host}:{args.port} ({e}): choose another --host or --port")
         url = f"http://{args.host}:{server.server_address[1]}"

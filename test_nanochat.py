@@ -2302,7 +2302,8 @@ def test_api_bad_paths_and_headers(server):
     assert request(server, "GET", "/nope")[0] == 404 and request(server, "POST", "/v1/completions", {})[0] == 404
     for length in (b"", b"Content-Length: \xb2\r\n", b"Content-Length: %s\r\n" % (b"9" * 5000)):  # '²': isdigit()
         conn = socket.create_connection(server.server_address, timeout=60)
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n%s\r\n" % length)
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"%s\r\n" % length)
         assert conn.makefile("rb").readline().split()[1] == b"411"
         conn.close()
     assert request(server, "GET", "/v1/models")[0] == 200  # still serving
@@ -2336,13 +2337,33 @@ def test_api_concurrent_streams_do_not_interleave(server, chat_model):
         assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == reply
 
 
+def test_server_refuses_other_hosts_origins_and_non_json(server, chat_model):
+    """DNS rebinding (a Host that is not this loopback server), pages of other origins, and POST bodies that are not
+    JSON (what a cross-origin form or text/plain fetch sends without a preflight) are refused; the page itself, API
+    clients (no Origin) and --allow-origin origins are served."""
+    port = server.server_address[1]
+    post = lambda headers: request(server, "POST", "/v1/chat/completions", {"messages": HELLO, "max_tokens": 2},
+                                   headers={"Content-Type": "application/json", **headers})
+    status, _, text = request(server, "GET", "/", headers={"Host": f"evil.example:{port}"})
+    assert status == 421 and "is not this server: open it as http://127.0.0.1:" in text
+    assert request(server, "GET", "/", headers={"Host": f"localhost:{port}"})[0] == 200
+    status, _, text = post({"Origin": "http://evil.example"})
+    assert status == 403 and "serve with --allow-origin http://evil.example" in json.loads(text)["error"]["message"]
+    assert post({"Origin": f"http://127.0.0.1:{port}"})[0] == 200  # the page's own origin
+    status, _, text = request(server, "POST", "/v1/chat/completions", raw=json.dumps({"messages": HELLO}),
+                              headers={"Content-Type": "text/plain"})
+    assert status == 415 and "Content-Type: application/json" in text
+    server.origins.add("http://localhost:3000")
+    assert post({"Origin": "http://localhost:3000"})[0] == 200
+
+
 def test_api_disconnect_frees_the_model(server, chat_model, capsys):
     messages = [{"role": "user", "content": "go on"}]
     _, n_out, _ = expected_reply(chat_model, messages, 200)
     assert n_out == 200  # this model does not stop by itself: the disconnect must stop it
     body = json.dumps({"messages": messages, "stream": True, "max_tokens": 200}).encode()
     conn = socket.create_connection(server.server_address, timeout=60)
-    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     received = b""
     while b"data: " not in received:
