@@ -22,6 +22,7 @@
 import argparse
 import codecs
 import collections
+import contextlib
 import dataclasses
 import glob
 import http.server
@@ -307,6 +308,10 @@ def parse_request(body, cfg, tok, defaults):
 class _Handler(http.server.BaseHTTPRequestHandler):
     server_version = "nanochat-jax"
 
+    def setup(self):
+        self.timeout = self.server.request_timeout  # every read and write: a stalled client frees its thread
+        super().setup()
+
     def _send(self, status, ctype, body):
         self.send_response(status)
         self.send_header("Content-Type", ctype)
@@ -404,10 +409,44 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.log_message("client went away after %d tokens: generation stopped", n)
 
 
-def make_server(params, cfg, tok, host="127.0.0.1", port=8000, name="nanochat", allow_origins=(), **defaults):
+class _Server(http.server.ThreadingHTTPServer):
+    """At most max_connections at once (a 503 beyond them); a client that stalls or goes away costs a thread only
+    until request_timeout, and one log line rather than a traceback."""
+    daemon_threads, request_queue_size = True, 128  # (socketserver's backlog of 5 makes a burst wait for SYN retries)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            body = json.dumps({"error": {"message": "too many open connections; try again shortly",
+                                         "type": "server_error", "param": None, "code": None}}).encode()
+            with contextlib.suppress(OSError):
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            return self.shutdown_request(request)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request, client_address):
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            sys.stderr.write(f"{client_address[0]}: {sys.exc_info()[1].__class__.__name__}, connection closed\n")
+        else:
+            super().handle_error(request, client_address)
+
+
+def make_server(params, cfg, tok, host="127.0.0.1", port=8000, name="nanochat", allow_origins=(), max_connections=64,
+                request_timeout=30.0, **defaults):
     """The web chat and API server (port 0: any free port); defaults: max_tokens, temperature, top_k. Pages of other
     origins than its own are refused unless listed in allow_origins (e.g. "http://localhost:3000")."""
-    server = http.server.ThreadingHTTPServer((host, port), _Handler)
+    server = _Server((host, port), _Handler)
+    server.slots, server.request_timeout = threading.BoundedSemaphore(max_connections), request_timeout
     server.model, server.name, server.lock = (params, cfg, tok), name, threading.Lock()
     server.loopback, server.origins = host in ("localhost", "127.0.0.1", "::1"), set(allow_origins)
     server.created = int(time.time())

@@ -2337,6 +2337,33 @@ def test_api_concurrent_streams_do_not_interleave(server, chat_model):
         assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == reply
 
 
+def test_stalled_clients_cannot_hold_the_server(chat_model, capfd):
+    """Clients that send half a request and stall: at most max_connections hold a thread (the next ones get a 503
+    at once), each only until request_timeout; normal requests are served after it, and nothing logs a traceback."""
+    srv = chat.make_server(*chat_model[:3], port=0, max_connections=8, request_timeout=3.0, max_tokens=2)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        threads = threading.active_count()
+        stalled = [socket.create_connection(srv.server_address, timeout=10) for _ in range(8)]
+        for i, s in enumerate(stalled):  # half a header line, or a body shorter than its Content-Length
+            s.sendall(b"GET / HTTP/1.1\r\nHo" if i % 2 else b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1"
+                      b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        time.sleep(0.3)
+        more = [socket.create_connection(srv.server_address, timeout=10) for _ in range(42)]
+        assert threading.active_count() <= threads + 8
+        assert all(s.recv(4096).startswith(b"HTTP/1.1 503 Service Unavailable") for s in more)
+        time.sleep(3.5)  # the stalled ones time out and free their slots
+        assert request(srv, "GET", "/v1/models")[0] == 200
+        status, _, text = request(srv, "POST", "/v1/chat/completions", {"messages": HELLO})
+        assert status == 200 and json.loads(text)["choices"][0]["message"]["role"] == "assistant"
+        for s in stalled + more:
+            s.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_server_refuses_other_hosts_origins_and_non_json(server, chat_model):
     """DNS rebinding (a Host that is not this loopback server), pages of other origins, and POST bodies that are not
     JSON (what a cross-origin form or text/plain fetch sends without a preflight) are refused; the page itself, API
