@@ -424,19 +424,28 @@ def chat_check(name, conversation, completion):
     return completion == conversation["messages"][-1]["content"]
 
 
-def completions(params, cfg, tok, prompt, n=1, max_tokens=512, temperature=0.0, top_k=50, key=None):
-    """n sampled continuations of a prompt (token lists without their stop token) through the KV-cache engine with
-    the calculator tool; empty ones if the prompt leaves no room in the context."""
-    rows, stop = [[] for _ in range(n)], (tok.special["<|assistant_end|>"], tok.bos)
+def sample(params, cfg, tok, prompt, n=1, max_tokens=512, temperature=0.0, top_k=50, key=None):
+    """n continuations of a prompt through the KV-cache engine with the calculator tool: (token lists, each ending
+    with its stop token if it stopped; masks: 1 where the model chose the token, 0 where the tool forced it). Empty
+    ones if the prompt leaves no room in the context."""
+    rows, masks, stop = [[] for _ in range(n)], [[] for _ in range(n)], (tok.special["<|assistant_end|>"], tok.bos)
     if len(prompt) >= cfg.sequence_len:
-        return rows
+        return rows, masks
     key, top_k = jax.random.key(0) if key is None else key, top_k if temperature > 0 else None  # greedy: argmax
-    for column, _ in nc.generate(params, cfg, prompt, max_tokens=max_tokens, key=key, temperature=temperature,
-                                 top_k=top_k, num_samples=n, stop_ids=stop, tool=data.calculator_tool(tok)):
-        for row, t in zip(rows, column):
+    for column, mask in nc.generate(params, cfg, prompt, max_tokens=max_tokens, key=key, temperature=temperature,
+                                    top_k=top_k, num_samples=n, stop_ids=stop, tool=data.calculator_tool(tok)):
+        for row, m, t, k in zip(rows, masks, column, mask):
             if not (row and row[-1] in stop):  # a finished row takes no more tokens
                 row.append(t)
-    return [r[:-1] if r and r[-1] in stop else r for r in rows]
+                m.append(k)
+    return rows, masks
+
+
+def completions(params, cfg, tok, prompt, n=1, max_tokens=512, temperature=0.0, top_k=50, key=None):
+    """`sample`'s continuations without their stop tokens."""
+    stop = (tok.special["<|assistant_end|>"], tok.bos)
+    return [r[:-1] if r and r[-1] in stop else r
+            for r in sample(params, cfg, tok, prompt, n, max_tokens, temperature, top_k, key)[0]]
 
 
 def evaluate_chat(params, cfg, tok, tasks, split=None, num_samples=1, max_tokens=512, temperature=0.0, top_k=50,

@@ -104,16 +104,10 @@ def rollout(params, cfg, tok, conversation, key, num_samples, max_tokens, temper
     """num_samples replies to a task conversation, sampled by the KV-cache engine with the calculator in the loop:
     (prompt + reply ids, masks: 1 on the sampled tokens, 0 on the prompt and the forced tool output, rewards:
     reward(conversation, decoded reply), 1.0 where the task's checker accepts it)."""
-    prompt, stop = data.render_for_completion(tok, conversation), (tok.special["<|assistant_end|>"], tok.bos)
-    rows, masks = [list(prompt) for _ in range(num_samples)], [[0] * len(prompt) for _ in range(num_samples)]
-    tool = data.calculator_tool(tok)
-    for column, mask in nc.generate(params, cfg, prompt, max_tokens=max_tokens, key=key, temperature=temperature,
-                                    top_k=top_k, num_samples=num_samples, stop_ids=stop, tool=tool):
-        for row, m, t, k in zip(rows, masks, column, mask):
-            if row[-1] not in stop:  # a finished row takes no more tokens
-                row.append(t)
-                m.append(k)
-    return rows, masks, [float(reward(conversation, tok.decode(r[len(prompt):]))) for r in rows]
+    prompt = data.render_for_completion(tok, conversation)
+    replies, masks = evaluate.sample(params, cfg, tok, prompt, num_samples, max_tokens, temperature, top_k, key)
+    return ([prompt + r for r in replies], [[0] * len(prompt) + m for m in masks],
+            [float(reward(conversation, tok.decode(r))) for r in replies])
 
 
 def rl_batch(groups, T):
