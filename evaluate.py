@@ -608,7 +608,7 @@ PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2250e12, "A
 # matched in this order against jax's device_kind ("TPU v5 lite" is v5e, "TPU v5" v5p, "TPU v6 lite" v6e)
 
 
-def samples(params, cfg, tok, stage):
+def report_samples(params, cfg, tok, stage):
     """A few greedy samples: nanochat's base prompts continued, or a chat model's replies to a few questions."""
     if stage == "base":
         return {p: tok.decode(completions(params, cfg, tok, [tok.bos] + tok.encode(p), 1, 16)[0]) for p in BASE_PROMPTS}

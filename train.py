@@ -592,7 +592,7 @@ def main(argv=None):
             r["chatcore"] = dict(evaluate.evaluate_chat(params, cfg, tok, chat_tasks, rows), data=args.chat_data)
         if jax.process_index() == 0:
             evaluate.save_section(args.out, stage, dict(r, config=dataclasses.asdict(cfg), argv=argv or sys.argv[1:],
-                                                        samples=evaluate.samples(local(params), cfg, tok, stage)))
+                                                        samples=evaluate.report_samples(local(params), cfg, tok, stage)))
             print(f"report card: {evaluate.write_report(args.out)}")
     results["total_minutes"] = (time.perf_counter() - t) / 60
     print(json.dumps(results))
