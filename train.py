@@ -591,8 +591,9 @@ def main(argv=None):
         if stage != "base" and chat_tasks:
             r["chatcore"] = dict(evaluate.evaluate_chat(params, cfg, tok, chat_tasks, rows), data=args.chat_data)
         if jax.process_index() == 0:
+            samples = evaluate.report_samples(local(params), cfg, tok, stage)
             evaluate.save_section(args.out, stage, dict(r, config=dataclasses.asdict(cfg), argv=argv or sys.argv[1:],
-                                                        samples=evaluate.report_samples(local(params), cfg, tok, stage)))
+                                                        samples=samples))
             print(f"report card: {evaluate.write_report(args.out)}")
     results["total_minutes"] = (time.perf_counter() - t) / 60
     print(json.dumps(results))
