@@ -88,7 +88,8 @@ def generate_timing(params, cfg, batch, prompt_len=16, new=200, repeats=3):
     p = nc.unstack(jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params), cfg)  # as generate calls prefill
     tokens = np.array([prompt], np.int32)
     max_len = min(nc._bucket(prompt_len + new), cfg.sequence_len)
-    pre = lambda: jax.block_until_ready(nc.prefill(p, tokens, prompt_len, jax.random.key(1), 1.0, cfg, max_len, batch))
+    pre = lambda: jax.block_until_ready(nc.prefill(p, tokens, prompt_len, jax.random.key(1), (1.0, 0, 1.0), cfg,
+                                                   max_len, batch))
     pre()
     t0 = time.perf_counter()
     for _ in range(10):

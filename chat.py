@@ -7,13 +7,20 @@
     python chat.py --nanochat-checkpoint ~/.cache/nanochat    # a PyTorch nanochat run, read without torch
 
 - Engine: `nanochat.generate` (KV cache, jitted prefill and decode) with nanochat's calculator tool: when the model
-  writes <|python_start|>expr<|python_end|>, <|output_start|>result<|output_end|> is forced into the stream.
+  writes <|python_start|>expr<|python_end|>, <|output_start|>result<|output_end|> is forced into the stream. A `Reply`
+  turns the tokens into text and parts (text / python / python_output, as render_conversation takes them back): no
+  special token ever shows as text; a calculator step shows as [expr = result] in the terminal, `expr = result` on
+  the page.
 - Terminal (nanochat's chat_cli): the conversation stays token ids across turns, tool calls included; an incremental
   UTF-8 decoder prints a character split over tokens whole. `clear` starts over, `quit` ends.
-- Web: a stdlib ThreadingHTTPServer. GET / is ui.html, a one-page chat that streams replies (`/?q=Hi` opens with Hi).
-  GET /v1/models and POST /v1/chat/completions (with "stream": true, server-sent chat.completion.chunk events) follow
-  OpenAI's API, errors included, so its clients work unchanged. One lock around the model: requests queue, streams
-  never interleave, and a client that disconnects stops its generation.
+- Web: a stdlib ThreadingHTTPServer. GET / is ui.html, a one-page chat that streams replies (`/?q=Hi` opens with Hi),
+  sends each reply back as its parts, and drops the oldest turns (saying so) when a conversation outgrows the context.
+  GET /v1/models, POST /v1/chat/completions (stream, n, stop, temperature, top_p, top_k, seed, logprobs and
+  top_logprobs, max_tokens) follow OpenAI's API, errors included (an unknown model is a 404), so its clients work
+  unchanged; our additions: a message's (or a stream delta's) `parts`, the model's `context_length`, GET /health.
+  One lock around the model: requests queue, streams never interleave, a client that disconnects stops its
+  generation. At start-up `warm_up` compiles every shape a request can take (sampling settings are traced values),
+  so no request compiles; a stalled client holds a thread only until a timeout, and connections are capped.
 - Real nanochat checkpoints without torch: the model_<step>.pt zip and tokenizer.pkl (a pickled tiktoken Encoding) are
   read by a restricted unpickler that resolves only the globals that tensors or the tokenizer's state need, so a
   pickle naming anything else (os.system, ...) is refused before it runs. Storages are raw little-endian fp32 or bf16.
@@ -187,24 +194,85 @@ def load_nanochat_checkpoint(path, step=None):
         raise ValueError(f"{found[0]}: {tok.n_vocab} tokens, but the model has vocab_size {cfg.vocab_size}")
     return params, cfg, tok
 
+# ------------------------------------------------------------------------------------------------ replies
+
+
+class Reply:
+    """One assistant reply as it grows a token at a time: its ids, and its parts as render_conversation takes them
+    back ([{"type": "text" | "python" | "python_output", "text": ...}]: the calculator's special tokens open and close
+    parts; no special token becomes text). It ends at <|assistant_end|> or <|bos|> ("stop"), at the first of `stop`'s
+    strings that a text part writes (cut off before it, as OpenAI's stop), or when the caller calls end() ("length")."""
+
+    def __init__(self, tok, stop=()):
+        sp, self.tok, self.stop = tok.special, tok, stop
+        self.opens = {sp["<|python_start|>"]: "python", sp["<|output_start|>"]: "python_output"}
+        self.closes, self.ends = {sp["<|python_end|>"], sp["<|output_end|>"]}, {sp["<|assistant_end|>"], tok.bos}
+        self.ids, self.parts, self.kind, self.sent, self.finish = [], [], "text", 0, None
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds back a character's first bytes
+
+    @property
+    def content(self):
+        return "".join(p["text"] for p in self.parts if p["type"] == "text")
+
+    def add(self, t):
+        """Take the next token: (the text it makes final in the content, the calculator part it closed or None)."""
+        self.ids.append(t)
+        if t in self.ends:
+            self.finish = "stop"
+            return self._text(b"", final=True), None
+        if t in self.opens:
+            text, self.kind = self._text(b"", final=True), self.opens[t]
+            self.parts.append({"type": self.kind, "text": ""})
+            return text, None
+        if t in self.closes:
+            text, closed = self._text(b"", final=True), (self.parts[-1] if self.kind != "text" else None)
+            self.kind = "text"
+            return text, closed
+        return self._text(b"" if t in self.tok.special.values() else self.tok.enc.decode_single_token_bytes(t)), None
+
+    def end(self):
+        """Cut off (max_tokens, a full context): the content text still held back."""
+        self.finish = self.finish or "length"
+        return self._text(b"", final=True)
+
+    def _text(self, raw, final=False):
+        piece = self.utf8.decode(raw, final)  # a character cut off by a special token or the end is U+FFFD
+        if piece and (not self.parts or self.parts[-1]["type"] != self.kind):
+            self.parts.append({"type": self.kind, "text": ""})
+            self.sent = 0
+        if not self.parts:
+            return ""
+        part = self.parts[-1]
+        part["text"] += piece
+        if part["type"] != "text":  # the calculator's parts are not content
+            return ""
+        if cuts := [i for s in self.stop if (i := part["text"].find(s)) >= 0]:
+            part["text"], self.finish, final = part["text"][:min(cuts)], "stop", True
+        held = 0 if final else max((k for s in self.stop for k in range(1, len(s)) if part["text"].endswith(s[:k])),
+                                   default=0)  # a stop string's beginning waits for what follows
+        text, self.sent = part["text"][self.sent:len(part["text"]) - held], len(part["text"]) - held
+        return text
+
+
+def sample_replies(params, cfg, tok, prompt, key, replies, rows=None, logits=False, **sampling):
+    """Sample the Replies together (the calculator on), feeding each its tokens until every one has finished: yields
+    (row, token id, content text made final, calculator part closed or None, the step's logits row or None) per token;
+    a reply cut off by max_tokens yields (row, None, its held-back text, None, None) last. rows: the batch (>= the
+    replies; a server keeps it fixed, so nothing compiles); sampling: nc.generate's max_tokens, temperature, top_k..."""
+    stops = (tok.special["<|assistant_end|>"], tok.bos)
+    for column, _, *out in nc.generate(params, cfg, prompt, key=key, num_samples=rows or len(replies), stop_ids=stops,
+                                       tool=data.calculator_tool(tok), logits=logits, **sampling):
+        step = np.asarray(out[0]) if logits else [None] * len(column)
+        for row, (r, t) in enumerate(zip(replies, column)):
+            if not r.finish:
+                yield row, t, *r.add(t), step[row]
+        if all(r.finish for r in replies):
+            return
+    for row, r in enumerate(replies):
+        if not r.finish:
+            yield row, None, r.end(), None, None
+
 # ------------------------------------------------------------------------------------------------ terminal
-
-
-def reply_tokens(params, cfg, tok, prompt, key, max_tokens=256, temperature=0.6, top_k=50):
-    """One assistant turn as (token id, the text it completes), calculator on; a stop token comes last, text None.
-    A character cut off by the end of the reply comes before that as (None, U+FFFD), rather than vanishing."""
-    stops, stop = (tok.special["<|assistant_end|>"], tok.bos), None
-    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds back a character's first bytes
-    for (t,), _ in nc.generate(params, cfg, prompt, max_tokens=max_tokens, key=key, temperature=temperature,
-                               top_k=top_k or None, stop_ids=stops, tool=data.calculator_tool(tok)):
-        if t in stops:
-            stop = t
-            break
-        yield t, utf8.decode(tok.enc.decode_single_token_bytes(t))
-    if tail := utf8.decode(b"", final=True):
-        yield None, tail
-    if stop is not None:
-        yield stop, None
 
 
 def _typed():
@@ -216,7 +284,8 @@ def _typed():
 
 
 def chat_cli(params, cfg, tok, prompt=None, max_tokens=256, temperature=0.6, top_k=50, seed=42):
-    """nanochat's chat_cli: read a turn, stream the reply; `clear` starts over, `quit` ends; a prompt: one shot."""
+    """nanochat's chat_cli: read a turn, stream the reply; `clear` starts over, `quit` ends; a prompt: one shot.
+    A calculator step shows as [expression = result]."""
     sp, key, conversation = tok.special, jax.random.key(seed), [tok.bos]
     if prompt is None:
         print("nanochat: type 'clear' to start a new conversation, 'quit' to end it")
@@ -234,17 +303,22 @@ def chat_cli(params, cfg, tok, prompt=None, max_tokens=256, temperature=0.6, top
                   if text else "(type a message, 'clear' or 'quit')")
             continue
         print("\nAssistant: ", end="", flush=True)
-        out = []
-        for t, piece in reply_tokens(params, cfg, tok, ids, jax.random.fold_in(key, turn), max_tokens, temperature,
-                                     top_k):
-            out += [] if t is None else [t]
-            print(piece or "", end="", flush=True)
-        print()
-        conversation = ids + out + ([] if out[-1:] == [sp["<|assistant_end|>"]] else [sp["<|assistant_end|>"]])
+        reply, call = Reply(tok), None  # a calculator call waits for its result: [expr = result], or [expr]
+        for *_, piece, part, _ in sample_replies(params, cfg, tok, ids, jax.random.fold_in(key, turn), [reply],
+                                                 max_tokens=max_tokens, temperature=temperature, top_k=top_k):
+            if part and part["type"] == "python":
+                call = part["text"]
+            elif part or (piece and call is not None):
+                piece = f"[{call or ''}{' = ' + part['text'] if part else ''}]{piece}"
+                call = None
+            print(piece, end="", flush=True)
+        print("" if call is None else f"[{call}]")
+        end = [] if reply.ids[-1:] == [sp["<|assistant_end|>"]] else [sp["<|assistant_end|>"]]
+        conversation = ids + reply.ids + end
 
 # ------------------------------------------------------------------------------------------------ web
 
-MAX_BODY, MAX_MESSAGES, MAX_TOKENS = 1 << 20, 500, 4096
+MAX_BODY, MAX_MESSAGES, MAX_TOKENS, MAX_CHOICES = 1 << 20, 500, 4096, 8
 
 
 class _Reject(Exception):
@@ -272,8 +346,8 @@ def _plain(m):
     return m
 
 
-def parse_request(body, cfg, tok, defaults):
-    """(prompt ids, options) of a /v1/chat/completions body; _Reject(400) says what is wrong with it."""
+def parse_request(body, cfg, tok, defaults, model="nanochat"):
+    """(prompt ids, options) of a /v1/chat/completions body; _Reject says what is wrong with it."""
     try:
         req = json.loads(body)
     except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
@@ -281,6 +355,8 @@ def parse_request(body, cfg, tok, defaults):
     messages = req.get("messages") if isinstance(req, dict) else None
     if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_MESSAGES:
         raise _Reject(400, f"'messages' must be a list of 1 to {MAX_MESSAGES} messages")
+    if req.get("model", model) != model:
+        raise _Reject(404, f"The model `{req['model']}` does not exist: this server has `{model}`", "model_not_found")
     messages = [_plain(m) for m in messages]
     if not isinstance(messages[-1], dict) or messages[-1].get("role") != "user":
         raise _Reject(400, "the last message must be the user's: the model replies to it")
@@ -288,21 +364,36 @@ def parse_request(body, cfg, tok, defaults):
         ids = data.render_conversation(tok, messages, MAX_BODY)[0] + [tok.special["<|assistant_start|>"]]
     except ValueError as e:
         raise _Reject(400, str(e)) from None
-    if len(ids) >= cfg.sequence_len:
-        raise _Reject(400, f"the conversation is {len(ids)} tokens and the model's context {cfg.sequence_len}: "
-                      "send fewer or shorter messages", "context_length_exceeded")
-    if not isinstance(req.get("stream", False), bool):
-        raise _Reject(400, "'stream' must be true or false")
+    name = "max_completion_tokens" if "max_completion_tokens" in req else "max_tokens"  # OpenAI's newer name
+    asked = _option(req, name, 1, MAX_TOKENS, None, int)
+    if len(ids) + (asked or 1) > cfg.sequence_len:  # OpenAI's rule: the prompt and the asked-for reply must fit
+        raise _Reject(400, f"the conversation is {len(ids)} tokens{f' and {name} {asked}' if asked else ''}, the "
+                      f"model's context {cfg.sequence_len}: send fewer or shorter messages", "context_length_exceeded")
+    for flag in ("stream", "logprobs"):
+        if not isinstance(req.get(flag, False), bool):
+            raise _Reject(400, f"'{flag}' must be true or false")
     usage = req.get("stream_options")
     if usage is not None and not (isinstance(usage, dict) and isinstance(usage.get("include_usage", False), bool)):
         raise _Reject(400, """'stream_options' must be an object such as {"include_usage": true}""")
-    _option(req, "n", 1, 1, 1, int)  # one choice per request
-    name = "max_completion_tokens" if "max_completion_tokens" in req else "max_tokens"  # OpenAI's newer name
+    stop = [req["stop"]] if isinstance(req.get("stop"), str) else req.get("stop") or []
+    if not (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)):
+        raise _Reject(400, "'stop' must be a string or a list of up to 4 non-empty strings")
     return ids, dict(stream=req.get("stream", False), seed=_option(req, "seed", 0, 2**63 - 1, None, int),
-                     max_tokens=_option(req, name, 1, MAX_TOKENS, defaults["max_tokens"], int),
+                     n=_option(req, "n", 1, MAX_CHOICES, 1, int), stop=stop,
+                     max_tokens=asked or defaults["max_tokens"],
                      temperature=_option(req, "temperature", 0, 2, defaults["temperature"]),
-                     top_k=_option(req, "top_k", 0, 200, defaults["top_k"], int),  # each value compiles once
+                     top_k=_option(req, "top_k", 0, nc.TOP_K_MAX, defaults["top_k"], int),
+                     top_p=_option(req, "top_p", 0, 1, 1.0), logprobs=req.get("logprobs", False),
+                     top_logprobs=_option(req, "top_logprobs", 0, 20, 0, int),
                      usage=bool(usage and usage.get("include_usage")))
+
+
+def _logprobs(tok, row, t, top):
+    """OpenAI's logprobs entry of token t: its log-probability under the model (logits row), and the top likeliest."""
+    lp = row - row.max() - np.log(np.exp(row - row.max()).sum())
+    entry = lambda i: {"token": tok.enc.decode_single_token_bytes(i).decode(errors="replace"),
+                       "logprob": float(lp[i]), "bytes": list(tok.enc.decode_single_token_bytes(i))}
+    return {**entry(t), "top_logprobs": [entry(int(i)) for i in np.argsort(-lp)[:top]]}
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -343,14 +434,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return None
 
     def do_GET(self):
-        path = urllib.parse.urlsplit(self.path).path
+        path, cfg = urllib.parse.urlsplit(self.path).path, self.server.model[1]
         if refused := self._refusal(post=False):
             self._error(refused.status, str(refused), refused.code)
         elif path == "/":
             self._send(200, "text/html; charset=utf-8", self.server.page)
-        elif path == "/v1/models":
-            self._json(200, {"object": "list", "data": [{"id": self.server.name, "object": "model",
-                                                         "created": self.server.created, "owned_by": "nanochat"}]})
+        elif path == "/v1/models":  # context_length: our addition, for clients (the page) that fit conversations
+            self._json(200, {"object": "list", "data": [{"id": self.server.name, "object": "model", "owned_by":
+                             "nanochat", "created": self.server.created, "context_length": cfg.sequence_len}]})
+        elif path == "/health":
+            self._json(200, {"status": "ok", "model": self.server.name, "compiled": self.server.compiled.is_set()})
         else:
             self._error(404, f"nothing at {path}: the chat is at /, the API at /v1/chat/completions and /v1/models")
 
@@ -369,18 +462,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             body = self.rfile.read(int(n))
             if urllib.parse.urlsplit(self.path).path != "/v1/chat/completions":
                 raise _Reject(404, "POST to /v1/chat/completions")
-            prompt, opts = parse_request(body, cfg, tok, self.server.defaults)
+            prompt, opts = parse_request(body, cfg, tok, self.server.defaults, self.server.name)
         except _Reject as e:
             return self._error(e.status, str(e), e.code)
         self._complete(prompt, **opts)
 
-    def _complete(self, prompt, stream, seed, max_tokens, temperature, top_k, usage):
+    def _complete(self, prompt, stream, seed, n, stop, max_tokens, temperature, top_k, top_p, logprobs, top_logprobs,
+                  usage):
         params, cfg, tok = self.server.model
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.server.name}
-        chunk = lambda delta, finish=None: {**head, "object": "chat.completion.chunk",
-                                            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        chunk = lambda choices: {**head, "object": "chat.completion.chunk", "choices": choices}
         key = jax.random.key(secrets.randbits(32) if seed is None else seed % 2**32)  # 32-bit seeds without x64
-        pieces, n, finish = [], 0, "length"
+        replies, tokens = [Reply(tok, stop) for _ in range(n)], [[] for _ in range(n)]  # tokens: logprobs entries
         with self.server.lock:  # one generation at a time: the model and its caches are not shared
             try:
                 if stream:
@@ -388,25 +481,35 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     self.send_header("Content-Type", "text/event-stream; charset=utf-8")
                     self.send_header("Cache-Control", "no-cache")
                     self.end_headers()
-                    self._event(chunk({"role": "assistant", "content": ""}))
-                for t, piece in reply_tokens(params, cfg, tok, prompt, key, max_tokens, temperature, top_k):
-                    finish = "stop" if piece is None else finish
-                    n += t is not None  # (None, U+FFFD) is a cut-off character, not a token
-                    pieces.append(piece or "")
-                    if stream and piece:
-                        self._event(chunk({"content": piece}))
-                counts = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+                    self._event(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "finish_reason": None} for i in range(n)]))
+                for i, t, text, part, row in sample_replies(
+                        params, cfg, tok, prompt, key, replies, 1 if n == 1 else MAX_CHOICES, logprobs,
+                        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        cache_len=cfg.sequence_len):  # the shapes warm_up compiled
+                    in_text = t is not None and replies[i].kind == "text" and t not in tok.special.values()
+                    entry = [_logprobs(tok, row, t, top_logprobs)] if logprobs and in_text else []
+                    tokens[i] += entry
+                    if stream and (text or part):  # a calculator part is sent whole once it closes
+                        delta = {"content": text} if text else {"parts": [part]}
+                        lp = {"logprobs": {"content": entry}} if logprobs else {}
+                        self._event(chunk([{"index": i, "delta": delta, **lp, "finish_reason": None}]))
+                made = sum(len(r.ids) for r in replies)
+                counts = {"prompt_tokens": len(prompt), "completion_tokens": made, "total_tokens": len(prompt) + made}
                 if stream:
-                    self._event(chunk({}, finish))
+                    self._event(chunk([{"index": i, "delta": {}, "finish_reason": r.finish}
+                                       for i, r in enumerate(replies)]))
                     if usage:
                         self._event({**head, "object": "chat.completion.chunk", "choices": [], "usage": counts})
                     self.wfile.write(b"data: [DONE]\n\n")
-                else:
+                else:  # parts: our addition, the reply with its calculator steps, to send back as the message
                     self._json(200, {**head, "object": "chat.completion", "usage": counts, "choices": [{
-                        "index": 0, "message": {"role": "assistant", "content": "".join(pieces)},
-                        "finish_reason": finish}]})
+                        "index": i, "message": {"role": "assistant", "content": r.content, "parts": r.parts},
+                        **({"logprobs": {"content": tokens[i]}} if logprobs else {}), "finish_reason": r.finish}
+                        for i, r in enumerate(replies)]})
             except (BrokenPipeError, ConnectionResetError):
-                self.log_message("client went away after %d tokens: generation stopped", n)
+                self.log_message("client went away after %d tokens: generation stopped",
+                                 sum(len(r.ids) for r in replies))
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -449,11 +552,24 @@ def make_server(params, cfg, tok, host="127.0.0.1", port=8000, name="nanochat", 
     server.slots, server.request_timeout = threading.BoundedSemaphore(max_connections), request_timeout
     server.model, server.name, server.lock = (params, cfg, tok), name, threading.Lock()
     server.loopback, server.origins = host in ("localhost", "127.0.0.1", "::1"), set(allow_origins)
-    server.created = int(time.time())
+    server.created, server.compiled = int(time.time()), threading.Event()
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "ui.html"), "rb") as f:
         server.page = f.read()  # the web chat: one page, no dependencies
     server.defaults = {"max_tokens": 512, "temperature": 0.6, "top_k": 50, **defaults}
     return server
+
+
+def warm_up(server):
+    """Compile every shape a request can take (each prompt bucket, at batch 1 and MAX_CHOICES, the cache at the full
+    context; sampling settings are traced), one at a time under the model lock: after it, no request compiles."""
+    params, cfg, tok = server.model
+    S = cfg.sequence_len
+    for rows in (1, MAX_CHOICES):
+        for bucket in sorted({min(nc._bucket(n), S) for n in range(1, S)}):
+            with server.lock:
+                collections.deque(nc.generate(params, cfg, [tok.bos] * min(bucket, S - 1), max_tokens=2,
+                                              key=jax.random.key(0), num_samples=rows, cache_len=S), maxlen=0)
+    server.compiled.set()
 
 
 def main():
@@ -473,10 +589,11 @@ def main():
     p.add_argument("--compile-cache", default=os.path.expanduser("~/.cache/nanochat_jax/xla"),
                    help="persistent XLA compilation cache ('' to disable)")
     args = p.parse_args()
-    if args.temperature < 0 or args.top_k < 0 or args.max_tokens < 1:
-        sys.exit("error: -t and -k must be 0 or more, -m 1 or more")
+    if args.temperature < 0 or not 0 <= args.top_k <= nc.TOP_K_MAX or args.max_tokens < 1:
+        sys.exit(f"error: -t must be 0 or more, -k from 0 to {nc.TOP_K_MAX}, -m 1 or more")
     if args.compile_cache:  # compiled prefill/decode steps are reused by the next chat
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     sys.stdout.reconfigure(errors="replace")  # a terminal that cannot show a character gets '?', not a crash
     try:
         params, cfg, tok = (load_nanochat_checkpoint(args.nanochat_checkpoint) if args.nanochat_checkpoint
@@ -491,6 +608,7 @@ def main():
             sys.exit(f"error: cannot serve on {args.host}:{args.port} ({e}): choose another --host or --port")
         url = f"http://{args.host}:{server.server_address[1]}"
         print(f"chat at {url}/ ; OpenAI-compatible API at {url}/v1 (model 'nanochat'); Ctrl+C stops")
+        threading.Thread(target=warm_up, args=(server,), daemon=True).start()  # serving meanwhile: /health says
     try:
         if args.serve:
             server.serve_forever()

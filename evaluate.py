@@ -431,7 +431,7 @@ def sample(params, cfg, tok, prompt, n=1, max_tokens=512, temperature=0.0, top_k
     rows, masks, stop = [[] for _ in range(n)], [[] for _ in range(n)], (tok.special["<|assistant_end|>"], tok.bos)
     if len(prompt) >= cfg.sequence_len:
         return rows, masks
-    key, top_k = jax.random.key(0) if key is None else key, top_k if temperature > 0 else None  # greedy: argmax
+    key = jax.random.key(0) if key is None else key
     for column, mask in nc.generate(params, cfg, prompt, max_tokens=max_tokens, key=key, temperature=temperature,
                                     top_k=top_k, num_samples=n, stop_ids=stop, tool=data.calculator_tool(tok)):
         for row, m, t, k in zip(rows, masks, column, mask):

@@ -20,7 +20,8 @@ takes the backend's fast route to the same numbers (`attention_route`: cuDNN on 
 TPU, `attend_cpu` on CPU), each tested against it.
 Inference is nanochat's Engine: a preallocated KV cache written in place at a traced position (donated: one
 compiled decode step serves every position), masks from absolute positions so sliding windows hold while decoding,
-prompts padded to power-of-two buckets, greedy / temperature / top-k sampling, tools that force tokens.
+prompts padded to power-of-two buckets, greedy / temperature / top-k / top-p sampling as traced values (a new
+setting never recompiles), tools that force tokens.
 
 Layout: weights are (in, out), `x @ W`; `to/from_nanochat_state_dict` convert to and from PyTorch's (out, in).
 Per-layer weights of a kind are stacked on a leading axis (layers, or value-embedding layers for `value_embeds`
@@ -398,55 +399,73 @@ def forward_cached(p, tokens, cache, cfg, length=None):
     return logits_from_hidden(p, last(x), cfg), cache
 
 
-def sample(logits, key, temperature, top_k=None):
-    """Next ids (B,) from logits (B, V): argmax at temperature 0, else top-k, then /temperature, then categorical."""
+TOP_K_MAX = 256  # top_k is traced under a static bound: lax.top_k of a fixed size is fast, a full sort is not
+
+
+def sample(logits, key, temperature, top_k, top_p=1.0):
+    """Next ids (B,) from logits (B, V): argmax at temperature 0, else a draw from softmax(logits / temperature) over
+    the top_k likeliest (0: all; at most TOP_K_MAX), then over the smallest set of those holding top_p of the
+    probability (nucleus sampling, arXiv 1904.09751; taken among the TOP_K_MAX likeliest). All three are traced values:
+    a new setting never recompiles."""
     scaled = logits / jnp.maximum(temperature, 1e-6)
-    if top_k is not None and top_k < logits.shape[-1]:
-        vals, idx = jax.lax.top_k(scaled, top_k)
-        picked = jnp.take_along_axis(idx, jax.random.categorical(key, vals)[:, None], axis=-1)[:, 0]
-    else:
-        picked = jax.random.categorical(key, scaled)
+
+    def truncated():
+        vals, idx = jax.lax.top_k(scaled, min(TOP_K_MAX, scaled.shape[-1]))  # (B, K), likeliest first
+        vals = jnp.where((jnp.arange(vals.shape[-1]) < top_k) | (top_k == 0), vals, -jnp.inf)
+        whole = jax.nn.logsumexp(scaled, -1, keepdims=True)  # top_k 0: top_p is a share of the whole distribution
+        p = jnp.exp(vals - jnp.where(top_k > 0, jax.nn.logsumexp(vals, -1, keepdims=True), whole))
+        vals = jnp.where(jnp.cumsum(p, -1) - p < top_p, vals, -jnp.inf)  # keep while the mass before is under top_p
+        return jnp.take_along_axis(idx, jax.random.categorical(key, vals)[:, None], axis=-1)[:, 0]
+
+    full = lambda: jax.random.categorical(key, scaled).astype(jnp.int32)
+    picked = jax.lax.cond((top_k > 0) | (top_p < 1), truncated, full)  # one branch runs
     return jnp.where(temperature > 0, picked, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "num_samples", "top_k"))
-def prefill(p, tokens, length, key, temperature, cfg, max_len, num_samples=1, top_k=None):
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "num_samples"))
+def prefill(p, tokens, length, key, settings, cfg, max_len, num_samples=1):
     """One prompt (1, T), the first `length` real, into a fresh cache of max_len copied to num_samples rows: (each
-    row's sampled first token (num_samples,), the logits it was drawn from, the cache). p as for forward_cached."""
+    row's sampled first token (num_samples,), the logits it was drawn from, the cache). p as for forward_cached;
+    settings: (temperature, top_k, top_p) for `sample`."""
     logits, cache = forward_cached(p, tokens, init_cache(cfg, 1, max_len), cfg, length)
     cache, logits = jax.tree.map(lambda a: jnp.repeat(a, num_samples, axis=0) if a.ndim else a, (cache, logits))
-    return sample(logits, jax.random.fold_in(key, cache["pos"]), temperature, top_k), logits, cache
+    return sample(logits, jax.random.fold_in(key, cache["pos"]), *settings), logits, cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "top_k"), donate_argnames="cache")
-def decode(p, column, cache, key, temperature, cfg, top_k=None):
+@functools.partial(jax.jit, static_argnames="cfg", donate_argnames="cache")
+def decode(p, column, cache, key, settings, cfg):
     """Feed one token per row (B,) and sample the next: (ids (B,), logits (B, vocab_size), cache), one dispatch."""
     logits, cache = forward_cached(p, column[:, None], cache, cfg)
-    return sample(logits, jax.random.fold_in(key, cache["pos"]), temperature, top_k), logits, cache
+    return sample(logits, jax.random.fold_in(key, cache["pos"]), *settings), logits, cache
 
 
 def _bucket(n):
     return max(16, 1 << (n - 1).bit_length())  # powers of two: a growing chat compiles once per doubling
 
 
-def generate(params, cfg, prompt_ids, *, max_tokens, key, temperature=1.0, top_k=None, num_samples=1, stop_ids=(),
-             tool=None):
+def generate(params, cfg, prompt_ids, *, max_tokens, key, temperature=1.0, top_k=None, top_p=1.0, num_samples=1,
+             stop_ids=(), tool=None, cache_len=None, logits=False):
     """nanochat's Engine.generate: yields (token_column, mask_column), lists of num_samples ints, one per step.
 
     Prefill at batch 1, then decode all rows together until every row has emitted a stop id, max_tokens, or a full
     context. `tool(row, token)` (e.g. data.calculator_tool(tok), a fresh one per call) sees every emitted token and
-    returns ids to force into that row, one per step with mask 0 (nanochat's forced_tokens deque)."""
-    n = len(prompt_ids)
+    returns ids to force into that row, one per step with mask 0 (nanochat's forced_tokens deque). The KV cache holds
+    the bucket of prompt + max_tokens, or cache_len (a server passes cfg.sequence_len: one cache size for all).
+    logits=True: also yield the step's logits (num_samples, vocab_size), a device array, third."""
+    n, top_k = len(prompt_ids), top_k or 0
     if not 0 < n < cfg.sequence_len:
         raise ValueError(f"the prompt has {n} tokens; it must have 1 to {cfg.sequence_len - 1} (the model's context)")
+    if not 0 <= top_k <= TOP_K_MAX:
+        raise ValueError(f"top_k is {top_k}; it must be 0 (all tokens) to {TOP_K_MAX}")
     max_tokens = min(max_tokens, cfg.sequence_len - n)
     if max_tokens < 1:
         return
-    max_len = min(_bucket(n + max_tokens), cfg.sequence_len)
+    max_len = cache_len or min(_bucket(n + max_tokens), cfg.sequence_len)
     tokens = np.zeros((1, min(_bucket(n), max_len)), np.int32)  # padded at the end: positions stay true
     tokens[0, :n] = prompt_ids
     p = unstack(jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params), cfg)  # once, not every step
-    sampled, _, cache = prefill(p, tokens, n, key, temperature, cfg, max_len, num_samples, top_k)
+    settings = float(temperature), int(top_k), float(top_p)  # traced: new values (0 after 0.6 too) compile nothing
+    sampled, out, cache = prefill(p, tokens, n, key, settings, cfg, max_len, num_samples)
     forced, done, stop_ids = [collections.deque() for _ in range(num_samples)], [False] * num_samples, set(stop_ids)
     for step in range(max_tokens):
         column, masks = [], []
@@ -456,10 +475,10 @@ def generate(params, cfg, prompt_ids, *, max_tokens, key, temperature=1.0, top_k
             done[row] = done[row] or column[-1] in stop_ids
             if tool is not None:
                 forced[row].extend(tool(row, column[-1]))
-        yield column, masks
+        yield (column, masks, out) if logits else (column, masks)
         if all(done) or step == max_tokens - 1:
             return
-        sampled, _, cache = decode(p, np.asarray(column, np.int32), cache, key, temperature, cfg, top_k)
+        sampled, out, cache = decode(p, np.asarray(column, np.int32), cache, key, settings, cfg)
 
 
 def param_shapes(cfg):

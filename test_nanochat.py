@@ -820,6 +820,43 @@ def test_two_processes_equal_one(train_root, tmp_path):
     np.testing.assert_allclose(two, one, rtol=1e-5)
 
 
+def test_two_processes_agree_on_ctrl_c(train_root, tmp_path):
+    """Ctrl-C on one process of a two-process run stops both at the same step with one checkpoint (unless they agree,
+    it saves while the other steps, both stuck in mismatched collectives); --resume trains the rest."""
+    root = fresh_root(train_root, tmp_path / "two")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS, "--num-iterations", "200",
+           "--device-batch-size", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    logs, procs = [tmp_path / f"process{i}.log" for i in range(2)], []  # files, not pipes: none blocks when full
+    for i, log in enumerate(logs):
+        with log.open("w") as f:
+            procs.append(subprocess.Popen(cmd + ["--process-id", str(i)], cwd=pathlib.Path(__file__).parent, stdout=f,
+                                          stderr=subprocess.STDOUT))
+    try:
+        deadline = time.time() + 300
+        while not re.search(r"^step +1/200", logs[0].read_text(), re.M):  # both processes are in the loop
+            assert procs[0].poll() is None and time.time() < deadline, logs[0].read_text()[-2000:]
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGINT)  # one process only
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    outs = [f.read_text() for f in logs]
+    saved = [re.search(r"^interrupted: saved (\S+); continue with --resume$", out, re.M) for out in outs]
+    assert codes == [1, 1] and all(saved), outs[0][-2000:] + outs[1][-2000:]
+    path = saved[0][1]
+    assert saved[1][1] == path and data.checkpoint_dirs(os.path.join(root, "base")) == [path]
+    _, _, meta = data.load_checkpoint(path)
+    assert path.endswith(f"step_{meta['step']:06d}") and 1 <= meta["step"] < 200 and len(meta["data_states"]) == 2
+    _, out = run_cli(root, "--device-batch-size", "8", "--data-shards", "2", "--resume")  # one process, both shards
+    assert f"resuming {path} at step {meta['step']}" in out
+    with open(os.path.join(root, "base", "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == list(range(1, 201))  # no step twice, none skipped
+
+
 def test_default_pipeline(tmp_path):
     """train.main at a tiny size: tokenizer -> base -> SFT -> RL -> evaluation (CORE, ChatCORE, our tasks) and the
     report card; chat.py finds the RL model."""
@@ -1812,10 +1849,10 @@ def stepped(params, cfg, prompt, bucket, max_len, feed):
     padded = np.zeros((1, bucket), np.int32)
     padded[0, :len(prompt)] = prompt
     key, p = jax.random.key(0), nc.unstack(params, cfg)
-    _, logits, cache = nc.prefill(p, padded, len(prompt), key, 0.0, cfg, max_len, 1, None)
+    _, logits, cache = nc.prefill(p, padded, len(prompt), key, (0.0, 0, 1.0), cfg, max_len, 1)
     out = [logits[0]]
     for t in feed:
-        _, logits, cache = nc.decode(p, np.array([t], np.int32), cache, key, 0.0, cfg, None)
+        _, logits, cache = nc.decode(p, np.array([t], np.int32), cache, key, (0.0, 0, 1.0), cfg)
         out.append(logits[0])
     return np.array(out), cache
 
@@ -1858,15 +1895,15 @@ def test_prompt_buckets_do_not_change_results_or_recompile(window_model):
     params, prompt = window_model
     key, p = jax.random.key(0), nc.unstack(params, WINDOW_CFG)
     padded = np.pad(prompt[None, :100], ((0, 0), (0, 28)), constant_values=7)  # junk after the prompt
-    _, bucketed, c2 = nc.prefill(p, padded, 100, key, 0.0, WINDOW_CFG, 256, 1, None)
-    _, exact, c1 = nc.prefill(p, prompt[None, :100], 100, key, 0.0, WINDOW_CFG, 256, 1, None)
+    _, bucketed, c2 = nc.prefill(p, padded, 100, key, (0.0, 0, 1.0), WINDOW_CFG, 256, 1)
+    _, exact, c1 = nc.prefill(p, prompt[None, :100], 100, key, (0.0, 0, 1.0), WINDOW_CFG, 256, 1)
     np.testing.assert_allclose(bucketed, exact, rtol=0, atol=1e-5)
     assert int(c1["pos"]) == int(c2["pos"]) == 100
     np.testing.assert_array_equal(c1["prev"], c2["prev"])  # the smear carries the last real token
     for (k1, _), (k2, _) in zip(c1["layers"], c2["layers"]):
         np.testing.assert_allclose(k1[:, :100], k2[:, :100], rtol=0, atol=1e-5)
-    _, after_exact, _ = nc.decode(p, np.array([5], np.int32), c1, key, 0.0, WINDOW_CFG, None)
-    _, after_bucketed, _ = nc.decode(p, np.array([5], np.int32), c2, key, 0.0, WINDOW_CFG, None)
+    _, after_exact, _ = nc.decode(p, np.array([5], np.int32), c1, key, (0.0, 0, 1.0), WINDOW_CFG)
+    _, after_bucketed, _ = nc.decode(p, np.array([5], np.int32), c2, key, (0.0, 0, 1.0), WINDOW_CFG)
     np.testing.assert_allclose(after_bucketed, after_exact, rtol=0, atol=1e-5)  # the junk slot 100 is overwritten
     compiled = nc.prefill._cache_size(), nc.decode._cache_size()
     for n in (97, 110, 120):  # one prompt bucket (128) and one cache size (256): a growing chat does not recompile
@@ -1886,6 +1923,24 @@ def test_sampling_keys_rows_and_top_k(window_model):
     greedy = sample(3, temperature=0.0)
     assert (greedy == greedy[:, :1]).all()
     np.testing.assert_array_equal(sample(4, top_k=1), greedy)  # top-k 1 is greedy at any temperature
+
+
+def test_sample_top_k_and_top_p_are_traced():
+    """top_k and top_p truncate the distribution as HF does (top-k first, then the smallest set holding top_p of
+    what remains; 0 and 1 turn them off); being traced, 40 settings share one compiled sampler."""
+    probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04] + [0.0] * 300)  # V 306 > TOP_K_MAX
+    logits = jnp.log(jnp.asarray(probs, jnp.float32) + 1e-30)[None]
+    draw = jax.jit(jax.vmap(lambda key, t, k, p: nc.sample(logits, key, t, k, p)[0], (0, None, None, None)))
+    keys = jax.random.split(jax.random.key(0), 20000)
+    freq = lambda t, k, p: np.bincount(np.asarray(draw(keys, t, k, p)), minlength=306)[:8] / len(keys)
+    for k, p, kept in ((0, 1.0, 6), (3, 1.0, 3), (0, 0.5, 2), (0, 0.8, 4), (4, 0.75, 3), (4, 0.7, 2), (1, 1.0, 1), (300, 1.0, 6)):
+        want = np.zeros(8)
+        want[:kept] = probs[:kept] / probs[:kept].sum()
+        np.testing.assert_allclose(freq(1.0, k, p), want, atol=0.012, err_msg=f"top_k {k}, top_p {p}")
+    np.testing.assert_array_equal(freq(0.0, 0, 0.3), np.eye(8)[0])  # temperature 0: argmax
+    for k, p in itertools.product((0, 1, 2, 50, 256), (1.0, 0.9, 0.5, 0.1)):
+        draw(keys, 0.7, k, p)
+    assert draw._cache_size() == 1
 
 
 def test_stops_and_limits(window_model):
@@ -1942,8 +1997,8 @@ def test_tool_output_is_forced_with_mask_zero(chat_model):
 def test_decode_donates_its_cache(chat_model):
     params, cfg, _, _ = chat_model
     key, p = jax.random.key(0), nc.unstack(params, cfg)
-    _, _, cache = nc.prefill(p, np.zeros((1, 16), np.int32), 3, key, 0.0, cfg, 32, 1, None)
-    _, _, new = nc.decode(p, np.array([5], np.int32), cache, key, 0.0, cfg, None)
+    _, _, cache = nc.prefill(p, np.zeros((1, 16), np.int32), 3, key, (0.0, 0, 1.0), cfg, 32, 1)
+    _, _, new = nc.decode(p, np.array([5], np.int32), cache, key, (0.0, 0, 1.0), cfg)
     assert all(a.is_deleted() for a in jax.tree.leaves(cache["layers"]))  # written in place: no second cache
     assert int(new["pos"]) == 4
 
@@ -2112,9 +2167,10 @@ def chat_prompt(bt, messages):
 def expected_reply(model, messages, max_tokens=32):
     """The greedy reply text, its token count and the prompt's that chat.py must produce for these messages."""
     params, cfg, bt, _ = model
-    prompt = chat_prompt(bt, messages)
-    out = list(chat.reply_tokens(params, cfg, bt, prompt, jax.random.key(0), max_tokens, 0.0, 50))
-    return "".join(p or "" for _, p in out), sum(t is not None for t, _ in out), len(prompt)
+    prompt, reply = chat_prompt(bt, messages), chat.Reply(bt)
+    collections.deque(chat.sample_replies(params, cfg, bt, prompt, jax.random.key(0), [reply], max_tokens=max_tokens,
+                                          temperature=0.0), maxlen=0)
+    return reply.content, len(reply.ids), len(prompt)
 
 
 def run_chat(args, stdin="", cwd=None):
@@ -2129,13 +2185,19 @@ def test_cli_scripted(chat_model, tmp_path):
     load = chat.load_checkpoint(str(root))  # the newest step of the root: what `python chat.py` picks
     assert load[1] == cfg and all(jax.tree.leaves(jax.tree.map(np.array_equal, load[0], params)))
     reply, _, _ = expected_reply(chat_model, HI)
-    greedy = lambda prompt: list(chat.reply_tokens(params, cfg, bt, prompt, jax.random.key(0), 32, 0.0, 50))
+
+    def greedy(prompt):
+        r = chat.Reply(bt)
+        collections.deque(chat.sample_replies(params, cfg, bt, prompt, jax.random.key(0), [r], max_tokens=32,
+                                              temperature=0.0), maxlen=0)
+        return r
+
     sp, first = bt.special, chat_prompt(bt, HI)  # the second turn's prompt: all of the first turn, as token ids
-    first_reply = [t for t, _ in greedy(first) if t is not None]  # None: the text of a cut-off character
+    first_reply = greedy(first).ids
     assert len(first_reply) == 32  # cut off, not stopped: chat.py closes the turn with <|assistant_end|>
     second = first + first_reply + [sp["<|assistant_end|>"], sp["<|user_start|>"], *bt.encode("the sea"),
                                     sp["<|user_end|>"], sp["<|assistant_start|>"]]
-    followup = "".join(p or "" for _, p in greedy(second))
+    followup = greedy(second).content
     assert followup != expected_reply(chat_model, [{"role": "user", "content": "the sea"}])[0]  # the history matters
     cache = ["--compile-cache", str(tmp_path / "xla"), "-t", "0", "-m", "32"]
     code, out, err = run_chat(cache, "hello\nthe sea\nclear\nhello\nquit\n", cwd=root.parent)  # ./checkpoints
@@ -2193,15 +2255,60 @@ def test_replies_decode_utf8_incrementally(monkeypatch, server):
 
     def reply(stream):
         fake_generate(monkeypatch, stream)
-        return list(chat.reply_tokens(None, CHAT_CFG, bt, [bt.bos], jax.random.key(0)))
+        return [(t, text) for _, t, text, *_ in chat.sample_replies(None, CHAT_CFG, bt, [bt.bos], jax.random.key(0),
+                                                                     [chat.Reply(bt)])]
 
-    assert reply(b) == [(b[0], ""), (b[1], "é"), (b[2], ""), (b[3], ""), (b[4], "東")]  # each character once whole
-    assert reply(b[:4]) == [(b[0], ""), (b[1], "é"), (b[2], ""), (b[3], ""), (None, "\ufffd")]  # cut off: U+FFFD
-    assert reply(b[:4] + [bt.bos])[-2:] == [(None, "\ufffd"), (bt.bos, None)]  # ... before the stop token
+    assert reply(b) == [(b[0], ""), (b[1], "é"), (b[2], ""), (b[3], ""), (b[4], "東"), (None, "")]  # each once whole
+    assert reply(b[:4])[-1] == (None, "\ufffd")  # cut off by max_tokens: U+FFFD, not nothing
+    assert reply(b[:4] + [bt.bos])[-1] == (bt.bos, "\ufffd")  # ... or by the stop token
     req = {"messages": HI, "stream": True, "stream_options": {"include_usage": True}}
     chunks = events(request(server, "POST", "/v1/chat/completions", req)[2])
     assert [c["choices"][0]["delta"].get("content") for c in chunks[1:-2]] == ["é", "\ufffd"]
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+CALCULATED = ("So ", "6*7", "42", " it is 42.")
+
+
+def calculated(bt):
+    """A reply's tokens that call the calculator: text, python, python_output, text, <|assistant_end|>."""
+    sp = bt.special
+    return [*bt.encode(CALCULATED[0]), sp["<|python_start|>"], *bt.encode(CALCULATED[1]), sp["<|python_end|>"],
+            sp["<|output_start|>"], *bt.encode(CALCULATED[2]), sp["<|output_end|>"], *bt.encode(CALCULATED[3]),
+            sp["<|assistant_end|>"]]
+
+
+def test_reply_parts_and_stop_strings():
+    """A reply's content holds no special token; its parts are what render_conversation takes back (so the next
+    turn's prompt holds the model's own tokens); a stop string cuts the content, its beginning held back until what
+    follows shows whether it is one."""
+    bt = data.byte_tokenizer()
+    r, ids = chat.Reply(bt), calculated(bt)
+    said = [r.add(t) for t in ids]
+    assert r.content == "So  it is 42." == "".join(text for text, _ in said) and r.finish == "stop" and r.ids == ids
+    assert r.parts == [{"type": t, "text": x} for t, x in zip(("text", "python", "python_output", "text"), CALCULATED)]
+    assert [p for _, p in said if p] == r.parts[1:3]  # each calculator part once, when it closes
+    conversation = [{"role": "user", "content": "6 times 7?"}, {"role": "assistant", "content": r.parts}]
+    assert data.render_conversation(bt, conversation)[0] == chat_prompt(bt, conversation[:1]) + ids
+    r, said = chat.Reply(bt, stop=["lo w", "xyz"]), []
+    for t in bt.encode("hello world"):
+        if not r.finish:
+            said.append(r.add(t)[0])
+    assert said == ["h", "e", "", "l", "", "", ""] and r.content == "hel" and r.finish == "stop"
+    r = chat.Reply(bt, stop=["ab"])
+    assert [r.add(t)[0] for t in bt.encode("xa")] == ["x", ""] and r.end() == "a" and r.finish == "length"
+
+
+def test_api_sends_calculator_steps_as_parts(monkeypatch, server):
+    bt = data.byte_tokenizer()
+    fake_generate(monkeypatch, calculated(bt))
+    message = json.loads(request(server, "POST", "/v1/chat/completions", {"messages": HI})[2])["choices"][0]["message"]
+    parts = [{"type": t, "text": x} for t, x in zip(("text", "python", "python_output", "text"), CALCULATED)]
+    assert message == {"role": "assistant", "content": "So  it is 42.", "parts": parts}  # no special token in either
+    chunks = events(request(server, "POST", "/v1/chat/completions", {"messages": HI, "stream": True})[2])
+    deltas = [c["choices"][0]["delta"] for c in chunks[1:-1]]
+    assert [d.get("content") or d["parts"][0]["text"] for d in deltas] == [*"So ", "6*7", "42", *" it is 42."]
+    assert [d["parts"][0]["type"] for d in deltas if "parts" in d] == ["python", "python_output"]
 
 
 @pytest.fixture(scope="module")
@@ -2235,15 +2342,17 @@ def events(text):
 
 def test_api_completion_and_models(server, chat_model):
     reply, n_out, n_in = expected_reply(chat_model, HELLO)
-    status, ctype, body = request(server, "POST", "/v1/chat/completions", {"model": "x", "messages": HELLO})
+    status, ctype, body = request(server, "POST", "/v1/chat/completions", {"model": "nanochat", "messages": HELLO})
     assert status == 200 and ctype == "application/json"
     r = json.loads(body)
     assert r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-") and r["model"] == "nanochat"
-    assert r["choices"] == [{"index": 0, "message": {"role": "assistant", "content": reply},
-                             "finish_reason": "length" if n_out == 32 else "stop"}]
+    assert r["choices"] == [{"index": 0, "message": {"role": "assistant", "content": reply, "parts": [
+        {"type": "text", "text": reply}]}, "finish_reason": "length" if n_out == 32 else "stop"}]
     assert r["usage"] == {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
     status, _, body = request(server, "GET", "/v1/models")
     assert status == 200 and json.loads(body)["data"][0]["id"] == "nanochat"
+    assert json.loads(body)["data"][0]["context_length"] == 256
+    assert json.loads(request(server, "GET", "/health")[2])["status"] == "ok"
     status, ctype, body = request(server, "GET", "/?q=hi")
     assert status == 200 and ctype.startswith("text/html") and "<textarea" in body and "/v1/chat/completions" in body
 
@@ -2259,6 +2368,93 @@ def test_api_streaming(server, chat_model):
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-2]) == reply
     assert chunks[-2]["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "length" if n_out == 32 else "stop"}
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == n_out
+
+
+def test_api_choices_stop_top_p_and_logprobs(server, chat_model):
+    params, cfg, bt, _ = chat_model
+    reply, n_out, _ = expected_reply(chat_model, HELLO)
+    post = lambda **kw: json.loads(request(server, "POST", "/v1/chat/completions", {"messages": HELLO, **kw})[2])
+    r = post(n=3)  # the server's default temperature here is 0: three copies of the greedy reply, from one batch
+    assert [(c["index"], c["message"]["content"]) for c in r["choices"]] == [(0, reply), (1, reply), (2, reply)]
+    assert r["usage"]["completion_tokens"] == 3 * n_out
+    a, b = (post(n=4, temperature=1.0, seed=3)["choices"] for _ in range(2))
+    assert a == b and len({c["message"]["content"] for c in a}) > 1  # one seed, one batch; the rows differ
+    stop = reply[6:9]
+    r = post(stop=["never written", stop])["choices"][0]
+    assert r["message"]["content"] == reply[:reply.index(stop)] and r["finish_reason"] == "stop"
+    assert post(temperature=2.0, top_p=1e-6, seed=1)["choices"][0]["message"]["content"] == reply  # one-token nucleus
+    r = post(logprobs=True, top_logprobs=3)["choices"][0]
+    lp = r["logprobs"]["content"]
+    assert b"".join(bytes(e["bytes"]) for e in lp).decode(errors="replace") == reply == r["message"]["content"]
+    for e in lp:  # greedy: each token is the likeliest
+        assert [t["logprob"] for t in e["top_logprobs"]] == sorted((t["logprob"] for t in e["top_logprobs"]),
+                                                                   reverse=True)
+        assert len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["bytes"] == e["bytes"] and e["logprob"] < 0
+    first = jax.nn.log_softmax(full_forward(params, np.array([chat_prompt(bt, HELLO)]), cfg)[0, -1])
+    assert lp[0]["bytes"] == list(bt.enc.decode_single_token_bytes(int(first.argmax())))
+    assert lp[0]["logprob"] == pytest.approx(float(first.max()), abs=1e-4)
+    chunks = events(request(server, "POST", "/v1/chat/completions", {"messages": HELLO, "n": 2, "stream": True})[2])
+    for i in range(2):
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks
+                       if c["choices"][0]["index"] == i) == reply
+    assert [c["finish_reason"] for c in chunks[-1]["choices"]] == [r["finish_reason"]] * 2
+
+
+def test_no_request_compiles(chat_model):
+    """After warm_up, requests with any sampling settings, seed, number of choices and prompt length compile
+    nothing: a client cannot stall the others by sending new values."""
+    srv = chat.make_server(*chat_model[:3], port=0, max_tokens=3)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    compiles = []
+    listen = lambda event, *_, **__: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    try:
+        assert json.loads(request(srv, "GET", "/health")[2])["compiled"] is False
+        chat.warm_up(srv)
+        assert json.loads(request(srv, "GET", "/health")[2]) == {"status": "ok", "model": "nanochat", "compiled": True}
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        rng = np.random.default_rng(0)
+        for i in range(20):
+            body = {"messages": [{"role": "user", "content": "x" * int(rng.integers(1, 240))}], "stream": i % 2 == 1,
+                    "top_k": int(rng.integers(0, 257)), "temperature": float(rng.uniform(0, 2)), "top_p":
+                    float(rng.uniform(0.05, 1)), "seed": int(rng.integers(0, 2**40)), "n": int(rng.integers(1, 9)),
+                    "logprobs": i % 3 == 0, "top_logprobs": 2 if i % 3 == 0 else 0, "stop": ["x"] * (i % 2)}
+            assert request(srv, "POST", "/v1/chat/completions", body)[0] == 200
+        assert compiles == []
+        nc.generate(params := chat_model[0], chat_model[1], [1] * 30, max_tokens=3, key=jax.random.key(0)).__next__()
+        assert compiles  # the listener does see compiles: this cache size (the bucket 64) was never warmed
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+        srv.shutdown()
+        srv.server_close()
+    assert params is chat_model[0]
+
+
+def test_official_openai_client(server, chat_model):
+    import openai  # requirements-dev.txt
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="unused")
+    reply, n_out, n_in = expected_reply(chat_model, HELLO)
+    assert [m.id for m in client.models.list()] == ["nanochat"]
+    r = client.chat.completions.create(model="nanochat", messages=HELLO)
+    assert r.choices[0].message.content == reply and r.choices[0].message.parts == [{"type": "text", "text": reply}]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_in, n_out)
+    stream = client.chat.completions.create(model="nanochat", messages=HELLO, stream=True, n=2,
+                                            stream_options={"include_usage": True})
+    texts, finish = ["", ""], {}
+    for c in stream:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+        usage = c.usage  # the last chunk: usage only
+    assert texts == [reply] * 2 and set(finish.values()) == {"length" if n_out == 32 else "stop"}
+    assert usage.completion_tokens == 2 * n_out
+    r = client.chat.completions.create(model="nanochat", messages=HELLO, stop=reply[4:7], top_p=0.5, temperature=1.0,
+                                       seed=0, logprobs=True, top_logprobs=2, max_tokens=16)
+    assert reply[4:7] not in r.choices[0].message.content and len(r.choices[0].logprobs.content[0].top_logprobs) == 2
+    with pytest.raises(openai.NotFoundError, match="gpt-4o"):
+        client.chat.completions.create(model="gpt-4o", messages=HELLO)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.chat.completions.create(model="nanochat", messages=[{"role": "user", "content": "x" * 300}])
 
 
 def test_api_seed_and_content_parts(server):
@@ -2282,7 +2478,15 @@ def test_api_seed_and_content_parts(server):
     ({"messages": HELLO, "max_completion_tokens": 2.5}, 400, "'max_completion_tokens'"),
     ({"messages": HELLO, "temperature": 3}, 400, "'temperature'"),
     ({"messages": HELLO, "stream": "yes"}, 400, "'stream'"),
-    ({"messages": HELLO, "n": 2}, 400, "'n'"),
+    ({"messages": HELLO, "n": 9}, 400, "'n'"),
+    ({"messages": HELLO, "model": "gpt-4o"}, 404, "does not exist"),
+    ({"messages": HELLO, "stop": ["a", ""]}, 400, "'stop'"),
+    ({"messages": HELLO, "stop": ["a"] * 5}, 400, "'stop'"),
+    ({"messages": HELLO, "top_p": 1.5}, 400, "'top_p'"),
+    ({"messages": HELLO, "top_k": 257}, 400, "'top_k'"),
+    ({"messages": HELLO, "logprobs": 1}, 400, "'logprobs'"),
+    ({"messages": HELLO, "logprobs": True, "top_logprobs": 21}, 400, "'top_logprobs'"),
+    ({"messages": HELLO, "max_tokens": 250}, 400, "and max_tokens 250, the model's context 256"),
     ({"messages": HELLO, "stream_options": 5}, 400, "'stream_options'"),
     ({"messages": HELLO, "stream_options": [{"include_usage": True}]}, 400, "'stream_options'"),
     ({"messages": HELLO, "stream_options": {"include_usage": "yes"}}, 400, "'stream_options'"),
@@ -2453,7 +2657,7 @@ def test_browser_streams_a_reply(server, chat_model, tmp_path):
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.skip("no chromium binary (apt-get install -y chromium)")
-    reply = expected_reply(chat_model, HI)[0]  # the server's default temperature here is 0: the page gets this
+    reply = expected_reply(chat_model, HI, 128)[0]  # greedy (the server's default here), half the context
     assert request(server, "POST", "/v1/chat/completions", {"messages": HI, "stream": True})[0] == 200  # compiled
     url = f"http://127.0.0.1:{server.server_address[1]}/?q=hello"  # the page sends q as the first message
     done = """new Promise(resolve => { const poll = setInterval(() => {  // the reply is finished when "typing" is gone
@@ -2463,6 +2667,48 @@ def test_browser_streams_a_reply(server, chat_model, tmp_path):
       } }, 50); })"""
     bubbles = devtools_evaluate(chromium, url, tmp_path, done)
     assert bubbles == [["msg user", "hello"], ["msg assistant", reply]]  # streamed in full
+
+
+def test_browser_holds_a_conversation(server, monkeypatch, tmp_path):
+    """Five turns in the real page: a calculator step shows as "expr = result" (no special token); the page sends
+    each reply back as its parts (the next prompt holds the model's own tokens, not their text); once the conversation
+    outgrows what leaves half the context for the reply, the oldest turns go, with a note."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("no chromium binary (apt-get install -y chromium)")
+    bt = data.byte_tokenizer()
+    sp, reply, prompts = bt.special, calculated(bt), []
+
+    def generate(params, cfg, prompt, num_samples, **kwargs):  # the model: every turn the same calculator reply
+        prompts.append(list(prompt))
+        yield from (([t] * num_samples, [1] * num_samples) for t in reply)
+
+    monkeypatch.setattr(nc, "generate", generate)
+    talk = """(async () => {
+      for (let i = 1; i <= 5; i++) {
+        input.value = `What is 6 times 7? (${i})`;
+        form.requestSubmit();
+        await new Promise(resolve => { const poll = setInterval(() => {
+          if (document.querySelectorAll(".assistant").length === i && !document.querySelector(".typing")) {
+            clearInterval(poll);
+            resolve();
+          } }, 50); });
+      }
+      return [[...document.querySelectorAll("#log > *")].map(m => [m.className, m.textContent]),
+              [...document.querySelectorAll(".assistant .step")].map(m => m.textContent)];
+    })()"""
+    shown, steps = devtools_evaluate(chromium, f"http://127.0.0.1:{server.server_address[1]}/", tmp_path, talk)
+    user = lambda i: [sp["<|user_start|>"], *bt.encode(f"What is 6 times 7? ({i})"), sp["<|user_end|>"]]
+    turn = lambda i: user(i) + [sp["<|assistant_start|>"]] + reply  # reply ends with <|assistant_end|>
+    ask = lambda *turns: [bt.bos, *itertools.chain(*map(turn, turns[:-1])), *user(turns[-1]), sp["<|assistant_start|>"]]
+    # an exchange is 48 tokens and the page asks for 128 of the 256: from the fourth turn on, two exchanges fit
+    assert prompts == [ask(1), ask(1, 2), ask(1, 2, 3), ask(2, 3, 4), ask(3, 4, 5)]
+    answer = ["msg assistant", "So 6*7 = 42 it is 42."]  # the step is a span of its own
+    note = lambda n: ["note", f"The {n} oldest messages no longer fit the model's 256-token context: it does not see "
+                              "them."]
+    q = lambda i: ["msg user", f"What is 6 times 7? ({i})"]
+    assert shown == [q(1), answer, q(2), answer, q(3), answer, note(2), q(4), answer, note(4), q(5), answer]
+    assert steps == ["6*7 = 42"] * 5
 
 
 # ---------------------------------------------------------------------------------------------------------------

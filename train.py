@@ -200,12 +200,14 @@ def train_loop(params, opt_state, next_batch, states, step, sched, lrs, cfg, *, 
     next_batch(params, step) -> (batch, data states after it) (RL samples it from the params); before_step(params,
     step, last) runs before each step and at the end; save(params, opt_state, step, states) -> its path, every
     save_every steps and at the end. Raises FloatingPointError on a non-finite loss, and KeyboardInterrupt (after
-    saving) once `stop` is non-empty."""
+    saving) once `stop` is non-empty in any process."""
     steps, start, last_saved, losses, smooth = sched["num_iterations"], step, None, [], 0.0
     step_fn, flops, t_run = train_step if debug else jit_train_step, nc.estimate_flops(cfg), time.perf_counter()
     while True:
-        last = step == steps
-        if stop:
+        last, pressed = step == steps, bool(stop)
+        if jax.process_count() > 1:  # all stop if any was pressed: one saving while the others step would hang both
+            pressed = bool(multihost_utils.process_allgather(np.array(pressed)).any())
+        if pressed:
             saved = save(params, opt_state, step, states)
             raise KeyboardInterrupt(f"interrupted: saved {saved}; continue with --resume")
         before_step(params, step, last)
@@ -367,6 +369,7 @@ def run_stage(args, stage, tok):
         info = {**meta, "step": step, "data_states": gather_states(states), "val_bpb": evals["val_bpb"]}
         if jax.process_index() == 0:  # tokenizer.json inside the atomic write: chat.py needs it beside the weights
             return data.save_checkpoint(out_dir, step, params, opt_state, info, args.keep, {"tokenizer.json": tok.save})
+        return os.path.join(out_dir, f"step_{step:06d}")  # process 0's path: every process's message names it
 
     t = time.perf_counter()
     with open(os.path.join(out_dir, "metrics.jsonl") if jax.process_index() == 0 else os.devnull, "a") as f, \
