@@ -9,7 +9,7 @@
 - Engine: `nanochat.generate` (KV cache, jitted prefill and decode) with nanochat's calculator tool: when the model
   writes <|python_start|>expr<|python_end|>, <|output_start|>result<|output_end|> is forced into the stream. A `Reply`
   turns the tokens into text and parts (text / python / python_output, as render_conversation takes them back): no
-  special token ever shows as text; a calculator step shows as [expr = result] in the terminal, `expr = result` on
+  special token ever shows as text; a calculator step shows as `[expr = result] ` in the terminal, `expr = result` on
   the page.
 - Terminal (nanochat's chat_cli): the conversation stays token ids across turns, tool calls included; an incremental
   UTF-8 decoder prints a character split over tokens whole. `clear` starts over, `quit` ends.
@@ -309,7 +309,7 @@ def chat_cli(params, cfg, tok, prompt=None, max_tokens=256, temperature=0.6, top
             if part and part["type"] == "python":
                 call = part["text"]
             elif part or (piece and call is not None):
-                piece = f"[{call or ''}{' = ' + part['text'] if part else ''}]{piece}"
+                piece = f"[{call or ''}{' = ' + part['text'] if part else ''}] {piece}"
                 call = None
             print(piece, end="", flush=True)
         print("" if call is None else f"[{call}]")

@@ -343,6 +343,45 @@ def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_r
                     val_bpb=info["val_bpb"], train_time_sec=time.perf_counter() - t)
     return run
 
+def train_together(args_list, tok):
+    """Train one model size under several seeds (or learning rates) as one compiled program: the runs' params,
+    optimizer states and data streams stacked on a leading axis, train.train_step vmapped over it. The args must
+    agree on all but --seed and the learning rates. Returns (cfg, steps, each run's losses (steps, runs) and final
+    val bits per byte), as train.run_stage would give them one by one."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import data
+    import evaluate
+    import muon
+    import nanochat as nc
+    import train
+    a = args_list[0]
+    stages = [train.base_stage(x, tok, jax.random.key(x.seed)) for x in args_list]
+    cfg = stages[0]["cfg"]
+    T, rows = cfg.sequence_len, a.device_batch_size * jax.device_count()
+    steps, batch, lr_scale, wd = train.horizon(a, cfg, rows, stages[0]["iterations"])
+    sched = train.base_schedule(a, steps, lr_scale, wd)[0]
+    stack = lambda trees: jax.tree.map(lambda *x: jnp.stack(x), *trees)
+    lrs = stack([train.base_schedule(x, steps, lr_scale, wd)[1] for x in args_list])  # {name: (runs,)}
+    inits = [s["init"]() for s in stages]
+    params, opt_state = stack(inits), stack([muon.init(p, *nc.param_groups(p)) for p in inits])
+    split = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P(None, "data"))
+    streams = [train.sharded_batches(x, tok, s, batch // (rows * T), T, split)[0] for x, s in zip(args_list, stages)]
+    step_fn = jax.jit(jax.vmap(functools.partial(train.train_step, cfg=cfg), in_axes=(0, 0, 0, None, None, 0)),
+                      donate_argnums=(0, 1))
+    losses = []
+    for step in range(steps):
+        inputs, targets = zip(*(next(stream)[0] for stream in streams))
+        params, opt_state, m = step_fn(params, opt_state, (jnp.stack(inputs), jnp.stack(targets)), step, sched, lrs)
+        losses.append(np.asarray(m["loss"]))
+        if not np.asarray(m["finite"]).all():
+            raise FloatingPointError(f"step {step}: a loss is not finite ({losses[-1]}); lower the learning rates")
+    val_docs, token_bytes = data.corpus(a.data, "val"), jnp.asarray(tok.token_bytes())
+    bpb = [evaluate.evaluate_bpb(jax.tree.map(lambda x: x[i], params), cfg, data.pretrain_batches(
+        tok, val_docs, a.device_batch_size, T), token_bytes, a.eval_steps) for i in range(len(args_list))]
+    return cfg, steps, np.array(losses), bpb
+
 # ------------------------------------------------------------------------------------------------ analysis
 
 

@@ -621,6 +621,8 @@ def test_resume_is_bit_identical(train_root, tmp_path):
     assert rest == full[3:]
     a = data.load_checkpoint(data.latest_checkpoint(full_root))[0]
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, a, jax.device_get(params))))
+    with pytest.raises(ValueError, match=r"step_000006 holds Config\(.*n_layer=2.*but these flags make .*n_layer=3"):
+        run_base(cut_root, "--num-iterations", "6", "--resume", "--depth", "3")  # the weights would not fit
     files = ["meta.json", "opt.msgpack", "params.msgpack", "tokenizer.json"]  # the tokenizer inside the atomic write
     assert sorted(os.listdir(data.latest_checkpoint(full_root))) == files
     assert full[-1] < full[0]

@@ -341,6 +341,10 @@ def run_stage(args, stage, tok):
     step, states = 0, None
     if args.resume and (found := data.load_newest(out_dir)):
         resume, params, opt_state, meta = found
+        saved = dataclasses.replace(nc.config_from(meta["config"], resume), attention=cfg.attention)
+        if saved != cfg:  # another --depth, --max-seq-len, ...: the weights would not fit the model
+            raise ValueError(f"{resume} holds {saved}, but these flags make {cfg}: resume with the flags it was "
+                             "trained with, or train into another --out")
         step, sched, lrs, states = meta["step"], meta["schedule"], meta["lrs"], meta["data_states"]
         print(f"resuming {resume} at step {step}")
     else:
