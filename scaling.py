@@ -19,7 +19,12 @@
   Huber loss (delta 1e-3) of LSE(a - alpha log N, b - beta log D, e) - log L from a grid of starts. The optimizer
   is a batched Levenberg-Marquardt on the Huber's IRLS weights (every start at once); a = beta / (alpha + beta).
   The same machinery fits L(N) = E + A N^-alpha (scale_n) and L(D) = E + B D^-beta (scale_d).
-- 90% intervals: percentile bootstrap over runs (resampled within each budget for the isoFLOP fit).
+- 90% intervals: percentile bootstrap over runs (resampled within each budget for the isoFLOP fit); with --seeds N
+  every run is trained under N seeds, so the resamples carry the spread over seeds too.
+- --together trains a run's seeds as one program (`train_together`: params, optimizer states and data streams
+  stacked, the train step vmapped; tested equal to the runs one by one). On the 2-core CPU it is slower than one
+  by one (three seeds of d2 take 4.5x one seed's step time, of d6 3.0x: the vmapped backward pass is the cost),
+  so it is off by default; it is for accelerators, where one tiny model leaves the chip idle.
 - Default scale_c (DEFAULTS): depths 2-6 at aspect ratio 16 and head_dim 16 (N = 37K-700K, about 2x apart), T = 128,
   vocab 384, 2,048 tokens per step, budgets 2.5e11-2e12 FLOPs (4 budgets, 2x apart): 20 runs, 19 min of training on
   2 CPU cores (about 21 min in all). The embedded corpus is ~2M characters, so the longest runs repeat it a few times.
@@ -301,26 +306,26 @@ def plan(sweep, depths, budgets=(), tokens=(), batch=2048, vocab_size=384, aspec
     return specs
 
 
-def run_sweep(specs, csv_path, runner, seed=0, write=True):
-    """Run every spec whose row is not yet in csv_path, appending each row as it finishes (if write: one process of
-    a multi-host run writes); returns all rows."""
+def run_sweep(specs, csv_path, runner, seeds=(0,), write=True):
+    """Run every (spec, seed) whose row is not yet in csv_path, the seeds of a spec in one runner call, appending
+    the rows as they finish (if write: one process of a multi-host run writes); returns all rows."""
     done = {run_key(r) for r in read_results(csv_path)}
     for i, spec in enumerate(specs):
-        spec = dict(spec, seed=seed)
-        if run_key(spec) in done:
-            print(f"[{i + 1}/{len(specs)}] skip (done): {spec}")
-            continue
-        print(f"[{i + 1}/{len(specs)}] run: {spec}", flush=True)
-        row = runner(spec)
-        if write:
-            append_result(csv_path, dict(spec, **row))
-        done.add(run_key(spec))
+        todo = [dict(spec, seed=seed) for seed in seeds if run_key(dict(spec, seed=seed)) not in done]
+        print(f"[{i + 1}/{len(specs)}] {'run' if todo else 'skip (done)'}: {spec}, seeds "
+              f"{[r['seed'] for r in todo] or list(seeds)}", flush=True)
+        for run, row in zip(todo, runner(todo) if todo else []):
+            if write:
+                append_result(csv_path, dict(run, **row))
+            done.add(run_key(run))
     return read_results(csv_path)
 
 
 def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_ratio=16, head_dim=16, T=128,
-                 eval_steps=16, extra=()):
-    """A runner for run_sweep: train.run_stage(args, "base") in-process, one checkpoint root per run under out/runs."""
+                 eval_steps=16, extra=(), together=False):
+    """A runner for run_sweep: one spec's seeds trained by train.run_stage(args, "base") in-process one by one,
+    each in its own checkpoint root under out/runs (an interrupted run resumes from it), or with together=True as one
+    vmapped program (train_together; an interrupted group starts over)."""
     import train
     common = ["--vocab-size", str(vocab_size), "--aspect-ratio", str(aspect_ratio), "--head-dim", str(head_dim),
               "--max-seq-len", str(T), "--device-batch-size", str(device_batch_size), "--total-batch-size",
@@ -331,17 +336,27 @@ def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_r
     train.init_distributed(args)  # a sweep on a pod: every host runs this same sweep, process 0 writes the results
     tok = train.get_tokenizer(args)  # one tokenizer for every run
 
-    def run(spec):
+    def args_of(spec):
         d, n, seed = int(spec["depth"]), int(spec["num_iterations"]), int(spec["seed"])
         root = os.path.join(out, "runs", f"d{d}_ar{aspect_ratio}_hd{head_dim}_v{vocab_size}_T{T}_b{batch}_n{n}_s{seed}")
-        args = train.parse_args(common + ["--depth", str(d), "--num-iterations", str(n), "--eval-every", str(n),
-                                          "--warmup-steps", str(min(40, n // 5)), "--seed", str(seed),
-                                          "--out", root])
+        return train.parse_args(common + ["--depth", str(d), "--num-iterations", str(n), "--eval-every", str(n),
+                                          "--warmup-steps", str(min(40, n // 5)), "--seed", str(seed), "--out", root])
+
+    def run(specs):
         t = time.perf_counter()
-        _, cfg, _, info = train.run_stage(args, "base", tok)
-        return dict(model_row(cfg), num_iterations=info["steps"], tokens_trained=info["steps"] * batch,
-                    val_bpb=info["val_bpb"], train_time_sec=time.perf_counter() - t)
+        if together and len(specs) > 1:
+            cfg, steps, _, bpb = train_together([args_of(s) for s in specs], tok)
+            return [dict(model_row(cfg), num_iterations=steps, tokens_trained=steps * batch, val_bpb=b,
+                         train_time_sec=(time.perf_counter() - t) / len(specs)) for b in bpb]
+        rows = []
+        for spec in specs:
+            _, cfg, _, info = train.run_stage(args_of(spec), "base", tok)
+            rows.append(dict(model_row(cfg), num_iterations=info["steps"], tokens_trained=info["steps"] * batch,
+                             val_bpb=info["val_bpb"], train_time_sec=time.perf_counter() - t))
+            t = time.perf_counter()
+        return rows
     return run
+
 
 def train_together(args_list, tok):
     """Train one model size under several seeds (or learning rates) as one compiled program: the runs' params,
@@ -486,6 +501,9 @@ def main(argv=None):
     p.add_argument("--budgets", type=float, nargs="*", help="scale_c: training FLOP budgets C")
     p.add_argument("--tokens", type=float, nargs="*", help="scale_n / scale_d: tokens per run")
     p.add_argument("--seed", type=int, default=0, help="training seed (init, data order) and bootstrap seed")
+    p.add_argument("--seeds", type=int, default=1, help="train each run with this many seeds: --seed, --seed+1, ...")
+    p.add_argument("--together", action="store_true", help="train a run's seeds as one vmapped program (slower "
+                   "than one by one on a CPU, see the README; for accelerators)")
     p.add_argument("--params-convention", default="kaplan", choices=list(CONVENTIONS),
                    help="N for the fits: kaplan = transformer matrices + lm_head (nanochat), total, transformer")
     p.add_argument("--out", default="scaling_results", help="results CSV, plots and one checkpoint root per run")
@@ -513,9 +531,9 @@ def main(argv=None):
         specs = plan(a.sweep, depths, budgets, tokens, a.batch, a.vocab_size, a.aspect_ratio, a.head_dim, a.seq_len)
         extra = ["--weight-decay", str(a.weight_decay), *a.train_args.split()]
         runner = train_runner(a.out, a.batch, min(16, a.batch // a.seq_len), a.vocab_size, a.aspect_ratio,
-                              a.head_dim, a.seq_len, extra=extra)
+                              a.head_dim, a.seq_len, extra=extra, together=a.together)
         import jax  # after train_runner, which joins a multi-host run
-        run_sweep(specs, csv_path, runner, a.seed, write=jax.process_index() == 0)
+        run_sweep(specs, csv_path, runner, range(a.seed, a.seed + a.seeds), write=jax.process_index() == 0)
         if jax.process_index():
             return None  # process 0 writes, fits and plots
     rows = read_results(csv_path)

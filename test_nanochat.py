@@ -2805,37 +2805,54 @@ def test_svg_is_well_formed(tmp_path):
     assert "1e6" in texts and "C = <2e12> & more" in texts and "title" in texts  # decade ticks, escaped legend
 
 
+def test_seeds_trained_together_equal_one_by_one(train_root, tmp_path):
+    """scaling.train_together: three runs (two seeds, two matrix learning rates) vmapped in one program give the
+    losses and val bits per byte that train.run_stage gives each alone (fp32: batched matmuls sum in another order)."""
+    runs = [("0", "0.02"), ("1", "0.02"), ("1", "0.04")]
+    flags = lambda seed, lr: ["--num-iterations", "5", "--seed", seed, "--matrix-lr", lr, "--eval-every", "5",
+                              "--eval-steps", "2"]
+    alone = [run_base(fresh_root(train_root, tmp_path / f"s{seed}_{lr}"), *flags(seed, lr)) for seed, lr in runs]
+    root = fresh_root(train_root, tmp_path / "together")
+    args = [train.parse_args(["--stage", "base", "--out", root, *TRAIN_ARGS, *flags(*r)]) for r in runs]
+    cfg, steps, losses, bpb = scaling.train_together(args, data.Tokenizer.load(os.path.join(root, "tokenizer.json")))
+    assert cfg == alone[0][1] and steps == 5 and losses.shape == (5, 3)
+    np.testing.assert_allclose(losses, np.array([r[2] for r in alone]).T, rtol=2e-5)
+    np.testing.assert_allclose(bpb, [r[3]["val_bpb"] for r in alone], rtol=2e-5)
+    assert len({tuple(c) for c in losses.T}) == 3  # seeds and learning rates really differ
+
+
 def test_sweep_resume_skips_finished_runs(tmp_path):
     csv_path, calls = str(tmp_path / "scale_c.csv"), []
 
-    def fake(spec):
-        calls.append(spec)
-        return {"depth": spec["depth"], "model_dim": spec["model_dim"], "params_transformer": 1000 * spec["depth"],
-                "params_lm_head": 10, "params_total": 2000, "tokens_trained": 1e4, "val_bpb": 3.0 / spec["depth"],
-                "train_time_sec": 1.0}
+    def fake(specs):  # a runner trains one spec's seeds in a call
+        assert len({scaling.run_key(dict(s, seed=0)) for s in specs}) == 1
+        calls.extend(specs)
+        return [{"depth": s["depth"], "model_dim": s["model_dim"], "params_transformer": 1000 * s["depth"],
+                 "params_lm_head": 10, "params_total": 2000, "tokens_trained": 1e4, "val_bpb": 3.0 / s["depth"],
+                 "train_time_sec": 1.0} for s in specs]
 
     specs = scaling.plan("scale_c", [2, 3, 4], budgets=[1e10, 2e10])
     assert len(specs) == 6 and all(s["num_iterations"] >= 1 for s in specs)
-    rows = scaling.run_sweep(specs, csv_path, fake, seed=0)
+    rows = scaling.run_sweep(specs, csv_path, fake, seeds=[0])
     assert len(calls) == 6 and len(rows) == 6 and set(rows[0]) == set(scaling.COLUMNS)
-    scaling.run_sweep(specs, csv_path, fake, seed=0)
+    scaling.run_sweep(specs, csv_path, fake, seeds=[0])
     assert len(calls) == 6  # everything done: nothing reruns
     with open(csv_path) as f:
         lines = f.readlines()
     with open(csv_path, "w") as f:  # an interrupted sweep: the last row never got written
         f.writelines(lines[:-1])
-    scaling.run_sweep(specs, csv_path, fake, seed=0)
+    scaling.run_sweep(specs, csv_path, fake, seeds=[0])
     assert len(calls) == 7 and calls[-1]["depth"] == specs[-1]["depth"]
-    scaling.run_sweep(specs, csv_path, fake, seed=1)  # another seed is another run
-    assert len(calls) == 13 and len(scaling.read_results(csv_path)) == 12
-    scaling.run_sweep(specs[:1], csv_path, fake, seed=2, write=False)  # a multi-host run's other processes
+    scaling.run_sweep(specs, csv_path, fake, seeds=[0, 1])  # another seed is another run; seed 0 is done
+    assert len(calls) == 13 and len(scaling.read_results(csv_path)) == 12 and {c["seed"] for c in calls[7:]} == {1}
+    scaling.run_sweep(specs[:1], csv_path, fake, seeds=[2], write=False)  # a multi-host run's other processes
     assert len(calls) == 14 and len(scaling.read_results(csv_path)) == 12
 
 
 def test_tiny_real_sweep(tmp_path):
-    def sweep(out, *depths):
+    def sweep(out, *depths, extra=()):
         scaling.main(["--sweep", "scale_c", "--depths", *depths, "--budgets", "1.5e9", "--out", out, "--batch", "512",
-                      "--seq-len", "32", "--vocab-size", "300", "--aspect-ratio", "32", "--head-dim", "32",
+                      "--seq-len", "32", "--vocab-size", "300", "--aspect-ratio", "32", "--head-dim", "32", *extra,
                       "--bootstrap", "5", "--train-args", "--tokenizer-max-chars 200000 --eval-steps 2 --compile-cache="])
         return scaling.read_results(os.path.join(out, "scale_c.csv"))
 
@@ -2848,6 +2865,9 @@ def test_tiny_real_sweep(tmp_path):
     sweep(out, "1", "2")  # resumed: both runs are in the CSV, nothing trains
     assert os.path.getmtime(os.path.join(out, "scale_c.csv")) == mtime
     assert sweep(str(tmp_path / "again"), "1")[0]["val_bpb"] == rows[0]["val_bpb"]  # same seed: the same numbers
+    seeds = sweep(str(tmp_path / "together"), "1", extra=("--seeds", "2", "--together"))  # one vmapped program
+    assert [r["seed"] for r in seeds] == [0, 1] and seeds[0]["val_bpb"] == pytest.approx(rows[0]["val_bpb"], rel=1e-4)
+    assert seeds[1]["val_bpb"] != seeds[0]["val_bpb"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
