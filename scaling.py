@@ -4,6 +4,8 @@
     python scaling.py --sweep scale_n --tokens 2e6       # loss vs parameters at fixed tokens, L(N) = E + A N^-alpha
     python scaling.py --sweep scale_d --depths 3 --tokens 2.5e5 5e5 1e6 2e6
     python scaling.py --fit-only --params-convention total
+    python scaling.py --adaptive --corpus stdlib-source --budgets 2e11 4.7e11 1.1e12 2.7e12 6.3e12 --aspect-ratio 12 \
+        --head-dim 12 --out scaling_wide           # 1.5 decades, the grid placed around N*(C), no repeated data
 
 - Sweeps (nanochat's runs/scaling_laws.sh): scale_c trains every depth at every FLOP budget C with
   num_iterations = round(C / (estimate_flops(cfg) * batch tokens)); scale_n and scale_d train a grid of depths x
@@ -28,6 +30,10 @@
 - Default scale_c (DEFAULTS): depths 2-6 at aspect ratio 16 and head_dim 16 (N = 37K-700K, about 2x apart), T = 128,
   vocab 384, 2,048 tokens per step, budgets 2.5e11-2e12 FLOPs (4 budgets, 2x apart): 20 runs, 19 min of training on
   2 CPU cores (about 21 min in all). The embedded corpus is ~2M characters, so the longest runs repeat it a few times.
+- --adaptive (scale_c): the grid is chosen from the data (adaptive_sweep): budgets in increasing order, each at
+  five depths around the running estimate of N*(C), widened a depth at a time until its best run is inside it.
+- --corpus stdlib-source: the standard library's own source (~30M characters, stdlib_source) instead of the
+  docstrings, so that large budgets never read a token twice (each row records the loader's data_epoch).
 - Weight decay: nanochat scales the Muon weight decay as 0.28 sqrt(B / 2^19) D_REF / D (calibrated at d12 with
   half-million-token batches). For the default grid that is wd 3 (d6) to 57 (d2): lr * wd reaches 1.1, where a
   decay step shrinks a weight past zero. The sweep trains without it by default (--weight-decay 0.28 restores it).
@@ -36,9 +42,11 @@
 """
 
 import argparse
+import contextlib
 import csv
 import functools
 import itertools
+import json
 import math
 import os
 import sys
@@ -50,7 +58,7 @@ import numpy as np
 
 COLUMNS = ["flops_budget", "depth", "model_dim", "params_wte", "params_value_embeds", "params_lm_head",
            "params_transformer", "params_scalars", "params_total", "num_iterations", "tokens_trained", "val_bpb",
-           "train_time_sec", "seed"]
+           "train_time_sec", "seed", "data_epoch"]  # data_epoch: the loader's pass at the end (0: nothing read twice)
 CONVENTIONS = {"kaplan": ("params_transformer", "params_lm_head"), "total": ("params_total",),
                "transformer": ("params_transformer",)}
 
@@ -321,11 +329,71 @@ def run_sweep(specs, csv_path, runner, seeds=(0,), write=True):
     return read_results(csv_path)
 
 
+def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=True, width=5):
+    """scale_c with the grid chosen from the data: the budgets in increasing order, each trained at `width` depths
+    around the running estimate of N*(C) (before any optimum: Chinchilla's D = 20 N; after one: N* ~ C^0.5 from it;
+    after two or more: the isoFLOP fit's N* ~ C^a), extended a depth at a time while the best run (mean over seeds)
+    sits on an edge of its grid, so that every budget has runs on both sides of its optimum. The choices follow from
+    the CSV, so a resumed sweep makes the same ones. spec_of(depth, C) -> spec; sizes: {depth: N}, the candidates."""
+    depths = sorted(sizes)
+    for C in sorted(budgets):
+        before = [r for r in read_results(csv_path) if r["flops_budget"] < C * (1 - 1e-9)]
+        optima = fit_isoflop(before)["optima"] if before else np.zeros((0, 5))
+        if len(optima) >= 2:
+            a, log_k = np.polyfit(np.log10(optima[:, 0]), np.log10(optima[:, 1]), 1)
+            n_star = 10 ** (a * np.log10(C) + log_k)
+        else:
+            n_star = optima[-1, 1] * (C / optima[-1, 0]) ** 0.5 if len(optima) else (C / 120) ** 0.5  # C = 6 N 20 N
+        centre = min(range(len(depths)), key=lambda i: abs(math.log(sizes[depths[i]] / n_star)))
+        lo = max(0, min(centre - width // 2, len(depths) - width))
+        grid = depths[lo:lo + width]
+        while True:
+            rows = [r for r in run_sweep([spec_of(d, C) for d in grid], csv_path, runner, seeds, write)
+                    if abs(r["flops_budget"] / C - 1) < 1e-6 and r["depth"] in grid]
+            bpb = {d: np.mean([r["val_bpb"] for r in rows if r["depth"] == d]) for d in grid}
+            best, i = min(bpb, key=bpb.get), depths.index(grid[0])
+            if best == grid[0] and i > 0:
+                grid.insert(0, depths[i - 1])
+            elif best == grid[-1] and grid[-1] != depths[-1]:
+                grid.append(depths[depths.index(grid[-1]) + 1])
+            else:
+                break
+    return read_results(csv_path)
+
+
+def stdlib_source(out, min_chars=100, max_chars=250):
+    """The scaling corpus, written once to out/stdlib_source.jsonl: this Python's standard library source (its .py
+    files, tests included, ~30M characters: the default corpus's docstrings are inside it, so it replaces that corpus
+    rather than joining it), cut at blank lines into documents of min_chars to max_chars (about one 128-token row:
+    best-fit packing crops what does not fit), exact repeats dropped. Offline and the same on every machine with the
+    same Python; a sweep's runs then read each token at most once."""
+    import sysconfig
+    path = os.path.join(out, "stdlib_source.jsonl")
+    if os.path.isfile(path):
+        return path
+    root, docs = sysconfig.get_paths()["stdlib"], {}
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) if "site-packages" not in d
+                   for f in fs if f.endswith(".py"))
+    for name in files:
+        doc = []
+        for line in open(name, encoding="utf-8", errors="replace").read().splitlines(keepends=True) + ["\n"]:
+            doc.append(line)
+            if (n := sum(map(len, doc))) >= max_chars or not line.strip() and n >= min_chars:
+                docs.setdefault("".join(doc).strip(), None)  # a dict: repeats dropped, first-seen order kept
+                doc = []
+    docs = [d for d in docs if d]
+    with open(path + ".tmp", "w") as f:  # shuffled once: every run reads the same mix from the start
+        f.writelines(json.dumps({"text": docs[i]}) + "\n" for i in np.random.default_rng(0).permutation(len(docs)))
+    os.replace(path + ".tmp", path)
+    return path
+
+
 def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_ratio=16, head_dim=16, T=128,
                  eval_steps=16, extra=(), together=False):
     """A runner for run_sweep: one spec's seeds trained by train.run_stage(args, "base") in-process one by one,
     each in its own checkpoint root under out/runs (an interrupted run resumes from it), or with together=True as one
     vmapped program (train_together; an interrupted group starts over)."""
+    import data
     import train
     common = ["--vocab-size", str(vocab_size), "--aspect-ratio", str(aspect_ratio), "--head-dim", str(head_dim),
               "--max-seq-len", str(T), "--device-batch-size", str(device_batch_size), "--total-batch-size",
@@ -350,9 +418,11 @@ def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_r
                          train_time_sec=(time.perf_counter() - t) / len(specs)) for b in bpb]
         rows = []
         for spec in specs:
-            _, cfg, _, info = train.run_stage(args_of(spec), "base", tok)
+            _, cfg, _, info = train.run_stage(run_args := args_of(spec), "base", tok)
+            with open(os.path.join(data.latest_checkpoint(run_args.out, ("base",)), "meta.json")) as f:
+                epoch = max(s["epoch"] for s in json.load(f)["data_states"])
             rows.append(dict(model_row(cfg), num_iterations=info["steps"], tokens_trained=info["steps"] * batch,
-                             val_bpb=info["val_bpb"], train_time_sec=time.perf_counter() - t))
+                             val_bpb=info["val_bpb"], train_time_sec=time.perf_counter() - t, data_epoch=epoch))
             t = time.perf_counter()
         return rows
     return run
@@ -498,6 +568,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", default="scale_c", choices=list(DEFAULTS))
     p.add_argument("--depths", type=int, nargs="*", help="model sizes (default per sweep, see DEFAULTS)")
+    p.add_argument("--adaptive", action="store_true", help="scale_c: choose each budget's depths around the running "
+                   "estimate of N*(C), widening the grid until the optimum is inside it (adaptive_sweep)")
+    p.add_argument("--corpus", default="docstrings", choices=["docstrings", "stdlib-source"],
+                   help="docstrings: train.py's default corpus (2M chars); stdlib-source: the standard library's "
+                   "source (30M chars), so that large budgets never read a token twice")
     p.add_argument("--budgets", type=float, nargs="*", help="scale_c: training FLOP budgets C")
     p.add_argument("--tokens", type=float, nargs="*", help="scale_n / scale_d: tokens per run")
     p.add_argument("--seed", type=int, default=0, help="training seed (init, data order) and bootstrap seed")
@@ -528,12 +603,26 @@ def main(argv=None):
     csv_path = os.path.join(a.out, f"{a.sweep}.csv")
     t = time.perf_counter()
     if not a.fit_only:
-        specs = plan(a.sweep, depths, budgets, tokens, a.batch, a.vocab_size, a.aspect_ratio, a.head_dim, a.seq_len)
-        extra = ["--weight-decay", str(a.weight_decay), *a.train_args.split()]
-        runner = train_runner(a.out, a.batch, min(16, a.batch // a.seq_len), a.vocab_size, a.aspect_ratio,
-                              a.head_dim, a.seq_len, extra=extra, together=a.together)
+        shape = (a.batch, a.vocab_size, a.aspect_ratio, a.head_dim, a.seq_len)
+        corpus = ["--data", stdlib_source(a.out)] if a.corpus == "stdlib-source" else []
+        extra = [*corpus, "--weight-decay", str(a.weight_decay), *a.train_args.split()]
+        runner = train_runner(a.out, a.batch, min(16, a.batch // a.seq_len), *shape[1:], extra=extra,
+                              together=a.together)
         import jax  # after train_runner, which joins a multi-host run
-        run_sweep(specs, csv_path, runner, range(a.seed, a.seed + a.seeds), write=jax.process_index() == 0)
+        seeds, write = range(a.seed, a.seed + a.seeds), jax.process_index() == 0
+        if not (a.adaptive and a.sweep == "scale_c"):
+            run_sweep(plan(a.sweep, depths, budgets, tokens, *shape), csv_path, runner, seeds, write)
+        elif jax.process_count() > 1:
+            p.error("--adaptive is for one process: its choices follow from results only process 0 writes")
+        else:
+            import nanochat as nc
+            sizes = {}
+            for d in a.depths or range(1, 25):
+                with contextlib.suppress(ValueError):  # too narrow for this aspect ratio
+                    row = model_row(nc.config_for_depth(d, *shape[1:4], sequence_len=a.seq_len))
+                    sizes[d] = sum(row[k] for k in CONVENTIONS[a.params_convention])
+            adaptive_sweep(budgets, csv_path, runner, lambda d, c: plan("scale_c", [d], [c], (), *shape)[0], sizes,
+                           seeds)
         if jax.process_index():
             return None  # process 0 writes, fits and plots
     rows = read_results(csv_path)

@@ -2849,6 +2849,50 @@ def test_sweep_resume_skips_finished_runs(tmp_path):
     assert len(calls) == 14 and len(scaling.read_results(csv_path)) == 12
 
 
+def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path):
+    """On losses from known Chinchilla exponents: each budget's grid is centred on the running estimate of N*(C) and
+    widened until its best run has a run on either side, whatever the first guess; a resumed sweep retrains
+    nothing; the isoFLOP fit then recovers a."""
+    sizes = {d: 3000.0 * d**3 for d in range(2, 80)}
+    csv_path, calls = str(tmp_path / "scale_c.csv"), []
+
+    def fake(specs):
+        calls.extend(specs)
+        rows = []
+        for s in specs:
+            N = sizes[s["depth"]]
+            D = s["flops_budget"] / (6 * N)
+            rows.append({"depth": s["depth"], "model_dim": 16 * s["depth"], "params_transformer": N,
+                         "params_lm_head": 0.0, "params_total": N, "tokens_trained": D, "train_time_sec": 1.0,
+                         "val_bpb": E0 + A0 / N**ALPHA0 + B0 / D**BETA0})
+        return rows
+
+    spec_of = lambda d, c: {"flops_budget": c, "depth": d, "model_dim": 16 * d, "num_iterations": 1}
+    budgets = [1e15, 1e16, 1e17, 1e18]
+    rows = scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=3)
+    for c in budgets:
+        here = sorted((r["depth"], r["val_bpb"]) for r in rows if r["flops_budget"] == c)
+        best = min(range(len(here)), key=lambda i: here[i][1])
+        assert 0 < best < len(here) - 1, (c, here)  # runs on both sides of the optimum
+        assert len(here) <= 6  # the grid follows N*(C): it does not sweep every size
+    n = len(calls)
+    assert scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=3) == rows and len(calls) == n
+    assert abs(scaling.fit_isoflop(rows)["a"] - BETA0 / (ALPHA0 + BETA0)) < 0.1
+
+
+def test_stdlib_source_corpus(tmp_path):
+    path = scaling.stdlib_source(str(tmp_path))
+    docs = [json.loads(line)["text"] for line in open(path)]
+    assert len(docs) > 50_000 and sum(map(len, docs)) > 20_000_000  # this Python's own source, offline
+    assert len(set(docs)) == len(docs) and all(docs)  # repeats dropped
+    assert np.percentile([len(d) for d in docs], 90) < 400  # about one 128-token row each
+    mtime = os.path.getmtime(path)
+    assert scaling.stdlib_source(str(tmp_path)) == path and os.path.getmtime(path) == mtime  # written once
+    train_docs = list(itertools.islice(data.corpus([path], "train")(0), 2000))
+    val_docs = list(itertools.islice(data.corpus([path], "val")(0), 100))
+    assert train_docs[0] == docs[0] and not set(train_docs) & set(val_docs)
+
+
 def test_tiny_real_sweep(tmp_path):
     def sweep(out, *depths, extra=()):
         scaling.main(["--sweep", "scale_c", "--depths", *depths, "--budgets", "1.5e9", "--out", out, "--batch", "512",
