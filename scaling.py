@@ -375,12 +375,13 @@ def stdlib_source(out, min_chars=100, max_chars=250):
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) if "site-packages" not in d
                    for f in fs if f.endswith(".py"))
     for name in files:
-        doc = []
+        doc, n = [], 0
         for line in open(name, encoding="utf-8", errors="replace").read().splitlines(keepends=True) + ["\n"]:
             doc.append(line)
-            if (n := sum(map(len, doc))) >= max_chars or not line.strip() and n >= min_chars:
+            n += len(line)
+            if n >= max_chars or not line.strip() and n >= min_chars:
                 docs.setdefault("".join(doc).strip(), None)  # a dict: repeats dropped, first-seen order kept
-                doc = []
+                doc, n = [], 0
     docs = [d for d in docs if d]
     with open(path + ".tmp", "w") as f:  # shuffled once: every run reads the same mix from the start
         f.writelines(json.dumps({"text": docs[i]}) + "\n" for i in np.random.default_rng(0).permutation(len(docs)))
@@ -410,21 +411,21 @@ def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_r
         return train.parse_args(common + ["--depth", str(d), "--num-iterations", str(n), "--eval-every", str(n),
                                           "--warmup-steps", str(min(40, n // 5)), "--seed", str(seed), "--out", root])
 
-    def run(specs):
+    def one(spec):
         t = time.perf_counter()
-        if together and len(specs) > 1:
-            cfg, steps, _, bpb = train_together([args_of(s) for s in specs], tok)
-            return [dict(model_row(cfg), num_iterations=steps, tokens_trained=steps * batch, val_bpb=b,
-                         train_time_sec=(time.perf_counter() - t) / len(specs)) for b in bpb]
-        rows = []
-        for spec in specs:
-            _, cfg, _, info = train.run_stage(run_args := args_of(spec), "base", tok)
-            with open(os.path.join(data.latest_checkpoint(run_args.out, ("base",)), "meta.json")) as f:
-                epoch = max(s["epoch"] for s in json.load(f)["data_states"])
-            rows.append(dict(model_row(cfg), num_iterations=info["steps"], tokens_trained=info["steps"] * batch,
-                             val_bpb=info["val_bpb"], train_time_sec=time.perf_counter() - t, data_epoch=epoch))
-            t = time.perf_counter()
-        return rows
+        _, cfg, _, info = train.run_stage(run_args := args_of(spec), "base", tok)
+        with open(os.path.join(data.latest_checkpoint(run_args.out, ("base",)), "meta.json")) as f:
+            epoch = max(s["epoch"] for s in json.load(f)["data_states"])
+        return dict(model_row(cfg), num_iterations=info["steps"], tokens_trained=info["steps"] * batch,
+                    val_bpb=info["val_bpb"], train_time_sec=time.perf_counter() - t, data_epoch=epoch)
+
+    def run(specs):
+        if not (together and len(specs) > 1):
+            return [one(spec) for spec in specs]
+        t = time.perf_counter()
+        cfg, steps, _, bpb = train_together([args_of(s) for s in specs], tok)
+        return [dict(model_row(cfg), num_iterations=steps, tokens_trained=steps * batch, val_bpb=b,
+                     train_time_sec=(time.perf_counter() - t) / len(specs)) for b in bpb]
     return run
 
 

@@ -804,14 +804,19 @@ def test_splash_attention_on_four_devices_equals_one(train_root, tmp_path):
     np.testing.assert_allclose(four, one, rtol=1e-5)
 
 
-def test_two_processes_equal_one(train_root, tmp_path):
-    one, _ = run_cli(fresh_root(train_root, tmp_path / "one"), "--device-batch-size", "8", "--data-shards", "2")
-    root = fresh_root(train_root, tmp_path / "two")
+def two_process_cmd(root, iterations):
+    """train.py's command line for process i (append --process-id i) of a two-process run on a free local port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS, "--num-iterations", "3",
-           "--device-batch-size", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    return [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS, "--num-iterations",
+            str(iterations), "--device-batch-size", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+
+
+def test_two_processes_equal_one(train_root, tmp_path):
+    one, _ = run_cli(fresh_root(train_root, tmp_path / "one"), "--device-batch-size", "8", "--data-shards", "2")
+    root = fresh_root(train_root, tmp_path / "two")
+    cmd = two_process_cmd(root, 3)
     procs = [subprocess.Popen(cmd + ["--process-id", str(i)], cwd=pathlib.Path(__file__).parent,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
@@ -826,11 +831,7 @@ def test_two_processes_agree_on_ctrl_c(train_root, tmp_path):
     """Ctrl-C on one process of a two-process run stops both at the same step with one checkpoint (unless they agree,
     it saves while the other steps, both stuck in mismatched collectives); --resume trains the rest."""
     root = fresh_root(train_root, tmp_path / "two")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS, "--num-iterations", "200",
-           "--device-batch-size", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    cmd = two_process_cmd(root, 200)
     logs, procs = [tmp_path / f"process{i}.log" for i in range(2)], []  # files, not pipes: none blocks when full
     for i, log in enumerate(logs):
         with log.open("w") as f:
