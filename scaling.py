@@ -390,10 +390,10 @@ def stdlib_source(out, min_chars=100, max_chars=250):
 
 
 def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_ratio=16, head_dim=16, T=128,
-                 eval_steps=16, extra=(), together=False):
+                 eval_steps=16, extra=(), together=False, restart=False):
     """A runner for run_sweep: one spec's seeds trained by train.run_stage(args, "base") in-process one by one,
     each in its own checkpoint root under out/runs (an interrupted run resumes from it), or with together=True as one
-    vmapped program (train_together; an interrupted group starts over)."""
+    vmapped program (train_together; an interrupted group starts over). restart: train.setup_process's."""
     import data
     import train
     common = ["--vocab-size", str(vocab_size), "--aspect-ratio", str(aspect_ratio), "--head-dim", str(head_dim),
@@ -401,7 +401,7 @@ def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_r
               str(batch), "--eval-steps", str(eval_steps), "--sample-every", "0", "--keep", "1", "--resume",
               "--stage", "base", *extra]
     args = train.parse_args(common + ["--out", out])
-    train.setup_process(args.compile_cache)  # as train.main: a resumed sweep skips the compiles
+    train.setup_process(args.compile_cache, restart)  # as train.main: a resumed sweep skips the compiles
     train.init_distributed(args)  # a sweep on a pod: every host runs this same sweep, process 0 writes the results
     tok = train.get_tokenizer(args)  # one tokenizer for every run
 
@@ -608,7 +608,7 @@ def main(argv=None):
         corpus = ["--data", stdlib_source(a.out)] if a.corpus == "stdlib-source" else []
         extra = [*corpus, "--weight-decay", str(a.weight_decay), *a.train_args.split()]
         runner = train_runner(a.out, a.batch, min(16, a.batch // a.seq_len), *shape[1:], extra=extra,
-                              together=a.together)
+                              together=a.together, restart=argv is None)
         import jax  # after train_runner, which joins a multi-host run
         seeds, write = range(a.seed, a.seed + a.seeds), jax.process_index() == 0
         if not (a.adaptive and a.sweep == "scale_c"):

@@ -178,7 +178,9 @@ def test_init_follows_nanochat(tiny_params):
     assert float(p["smear_lambda"][0]) == 0 and float(p["backout_lambda"][0]) == pytest.approx(0.2)
     again = nc.init_params(TINY, jax.random.key(0))
     other = nc.init_params(TINY, jax.random.key(1))
+    default_opt = jax.jit(nc.init_params.__wrapped__, static_argnames="cfg")(TINY, jax.random.key(0))  # LLVM -O2
     assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, tiny_params, again)))
+    assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, tiny_params, default_opt)))  # -O1: the same bits
     assert not jnp.array_equal(tiny_params["wte"], other["wte"])
 
 
@@ -588,6 +590,27 @@ def test_setup_process_turns_on_the_compile_cache():
     finally:
         for k, v in saved.items():
             jax.config.update(k, v)
+
+
+def test_setup_process_restarts_a_script_onto_huge_pages():
+    """Where the kernel offers transparent huge pages and glibc reads the hugetlb tunable (2.35+), a script's
+    setup_process starts it over once with the tunable set, and malloc's large blocks then lie on huge pages."""
+    code = ("import os, numpy as np, train; print('start', os.getpid()); train.setup_process('', restart=True); "
+            "x = np.ones(2**25, np.float32); "  # 128 MiB: one block that malloc maps
+            "huge = [int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')]; "
+            "print('tunables', os.environ.get('GLIBC_TUNABLES'), 'huge_kb', huge[0])")
+    r = subprocess.run([sys.executable, "-c", code], cwd=pathlib.Path(__file__).parent, capture_output=True,
+                       text=True, check=True, env={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"})
+    lines = r.stdout.splitlines()
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        thp = "[never]" not in f.read()
+    glibc = tuple(int(n) for n in os.confstr("CS_GNU_LIBC_VERSION").split()[1].split(".")[:2])
+    if thp and glibc >= (2, 35):
+        assert lines[0] == lines[1] and lines[0].startswith("start")  # the same process, started over once
+        tunables, huge_kb = lines[2].split()[1], int(lines[2].split()[3])
+        assert tunables == train.HUGE_PAGES and huge_kb >= 2048
+    else:
+        assert len(lines) == 2 and lines[1].split()[1] == "None"
 
 
 def test_checkpoint_round_trip_and_atomic(tmp_path, tiny_params):

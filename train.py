@@ -555,20 +555,37 @@ def parse_args(argv=None):
     return args
 
 
-def setup_process(compile_cache):
-    """The persistent XLA compilation cache ('' for none), and glibc malloc keeping freed memory: XLA on the CPU
-    takes its buffers from malloc, which maps blocks of 32 MiB or more afresh and unmaps them on free, so every step
-    would page-fault its activations back in (README, performance)."""
+HUGE_PAGES = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: malloc madvises its memory onto transparent huge pages
+
+
+def setup_process(compile_cache, restart=False):
+    """The persistent XLA compilation cache ('' for none), and glibc malloc set for XLA's CPU buffers. glibc maps
+    every block of 32 MiB or more afresh and unmaps it on free, so each step would page-fault its temporaries (0.6-1.7
+    GB here) back in 4 KiB at a time. Backed by transparent huge pages (glibc's hugetlb tunable) they fault 2 MiB at a
+    time; tunables are read only when a process starts, so with restart=True (a script's main) the process starts
+    over once with it set. Without huge pages, malloc keeps one heap that never shrinks (as fast, 2-3x the memory).
+    After every compile the compiler's freed memory goes back to the system (README, performance)."""
     if compile_cache:
         jax.config.update("jax_compilation_cache_dir", compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     try:
         libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (macOS, musl): nothing to tune
+        glibc = tuple(int(n) for n in os.confstr("CS_GNU_LIBC_VERSION").split()[1].split(".")[:2])  # "glibc 2.36"
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = "[never]" not in f.read()
+    except (OSError, ValueError, IndexError):  # not glibc on Linux (macOS, musl): nothing to tune
         return
-    libc.mallopt(-4, 0)  # M_MMAP_MAX: never mmap
-    libc.mallopt(-1, -1)  # M_TRIM_THRESHOLD: never give freed heap back
-    libc.mallopt(-8, 1)  # M_ARENA_MAX: XLA's threads' own arenas would map and unmap their heaps
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if restart and HUGE_PAGES not in tunables and thp and glibc >= (2, 35):
+        os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, (tunables, HUGE_PAGES)))
+        sys.stdout.flush(), sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    if HUGE_PAGES not in tunables:
+        libc.mallopt(-4, 0)  # M_MMAP_MAX: never mmap
+        libc.mallopt(-1, -1)  # M_TRIM_THRESHOLD: never give freed heap back
+        libc.mallopt(-8, 1)  # M_ARENA_MAX: XLA's threads' own arenas would map and unmap their heaps
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: event == "/jax/core/compile/backend_compile_duration" and libc.malloc_trim(0))
 
 
 def init_distributed(args):
@@ -580,7 +597,7 @@ def init_distributed(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    setup_process(args.compile_cache)
+    setup_process(args.compile_cache, restart=argv is None)
     init_distributed(args)
     t, tok, results = time.perf_counter(), get_tokenizer(args), {}
     questions = data.load_questions(args.questions) if args.questions and args.eval_tasks > 0 else ()
