@@ -559,31 +559,30 @@ HUGE_PAGES = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: malloc madvises its memo
 
 
 def setup_process(compile_cache, restart=False):
-    """The persistent XLA compilation cache ('' for none), and glibc malloc set for XLA's CPU buffers. glibc maps
-    every block of 32 MiB or more afresh and unmaps it on free, so each step would page-fault its temporaries (0.6-1.7
-    GB here) back in 4 KiB at a time. Backed by transparent huge pages (glibc's hugetlb tunable) they fault 2 MiB at a
-    time; tunables are read only when a process starts, so with restart=True (a script's main) the process starts
-    over once with it set. Without huge pages, malloc keeps one heap that never shrinks (as fast, 2-3x the memory).
-    After every compile the compiler's freed memory goes back to the system (README, performance)."""
+    """The persistent XLA compilation cache ('' for none), and glibc malloc set for XLA's CPU buffers: a step's
+    temporaries are one block (0.6-1.7 GB here) that malloc maps afresh every step, for the kernel to fault back in.
+    On transparent huge pages (glibc's hugetlb tunable) that is 2 MiB a fault, not 4 KiB; tunables are read when a
+    process starts, so with restart (a script's main) it starts over once with them set. Without huge pages, malloc
+    keeps one heap that never shrinks (as fast, 2-3x the memory). Each compile's freed memory is given back."""
     if compile_cache:
         jax.config.update("jax_compilation_cache_dir", compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     try:
         libc = ctypes.CDLL("libc.so.6")
-        glibc = tuple(int(n) for n in os.confstr("CS_GNU_LIBC_VERSION").split()[1].split(".")[:2])  # "glibc 2.36"
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            thp = "[never]" not in f.read()
-    except (OSError, ValueError, IndexError):  # not glibc on Linux (macOS, musl): nothing to tune
+        glibc = tuple(map(int, os.confstr("CS_GNU_LIBC_VERSION").split()[1].split(".")))  # "glibc 2.36"
+    except (OSError, ValueError, IndexError):  # not glibc (macOS, musl): nothing to tune
         return
+    huge = False
+    with contextlib.suppress(OSError), open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        huge = glibc >= (2, 35) and "[never]" not in f.read()  # "always [madvise] never": the kernel offers them
     tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if restart and HUGE_PAGES not in tunables and thp and glibc >= (2, 35):
+    if huge and restart and HUGE_PAGES not in tunables:
         os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, (tunables, HUGE_PAGES)))
         sys.stdout.flush(), sys.stderr.flush()
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-    if HUGE_PAGES not in tunables:
-        libc.mallopt(-4, 0)  # M_MMAP_MAX: never mmap
-        libc.mallopt(-1, -1)  # M_TRIM_THRESHOLD: never give freed heap back
-        libc.mallopt(-8, 1)  # M_ARENA_MAX: XLA's threads' own arenas would map and unmap their heaps
+    if not (huge and HUGE_PAGES in tunables):
+        for option, value in ((-4, 0), (-1, -1), (-8, 1)):  # never mmap, never trim, one arena (no thread's heaps)
+            libc.mallopt(option, value)
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: event == "/jax/core/compile/backend_compile_duration" and libc.malloc_trim(0))
 
