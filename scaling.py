@@ -4,8 +4,8 @@
     python scaling.py --sweep scale_n --tokens 2e6       # loss vs parameters at fixed tokens, L(N) = E + A N^-alpha
     python scaling.py --sweep scale_d --depths 3 --tokens 2.5e5 5e5 1e6 2e6
     python scaling.py --fit-only --params-convention total
-    python scaling.py --adaptive --corpus stdlib-source --budgets 2e11 4.7e11 1.1e12 2.7e12 6.3e12 --aspect-ratio 12 \
-        --head-dim 12 --out scaling_wide           # 1.5 decades, the grid placed around N*(C), no repeated data
+    python scaling.py --adaptive --width 3 --corpus stdlib-source --budgets 4e11 9.5e11 2.25e12 5.3e12 1.26e13 \
+        --aspect-ratio 12 --head-dim 12 --out scaling_wide   # 1.5 decades, grids around N*(C), no repeated data
 
 - Sweeps (nanochat's runs/scaling_laws.sh): scale_c trains every depth at every FLOP budget C with
   num_iterations = round(C / (estimate_flops(cfg) * batch tokens)); scale_n and scale_d train a grid of depths x
@@ -31,7 +31,7 @@
   vocab 384, 2,048 tokens per step, budgets 2.5e11-2e12 FLOPs (4 budgets, 2x apart): 20 runs, 19 min of training on
   2 CPU cores (about 21 min in all). The embedded corpus is ~2M characters, so the longest runs repeat it a few times.
 - --adaptive (scale_c): the grid is chosen from the data (adaptive_sweep): budgets in increasing order, each at
-  five depths around the running estimate of N*(C), widened a depth at a time until its best run is inside it.
+  --width depths (5) around the running estimate of N*(C), widened a depth at a time until its best run is inside it.
 - --corpus stdlib-source: the standard library's own source (~30M characters, stdlib_source) instead of the
   docstrings, so that large budgets never read a token twice (each row records the loader's data_epoch).
 - Weight decay: nanochat scales the Muon weight decay as 0.28 sqrt(B / 2^19) D_REF / D (calibrated at d12 with
@@ -571,6 +571,7 @@ def main(argv=None):
     p.add_argument("--depths", type=int, nargs="*", help="model sizes (default per sweep, see DEFAULTS)")
     p.add_argument("--adaptive", action="store_true", help="scale_c: choose each budget's depths around the running "
                    "estimate of N*(C), widening the grid until the optimum is inside it (adaptive_sweep)")
+    p.add_argument("--width", type=int, default=5, help="--adaptive: depths per budget before any widening")
     p.add_argument("--corpus", default="docstrings", choices=["docstrings", "stdlib-source"],
                    help="docstrings: train.py's default corpus (2M chars); stdlib-source: the standard library's "
                    "source (30M chars), so that large budgets never read a token twice")
@@ -598,8 +599,8 @@ def main(argv=None):
     depths, budgets, tokens = a.depths or d["depths"], a.budgets or d["budgets"], a.tokens or d["tokens"]
     if a.sweep == "scale_c" and not budgets or a.sweep != "scale_c" and not tokens:
         p.error(f"--sweep {a.sweep} needs {'--budgets' if a.sweep == 'scale_c' else '--tokens'}")
-    if min(depths) < 1 or min(budgets + tokens) <= 0:
-        p.error("--depths must be 1 or more, --budgets and --tokens positive")
+    if min(depths) < 1 or min(budgets + tokens) <= 0 or a.width < 3:
+        p.error("--depths must be 1 or more, --budgets and --tokens positive, --width 3 or more (a parabola)")
     os.makedirs(a.out, exist_ok=True)
     csv_path = os.path.join(a.out, f"{a.sweep}.csv")
     t = time.perf_counter()
@@ -623,7 +624,7 @@ def main(argv=None):
                     row = model_row(nc.config_for_depth(d, *shape[1:4], sequence_len=a.seq_len))
                     sizes[d] = sum(row[k] for k in CONVENTIONS[a.params_convention])
             adaptive_sweep(budgets, csv_path, runner, lambda d, c: plan("scale_c", [d], [c], (), *shape)[0], sizes,
-                           seeds)
+                           seeds, width=a.width)
         if jax.process_index():
             return None  # process 0 writes, fits and plots
     rows = read_results(csv_path)

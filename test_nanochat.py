@@ -2809,7 +2809,8 @@ def test_fits_are_deterministic():
     assert f() == f()
 
 
-@pytest.mark.parametrize("flags", [["--depths", "0"], ["--budgets", "-1"], ["--sweep", "scale_d", "--tokens", "0"]])
+@pytest.mark.parametrize("flags", [["--depths", "0"], ["--budgets", "-1"], ["--sweep", "scale_d", "--tokens", "0"],
+                                   ["--adaptive", "--width", "2"]])
 def test_sweep_bad_sizes_are_refused(flags, tmp_path, capsys):
     with pytest.raises(SystemExit):
         scaling.main([*flags, "--out", str(tmp_path)])
