@@ -376,7 +376,9 @@ def stdlib_source(out, min_chars=100, max_chars=250):
                    for f in fs if f.endswith(".py"))
     for name in files:
         doc, n = [], 0
-        for line in open(name, encoding="utf-8", errors="replace").read().splitlines(keepends=True) + ["\n"]:
+        with open(name, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines(keepends=True) + ["\n"]
+        for line in lines:
             doc.append(line)
             n += len(line)
             if n >= max_chars or not line.strip() and n >= min_chars:
@@ -622,7 +624,7 @@ def main(argv=None):
             for d in a.depths or range(1, 25):
                 with contextlib.suppress(ValueError):  # too narrow for this aspect ratio
                     row = model_row(nc.config_for_depth(d, *shape[1:4], sequence_len=a.seq_len))
-                    sizes[d] = sum(row[k] for k in CONVENTIONS[a.params_convention])
+                    sizes[d] = effective_params([row], a.params_convention)[0]
             adaptive_sweep(budgets, csv_path, runner, lambda d, c: plan("scale_c", [d], [c], (), *shape)[0], sizes,
                            seeds, width=a.width)
         if jax.process_index():

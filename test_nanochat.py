@@ -602,10 +602,7 @@ def test_setup_process_restarts_a_script_onto_huge_pages():
     r = subprocess.run([sys.executable, "-c", code], cwd=pathlib.Path(__file__).parent, capture_output=True,
                        text=True, check=True, env={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"})
     lines = r.stdout.splitlines()
-    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-        thp = "[never]" not in f.read()
-    glibc = tuple(int(n) for n in os.confstr("CS_GNU_LIBC_VERSION").split()[1].split(".")[:2])
-    if thp and glibc >= (2, 35):
+    if train.huge_pages_offered():
         assert lines[0] == lines[1] and lines[0].startswith("start")  # the same process, started over once
         tunables, huge_kb = lines[2].split()[1], int(lines[2].split()[3])
         assert tunables == train.HUGE_PAGES and huge_kb >= 2048

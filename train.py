@@ -558,6 +558,14 @@ def parse_args(argv=None):
 HUGE_PAGES = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: malloc madvises its memory onto transparent huge pages
 
 
+def huge_pages_offered():
+    """glibc 2.35+ (which reads the hugetlb tunable) on a kernel that offers transparent huge pages."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        glibc = tuple(map(int, os.confstr("CS_GNU_LIBC_VERSION").split()[1].split(".")))  # "glibc 2.36"
+        return glibc >= (2, 35) and "[never]" not in f.read()  # "always [madvise] never": always or on madvise
+    return False
+
+
 def setup_process(compile_cache, restart=False):
     """The persistent XLA compilation cache ('' for none), and glibc malloc set for XLA's CPU buffers: a step's
     temporaries are one block (0.6-1.7 GB here) that malloc maps afresh every step, for the kernel to fault back in.
@@ -569,13 +577,9 @@ def setup_process(compile_cache, restart=False):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     try:
         libc = ctypes.CDLL("libc.so.6")
-        glibc = tuple(map(int, os.confstr("CS_GNU_LIBC_VERSION").split()[1].split(".")))  # "glibc 2.36"
-    except (OSError, ValueError, IndexError):  # not glibc (macOS, musl): nothing to tune
+    except OSError:  # not glibc (macOS, musl): nothing to tune
         return
-    huge = False
-    with contextlib.suppress(OSError), open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-        huge = glibc >= (2, 35) and "[never]" not in f.read()  # "always [madvise] never": the kernel offers them
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    huge, tunables = huge_pages_offered(), os.environ.get("GLIBC_TUNABLES", "")
     if huge and restart and HUGE_PAGES not in tunables:
         os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, (tunables, HUGE_PAGES)))
         sys.stdout.flush(), sys.stderr.flush()
