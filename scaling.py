@@ -1,13 +1,12 @@
 """Scaling laws for nanochat in JAX: sweeps run in-process through train.py, fits and plots in plain numpy.
 
-    python scaling.py                                    # scale_c: isoFLOP sweep on the embedded corpus, fits, plots
+    python scaling.py                                    # scale_c: 1.5 decades of budgets, grids around N*(C), fits
     python scaling.py --sweep scale_n --tokens 2e6       # loss vs parameters at fixed tokens, L(N) = E + A N^-alpha
     python scaling.py --sweep scale_d --depths 3 --tokens 2.5e5 5e5 1e6 2e6
     python scaling.py --fit-only --params-convention total
-    python scaling.py --adaptive --width 3 --corpus stdlib-source --budgets 4e11 9.5e11 2.25e12 5.3e12 1.26e13 \
-        --aspect-ratio 12 --head-dim 12 --out scaling_wide   # 1.5 decades, grids around N*(C), no repeated data
+    python scaling.py --no-adaptive --depths 2 3 4 5 6   # nanochat's grid: every depth at every budget
 
-- Sweeps (nanochat's runs/scaling_laws.sh): scale_c trains every depth at every FLOP budget C with
+- Sweeps (nanochat's runs/scaling_laws.sh): scale_c trains depths at FLOP budgets C with
   num_iterations = round(C / (estimate_flops(cfg) * batch tokens)); scale_n and scale_d train a grid of depths x
   token counts. Each run calls `train.run_stage` with args from `train.parse_args`, in its own checkpoint root
   under --out/runs, and appends one row to --out/<sweep>.csv (nanochat's columns plus seed). Rows already there
@@ -21,33 +20,38 @@
   Huber loss (delta 1e-3) of LSE(a - alpha log N, b - beta log D, e) - log L from a grid of starts. The optimizer
   is a batched Levenberg-Marquardt on the Huber's IRLS weights (every start at once); a = beta / (alpha + beta).
   The same machinery fits L(N) = E + A N^-alpha (scale_n) and L(D) = E + B D^-beta (scale_d).
-- 90% intervals: percentile bootstrap over runs (resampled within each budget for the isoFLOP fit); with --seeds N
-  every run is trained under N seeds, so the resamples carry the spread over seeds too.
+- 90% intervals: the isoFLOP and Chinchilla fits by the fixed-design bootstrap (parametric_bootstrap: every run
+  kept, its bpb redrawn around the fit with the residuals' spread, which with --seeds N includes the seeds'); the
+  scale_n / scale_d fits by resampling runs.
 - --together trains a run's seeds as one program (`train_together`: params, optimizer states and data streams
   stacked, the train step vmapped; tested equal to the runs one by one). On the 2-core CPU it is slower than one
   by one (three seeds of d2 take 4.5x one seed's step time, of d6 3.0x: the vmapped backward pass is the cost),
   so it is off by default; it is for accelerators, where one tiny model leaves the chip idle.
-- Default scale_c (DEFAULTS): depths 2-6 at aspect ratio 16 and head_dim 16 (N = 37K-700K, about 2x apart), T = 128,
-  vocab 384, 2,048 tokens per step, budgets 2.5e11-2e12 FLOPs (4 budgets, 2x apart): 20 runs, 19 min of training on
-  2 CPU cores (about 21 min in all). The embedded corpus is ~2M characters, so the longest runs repeat it a few times.
-- --adaptive (scale_c): the grid is chosen from the data (adaptive_sweep): budgets in increasing order, each at
-  --width depths (5) around the running estimate of N*(C), widened a depth at a time until its best run is inside it.
-- --corpus stdlib-source: the standard library's own source (~30M characters, stdlib_source) instead of the
-  docstrings, so that large budgets never read a token twice (each row records the loader's data_epoch).
+- The default scale_c: budgets 4e11 to 1.26e13 FLOPs (5, 1.5 decades), aspect ratio 12 and head_dim 12 (d2 = 23K
+  to d8 = 0.9M kaplan params), T = 128, vocab 384, 2,048 tokens per step, on the stdlib-source corpus.
+  adaptive_sweep picks each budget's depths: --width (4) around the running estimate of N*(C), widened a depth at
+  a time until the best run is inside. --no-adaptive trains every --depths at every budget instead.
+- --jobs (worker_pool): runs trained at once, each process on its share of the cores (default: one per core on a
+  CPU), since one tiny model keeps about one core busy.
+- --corpus stdlib-source (default): the standard library's own source (~30M characters, stdlib_source), so that
+  no run reads a token twice (each row records the loader's data_epoch); docstrings: train.py's 2M-character one.
 - Weight decay: nanochat scales the Muon weight decay as 0.28 sqrt(B / 2^19) D_REF / D (calibrated at d12 with
-  half-million-token batches). For the default grid that is wd 3 (d6) to 57 (d2): lr * wd reaches 1.1, where a
-  decay step shrinks a weight past zero. The sweep trains without it by default (--weight-decay 0.28 restores it).
+  half-million-token batches). For the default sizes that is wd 1.6 (d8) to 65 (d2): Muon's lr * wd reaches 1.3,
+  where a decay step shrinks a weight past zero. The sweep trains without it by default (--weight-decay 0.28
+  restores it).
 - Plots are SVG written here (log axes, ticks, legend): isoflop.svg, optima.svg, loss_vs_params.svg,
   loss_vs_tokens.svg.
 """
 
 import argparse
+import concurrent.futures
 import contextlib
 import csv
 import functools
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import sys
 import time
@@ -99,13 +103,17 @@ def fit_isoflop(rows, convention="kaplan"):
     """nanochat's isoFLOP analysis: per-budget optima (C, N*, D*, D/N, bpb*) and power laws N* ~ C^a, D* ~ C^b."""
     N, D = effective_params(rows, convention), np.array([r["tokens_trained"] for r in rows], float)
     L, C = np.array([r["val_bpb"] for r in rows], float), np.array([r["flops_budget"] for r in rows], float)
-    budgets, optima, parabolas = np.unique(C), [], []
+    budgets, optima, parabolas, fitted, n_params = np.unique(C), [], [], np.array(L), 0
     for c in budgets:
         m = C == c
         x, y, d = np.log10(N[m]), L[m], np.log10(D[m])
         o = np.argsort(x)
         x, y, d = x[o], y[o], d[o]
         p = np.polyfit(x, y, 2) if len(np.unique(x)) >= 3 else np.zeros(3)
+        if p[0]:
+            fitted[m], n_params = np.polyval(p, np.log10(N[m])), n_params + 3
+        else:  # too few sizes for a parabola: the runs stand for themselves
+            n_params += m.sum()
         xs = -p[1] / (2 * p[0]) if p[0] > 0 else x[np.argmin(y)]  # the raw minimum if the parabola opens down
         xs = float(np.clip(xs, x[0], x[-1]))  # an optimum outside the runs is an extrapolation: pin it to the edge
         ys = float(np.polyval(p, xs)) if p[0] > 0 else float(y.min())
@@ -119,7 +127,8 @@ def fit_isoflop(rows, convention="kaplan"):
     c_mid = lc.mean()  # the geometric-mean budget
     ratio = 10 ** ((b - a) * c_mid + log_kd - log_kn) if len(opt) > 1 else opt[0, 3]
     return {"optima": opt, "parabolas": parabolas, "a": a, "b": b, "log_kn": log_kn, "log_kd": log_kd,
-            "ratio": ratio, "ratio_mean": opt[:, 3].mean(), "ratio_std": opt[:, 3].std()}
+            "ratio": ratio, "ratio_mean": opt[:, 3].mean(), "ratio_std": opt[:, 3].std(), "fitted": fitted,
+            "n_params": n_params}
 
 
 def _huber(r, delta):
@@ -216,6 +225,27 @@ def bootstrap(fit, rows, keys, n=200, seed=0, group=None):
         lo, hi = np.nanpercentile(s, [5, 95], axis=0)
     return {k: (l, h) for k, l, h in zip(keys, lo, hi)}
 
+def parametric_bootstrap(fit, rows, fitted, n_params, keys, n=200, seed=0, log=False):
+    """Percentile 90% intervals of fit(rows)[k] by the fixed-design bootstrap: every resample keeps every run, its
+    val bpb the fitted value plus N(0, sigma^2) noise (times exp(noise) if log), sigma pooled from the fit's residuals
+    over len(rows) - n_params degrees of freedom (the seeds' spread included). Resampling the runs instead leaves a
+    budget of 3 or 4 sizes too few distinct sizes for its parabola in most resamples: that measures the resampling,
+    not the runs. Returns (intervals, sigma, degrees of freedom); NaN intervals where there are none."""
+    L, dof = np.array([r["val_bpb"] for r in rows], float), len(rows) - n_params
+    if dof < 1:
+        return {k: (math.nan, math.nan) for k in keys}, math.nan, dof
+    sigma = float(np.sqrt(np.sum((np.log(L / fitted) if log else L - fitted) ** 2) / dof))
+    rng, samples = np.random.default_rng(seed), []
+    for _ in range(n):
+        e = rng.normal(0, sigma, len(rows))
+        res = fit([dict(r, val_bpb=v) for r, v in zip(rows, fitted * np.exp(e) if log else fitted + e)])
+        samples.append([res[k] for k in keys])
+    with warnings.catch_warnings():  # a fit undefined on this data (e.g. one budget) gives an all-NaN interval
+        warnings.simplefilter("ignore", RuntimeWarning)
+        lo, hi = np.nanpercentile(np.array(samples, float), [5, 95], axis=0)
+    return {k: (l, h) for k, l, h in zip(keys, lo, hi)}, sigma, dof
+
+
 # ------------------------------------------------------------------------------------------------ SVG plots
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
@@ -297,7 +327,7 @@ def model_row(cfg):
             "params_transformer": p["transformer_matrices"], "params_scalars": p["scalars"], "params_total": p["total"]}
 
 
-def plan(sweep, depths, budgets=(), tokens=(), batch=2048, vocab_size=384, aspect_ratio=16, head_dim=16, T=128):
+def plan(sweep, depths, budgets=(), tokens=(), batch=2048, vocab_size=384, aspect_ratio=12, head_dim=12, T=128):
     """Run specs {flops_budget, depth, model_dim, num_iterations} of a sweep: scale_c crosses depths with FLOP budgets
     (num_iterations = C / (flops per token x batch)); scale_n and scale_d cross depths with token counts."""
     import nanochat as nc
@@ -314,22 +344,24 @@ def plan(sweep, depths, budgets=(), tokens=(), batch=2048, vocab_size=384, aspec
     return specs
 
 
-def run_sweep(specs, csv_path, runner, seeds=(0,), write=True):
-    """Run every (spec, seed) whose row is not yet in csv_path, the seeds of a spec in one runner call, appending
-    the rows as they finish (if write: one process of a multi-host run writes); returns all rows."""
+def run_sweep(specs, csv_path, runner, seeds=(0,), write=True, pool=None):
+    """Run every (spec, seed) whose row is not yet in csv_path, the seeds of a spec in one runner call (with a pool,
+    worker_pool's, several specs at once), appending the rows in order as they finish (if write: one process of a
+    multi-host run writes); returns all rows."""
     done = {run_key(r) for r in read_results(csv_path)}
-    for i, spec in enumerate(specs):
-        todo = [dict(spec, seed=seed) for seed in seeds if run_key(dict(spec, seed=seed)) not in done]
-        print(f"[{i + 1}/{len(specs)}] {'run' if todo else 'skip (done)'}: {spec}, seeds "
-              f"{[r['seed'] for r in todo] or list(seeds)}", flush=True)
-        for run, row in zip(todo, runner(todo) if todo else []):
+    todo = [[dict(spec, seed=seed) for seed in seeds if run_key(dict(spec, seed=seed)) not in done] for spec in specs]
+    for i, (spec, runs) in enumerate(zip(specs, todo)):
+        print(f"[{i + 1}/{len(specs)}] {'run' if runs else 'skip (done)'}: {spec}, seeds "
+              f"{[r['seed'] for r in runs] or list(seeds)}", flush=True)
+    todo = [runs for runs in todo if runs]
+    for runs, rows in zip(todo, (pool.map if pool else map)(runner, todo)):
+        for run, row in zip(runs, rows):
             if write:
                 append_result(csv_path, dict(run, **row))
-            done.add(run_key(run))
     return read_results(csv_path)
 
 
-def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=True, width=5):
+def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=True, width=4, pool=None):
     """scale_c with the grid chosen from the data: the budgets in increasing order, each trained at `width` depths
     around the running estimate of N*(C) (before any optimum: Chinchilla's D = 20 N; after one: N* ~ C^0.5 from it;
     after two or more: the isoFLOP fit's N* ~ C^a), extended a depth at a time while the best run (mean over seeds)
@@ -345,10 +377,10 @@ def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=
         else:
             n_star = optima[-1, 1] * (C / optima[-1, 0]) ** 0.5 if len(optima) else (C / 120) ** 0.5  # C = 6 N 20 N
         centre = min(range(len(depths)), key=lambda i: abs(math.log(sizes[depths[i]] / n_star)))
-        lo = max(0, min(centre - width // 2, len(depths) - width))
+        lo = max(0, min(centre - (width - 1) // 2, len(depths) - width))  # an even grid: one more above
         grid = depths[lo:lo + width]
         while True:
-            rows = [r for r in run_sweep([spec_of(d, C) for d in grid], csv_path, runner, seeds, write)
+            rows = [r for r in run_sweep([spec_of(d, C) for d in grid], csv_path, runner, seeds, write, pool)
                     if abs(r["flops_budget"] / C - 1) < 1e-6 and r["depth"] in grid]
             bpb = {d: np.mean([r["val_bpb"] for r in rows if r["depth"] == d]) for d in grid}
             best, i = min(bpb, key=bpb.get), depths.index(grid[0])
@@ -391,7 +423,7 @@ def stdlib_source(out, min_chars=100, max_chars=250):
     return path
 
 
-def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_ratio=16, head_dim=16, T=128,
+def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_ratio=12, head_dim=12, T=128,
                  eval_steps=16, extra=(), together=False, restart=False):
     """A runner for run_sweep: one spec's seeds trained by train.run_stage(args, "base") in-process one by one,
     each in its own checkpoint root under out/runs (an interrupted run resumes from it), or with together=True as one
@@ -429,6 +461,29 @@ def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_r
         return [dict(model_row(cfg), num_iterations=steps, tokens_trained=steps * batch, val_bpb=b,
                      train_time_sec=(time.perf_counter() - t) / len(specs)) for b in bpb]
     return run
+
+
+def worker_pool(jobs, **runner_kwargs):
+    """`jobs` worker processes for run_sweep, each pinned to its share of this process's CPU cores (before XLA sizes
+    its thread pool) and running a train_runner(**runner_kwargs): the sweep's tiny models keep about one core busy,
+    so on 2 cores two runs at once take ~1.25x the time of one (measured: d4, 9.5e11 FLOPs, 37 s vs 30 s)."""
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no fork of a process running JAX's threads
+    cores = ctx.Queue()
+    for share in np.array_split(sorted(os.sched_getaffinity(0)), jobs):
+        cores.put({int(c) for c in share})
+    return concurrent.futures.ProcessPoolExecutor(jobs, ctx, initializer=_start_worker, initargs=(cores, runner_kwargs))
+
+
+_WORKER = {}  # a worker process's runner
+
+
+def _start_worker(cores, runner_kwargs):
+    os.sched_setaffinity(0, cores.get())
+    _WORKER["run"] = train_runner(**runner_kwargs)
+
+
+def _worker_run(specs):
+    return _WORKER["run"](specs)
 
 
 def train_together(args_list, tok):
@@ -490,8 +545,8 @@ def analyze(sweep, rows, out, convention="kaplan", n_boot=200, seed=0):
 def analyze_isoflop(rows, N, D, L, out, convention, n_boot, seed):
     """scale_c: isoFLOP parabolas, their optima's power laws, and the Chinchilla fit once there are 8 runs."""
     iso = fit_isoflop(rows, convention)
-    ci = bootstrap(lambda rs: fit_isoflop(rs, convention), rows, ["a", "b", "ratio"], n_boot, seed,
-                   group=lambda r: r["flops_budget"])
+    ci, sigma, dof = parametric_bootstrap(lambda rs: fit_isoflop(rs, convention), rows, iso["fitted"],
+                                          iso["n_params"], ["a", "b", "ratio"], n_boot, seed)
     print(f"  {'C':>10} {'N*':>10} {'D*':>10} {'D/N':>7} {'bpb*':>7}")
     for c, n, d, q, l in iso["optima"]:
         print(f"  {c:10.3g} {n:10.3g} {d:10.3g} {q:7.2f} {l:7.4f}")
@@ -499,17 +554,23 @@ def analyze_isoflop(rows, N, D, L, out, convention, n_boot, seed):
     print(_fmt("D* ~ C^b: b", iso["b"], ci["b"]))
     print(_fmt("optimal D/N", iso["ratio"], ci["ratio"]) + f"   (per-budget mean {iso['ratio_mean']:.2f} "
           f"+- {iso['ratio_std']:.2f})")
+    print(f"  (intervals: the parabolas + N(0, {sigma:.4f}^2) bpb, from their residuals over {dof} degrees of "
+          "freedom)" if dof > 0 else "  (no intervals: every budget has exactly 3 sizes; --width 4 or --seeds 2)")
     if len(rows) < 8:
         print("  (the Chinchilla fit needs 8 runs or more)")
     ch = fit_chinchilla(N, D, L) if len(rows) >= 8 else None
     cfit = lambda rs: fit_chinchilla(effective_params(rs, convention), [r["tokens_trained"] for r in rs],
                                      [r["val_bpb"] for r in rs], starts=ch["theta"][None])
-    cci = bootstrap(cfit, rows, ["alpha", "beta", "E", "a", "b"], n_boot, seed) if ch else None
     if ch:
+        cci, csigma, cdof = parametric_bootstrap(cfit, rows, ch["E"] + ch["A"] / N ** ch["alpha"] + ch["B"] /
+                                                 D ** ch["beta"], 5, ["alpha", "beta", "E", "a", "b"], n_boot, seed,
+                                                 log=True)
         print("  Chinchilla L(N, D) = E + A/N^alpha + B/D^beta (Huber in log space):")
         for k in ("alpha", "beta", "E", "a", "b"):
             print(_fmt(k if k not in "ab" else f"implied {k}", ch[k], cci[k]))
-    res = {"isoflop": iso, "isoflop_ci": ci, "chinchilla": ch, "chinchilla_ci": cci}
+        print(f"  (intervals: the fit x exp(N(0, {csigma:.4f}^2)), from its residuals over {cdof} degrees of freedom)")
+    res = {"isoflop": iso, "isoflop_ci": ci, "isoflop_sigma": sigma, "chinchilla": ch,
+           "chinchilla_ci": cci if ch else None}
     budgets, series = np.unique([r["flops_budget"] for r in rows]), []
     for i, (c, p) in enumerate(zip(budgets, iso["parabolas"])):
         m = np.array([r["flops_budget"] for r in rows]) == c
@@ -562,7 +623,8 @@ def analyze_power(sweep, rows, N, D, L, out, convention, n_boot, seed):
 
 # ------------------------------------------------------------------------------------------------ main
 
-DEFAULTS = {"scale_c": {"depths": [2, 3, 4, 5, 6], "budgets": [2.5e11, 5e11, 1e12, 2e12], "tokens": []},
+DEFAULTS = {"scale_c": {"depths": [2, 3, 4, 5, 6], "budgets": [4e11, 9.5e11, 2.25e12, 5.3e12, 1.26e13],
+                        "tokens": []},
             "scale_n": {"depths": [2, 3, 4, 5, 6], "budgets": [], "tokens": [1e6]},
             "scale_d": {"depths": [2], "budgets": [], "tokens": [1.25e5, 2.5e5, 5e5, 1e6, 2e6]}}
 
@@ -571,16 +633,20 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", default="scale_c", choices=list(DEFAULTS))
     p.add_argument("--depths", type=int, nargs="*", help="model sizes (default per sweep, see DEFAULTS)")
-    p.add_argument("--adaptive", action="store_true", help="scale_c: choose each budget's depths around the running "
-                   "estimate of N*(C), widening the grid until the optimum is inside it (adaptive_sweep)")
-    p.add_argument("--width", type=int, default=5, help="--adaptive: depths per budget before any widening")
-    p.add_argument("--corpus", default="docstrings", choices=["docstrings", "stdlib-source"],
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="scale_c: choose each budget's depths (among --depths, if given) around the running estimate "
+                   "of N*(C), widening the grid until the optimum is inside it (adaptive_sweep); --no-adaptive: "
+                   "every depth at every budget")
+    p.add_argument("--width", type=int, default=4, help="--adaptive: depths per budget before any widening")
+    p.add_argument("--corpus", default="stdlib-source", choices=["docstrings", "stdlib-source"],
                    help="docstrings: train.py's default corpus (2M chars); stdlib-source: the standard library's "
                    "source (30M chars), so that large budgets never read a token twice")
     p.add_argument("--budgets", type=float, nargs="*", help="scale_c: training FLOP budgets C")
     p.add_argument("--tokens", type=float, nargs="*", help="scale_n / scale_d: tokens per run")
     p.add_argument("--seed", type=int, default=0, help="training seed (init, data order) and bootstrap seed")
     p.add_argument("--seeds", type=int, default=1, help="train each run with this many seeds: --seed, --seed+1, ...")
+    p.add_argument("--jobs", type=int, default=0, help="runs trained at once, each in its own process on its share of "
+                   "the cores (default: one per core on a CPU, else 1)")
     p.add_argument("--together", action="store_true", help="train a run's seeds as one vmapped program (slower "
                    "than one by one on a CPU, see the README; for accelerators)")
     p.add_argument("--params-convention", default="kaplan", choices=list(CONVENTIONS),
@@ -589,8 +655,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=2048, help="tokens per step")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--vocab-size", type=int, default=384)
-    p.add_argument("--aspect-ratio", type=int, default=16, help="model_dim = depth x aspect ratio")
-    p.add_argument("--head-dim", type=int, default=16)
+    p.add_argument("--aspect-ratio", type=int, default=12, help="model_dim = depth x aspect ratio")
+    p.add_argument("--head-dim", type=int, default=12)
     p.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the 90%% intervals")
     p.add_argument("--fit-only", action="store_true", help="fit and plot the existing CSV, train nothing")
     p.add_argument("--weight-decay", type=float, default=0.0,
@@ -601,8 +667,9 @@ def main(argv=None):
     depths, budgets, tokens = a.depths or d["depths"], a.budgets or d["budgets"], a.tokens or d["tokens"]
     if a.sweep == "scale_c" and not budgets or a.sweep != "scale_c" and not tokens:
         p.error(f"--sweep {a.sweep} needs {'--budgets' if a.sweep == 'scale_c' else '--tokens'}")
-    if min(depths) < 1 or min(budgets + tokens) <= 0 or a.width < 3:
-        p.error("--depths must be 1 or more, --budgets and --tokens positive, --width 3 or more (a parabola)")
+    if min(depths) < 1 or min(budgets + tokens) <= 0 or a.width < 3 or a.jobs < 0:
+        p.error("--depths must be 1 or more, --budgets and --tokens positive, --width 3 or more (a parabola), "
+                "--jobs 0 (one per core) or more")
     os.makedirs(a.out, exist_ok=True)
     csv_path = os.path.join(a.out, f"{a.sweep}.csv")
     t = time.perf_counter()
@@ -610,23 +677,29 @@ def main(argv=None):
         shape = (a.batch, a.vocab_size, a.aspect_ratio, a.head_dim, a.seq_len)
         corpus = ["--data", stdlib_source(a.out)] if a.corpus == "stdlib-source" else []
         extra = [*corpus, "--weight-decay", str(a.weight_decay), *a.train_args.split()]
-        runner = train_runner(a.out, a.batch, min(16, a.batch // a.seq_len), *shape[1:], extra=extra,
-                              together=a.together, restart=argv is None)
+        kwargs = dict(out=a.out, batch=a.batch, device_batch_size=min(16, a.batch // a.seq_len), vocab_size=shape[1],
+                      aspect_ratio=shape[2], head_dim=shape[3], T=shape[4], extra=extra, together=a.together)
+        runner = train_runner(**kwargs, restart=argv is None)  # here: the tokenizer, trained once for every run
         import jax  # after train_runner, which joins a multi-host run
+        jobs = a.jobs or (len(os.sched_getaffinity(0)) if jax.default_backend() == "cpu" and not a.together else 1)
+        if jobs > 1 and jax.process_count() > 1:
+            p.error("--jobs is for one process: a multi-host sweep trains each run on every host")
         seeds, write = range(a.seed, a.seed + a.seeds), jax.process_index() == 0
-        if not (a.adaptive and a.sweep == "scale_c"):
-            run_sweep(plan(a.sweep, depths, budgets, tokens, *shape), csv_path, runner, seeds, write)
-        elif jax.process_count() > 1:
-            p.error("--adaptive is for one process: its choices follow from results only process 0 writes")
-        else:
-            import nanochat as nc
-            sizes = {}
-            for d in a.depths or range(1, 25):
-                with contextlib.suppress(ValueError):  # too narrow for this aspect ratio
-                    row = model_row(nc.config_for_depth(d, *shape[1:4], sequence_len=a.seq_len))
-                    sizes[d] = effective_params([row], a.params_convention)[0]
-            adaptive_sweep(budgets, csv_path, runner, lambda d, c: plan("scale_c", [d], [c], (), *shape)[0], sizes,
-                           seeds, width=a.width)
+        with worker_pool(jobs, **kwargs) if jobs > 1 else contextlib.nullcontext() as pool:
+            runner = _worker_run if pool else runner
+            if not (a.adaptive and a.sweep == "scale_c"):
+                run_sweep(plan(a.sweep, depths, budgets, tokens, *shape), csv_path, runner, seeds, write, pool)
+            elif jax.process_count() > 1:
+                p.error("--adaptive is for one process: its choices follow from results only process 0 writes")
+            else:
+                import nanochat as nc
+                sizes = {}
+                for d in a.depths or range(1, 25):
+                    with contextlib.suppress(ValueError):  # too narrow for this aspect ratio
+                        row = model_row(nc.config_for_depth(d, *shape[1:4], sequence_len=a.seq_len))
+                        sizes[d] = effective_params([row], a.params_convention)[0]
+                adaptive_sweep(budgets, csv_path, runner, lambda d, c: plan("scale_c", [d], [c], (), *shape)[0],
+                               sizes, seeds, width=a.width, pool=pool)
         if jax.process_index():
             return None  # process 0 writes, fits and plots
     rows = read_results(csv_path)

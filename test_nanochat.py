@@ -2769,6 +2769,23 @@ def test_isoflop_recovers_exponents():
     assert ci["ratio"][0] < iso["ratio"] < ci["ratio"][1]
 
 
+def test_isoflop_parametric_bootstrap():
+    """The fixed-design bootstrap: intervals around the truth, sigma near the noise put in, none without freedom."""
+    rows = chinchilla_rows()
+    iso = scaling.fit_isoflop(rows)
+    ci, sigma, dof = scaling.parametric_bootstrap(scaling.fit_isoflop, rows, iso["fitted"], iso["n_params"],
+                                                 ["a", "b"], n=100)
+    a_true = BETA0 / (ALPHA0 + BETA0)
+    assert inside(a_true, ci["a"]) and inside(1 - a_true, ci["b"]) and ci["a"][1] - ci["a"][0] < 0.1, ci
+    L = np.array([r["val_bpb"] for r in rows])
+    assert dof == 28 - 4 * 3 and 0.5 < sigma / (0.003 * L.mean()) < 2  # the noise put in (multiplicative, 0.3%)
+    three = [r for i, r in enumerate(rows) if i % 7 in (2, 3, 4)]  # 3 sizes per budget: a parabola each, exactly
+    iso = scaling.fit_isoflop(three)
+    np.testing.assert_allclose(iso["fitted"], [r["val_bpb"] for r in three])
+    ci, sigma, dof = scaling.parametric_bootstrap(scaling.fit_isoflop, three, iso["fitted"], iso["n_params"], ["a"])
+    assert dof == 0 and np.isnan(sigma) and np.isnan(ci["a"]).all()
+
+
 def test_chinchilla_fit_recovers_parameters():
     rows = chinchilla_rows()
     N, D, L = (np.array([r[k] for r in rows]) for k in ("params_total", "tokens_trained", "val_bpb"))
@@ -2780,6 +2797,12 @@ def test_chinchilla_fit_recovers_parameters():
     for k, true in (("alpha", ALPHA0), ("beta", BETA0), ("E", E0)):
         assert inside(true, ci[k]) and inside(fit[k], ci[k]), (k, fit[k], ci[k])
     assert abs(fit["alpha"] - ALPHA0) < 0.03 and abs(fit["beta"] - BETA0) < 0.03
+    pred = fit["E"] + fit["A"] / N ** fit["alpha"] + fit["B"] / D ** fit["beta"]  # analyze's intervals: multiplicative
+    ci, sigma, dof = scaling.parametric_bootstrap(refit, rows, pred, 5, ["alpha", "beta", "E"], 60, 0, log=True)
+    assert dof == 23 and 0.002 < sigma < 0.004  # the 0.3% noise the rows were drawn with
+    for k, true in (("alpha", ALPHA0), ("beta", BETA0), ("E", E0)):  # 90% intervals, 1.5x: about 98% under normality
+        lo, hi = ci[k]
+        assert inside(fit[k], ci[k]) and inside(true, (lo - (hi - lo) / 4, hi + (hi - lo) / 4)), (k, fit[k], ci[k])
 
 
 def test_chinchilla_fit_exact_on_noiseless_data():
@@ -2807,7 +2830,7 @@ def test_fits_are_deterministic():
 
 
 @pytest.mark.parametrize("flags", [["--depths", "0"], ["--budgets", "-1"], ["--sweep", "scale_d", "--tokens", "0"],
-                                   ["--adaptive", "--width", "2"]])
+                                   ["--adaptive", "--width", "2"], ["--jobs", "-1"]])
 def test_sweep_bad_sizes_are_refused(flags, tmp_path, capsys):
     with pytest.raises(SystemExit):
         scaling.main([*flags, "--out", str(tmp_path)])
@@ -2871,7 +2894,8 @@ def test_sweep_resume_skips_finished_runs(tmp_path):
     assert len(calls) == 14 and len(scaling.read_results(csv_path)) == 12
 
 
-def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path):
+@pytest.mark.parametrize("width", [3, 4])
+def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path, width):
     """On losses from known Chinchilla exponents: each budget's grid is centred on the running estimate of N*(C) and
     widened until its best run has a run on either side, whatever the first guess; a resumed sweep retrains
     nothing; the isoFLOP fit then recovers a."""
@@ -2891,14 +2915,14 @@ def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path):
 
     spec_of = lambda d, c: {"flops_budget": c, "depth": d, "model_dim": 16 * d, "num_iterations": 1}
     budgets = [1e15, 1e16, 1e17, 1e18]
-    rows = scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=3)
+    rows = scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=width)
     for c in budgets:
         here = sorted((r["depth"], r["val_bpb"]) for r in rows if r["flops_budget"] == c)
         best = min(range(len(here)), key=lambda i: here[i][1])
         assert 0 < best < len(here) - 1, (c, here)  # runs on both sides of the optimum
         assert len(here) <= 6  # the grid follows N*(C): it does not sweep every size
     n = len(calls)
-    assert scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=3) == rows and len(calls) == n
+    assert scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=width) == rows and len(calls) == n
     assert abs(scaling.fit_isoflop(rows)["a"] - BETA0 / (ALPHA0 + BETA0)) < 0.1
 
 
@@ -2917,14 +2941,17 @@ def test_stdlib_source_corpus(tmp_path):
 
 def test_tiny_real_sweep(tmp_path):
     def sweep(out, *depths, extra=()):
-        scaling.main(["--sweep", "scale_c", "--depths", *depths, "--budgets", "1.5e9", "--out", out, "--batch", "512",
-                      "--seq-len", "32", "--vocab-size", "300", "--aspect-ratio", "32", "--head-dim", "32", *extra,
-                      "--bootstrap", "5", "--train-args", "--tokenizer-max-chars 200000 --eval-steps 2 --compile-cache="])
+        scaling.main(["--sweep", "scale_c", "--no-adaptive", "--corpus", "docstrings", "--jobs", "1", "--depths",
+                      *depths, "--budgets", "1.5e9", "--out", out, "--batch", "512", "--seq-len", "32", "--vocab-size",
+                      "300", "--aspect-ratio", "32", "--head-dim", "32", *extra, "--bootstrap", "5", "--train-args",
+                      "--tokenizer-max-chars 200000 --eval-steps 2 --compile-cache="])
         return scaling.read_results(os.path.join(out, "scale_c.csv"))
 
     out = str(tmp_path / "res")
     rows = sweep(out, "1", "2")
     assert [r["depth"] for r in rows] == [1, 2] and all(np.isfinite(r["val_bpb"]) for r in rows)
+    both = sweep(str(tmp_path / "jobs"), "1", "2", extra=("--jobs", "2"))  # two worker processes, a core each
+    assert [(r["depth"], r["val_bpb"]) for r in both] == [(r["depth"], r["val_bpb"]) for r in rows]
     assert all(r["num_iterations"] >= 2 and r["tokens_trained"] == 512 * r["num_iterations"] for r in rows)
     ET.parse(os.path.join(out, "isoflop.svg"))
     mtime = os.path.getmtime(os.path.join(out, "scale_c.csv"))
