@@ -53,6 +53,7 @@ import json
 import math
 import multiprocessing
 import os
+import signal
 import sys
 import time
 import warnings
@@ -474,16 +475,29 @@ def worker_pool(jobs, **runner_kwargs):
     return concurrent.futures.ProcessPoolExecutor(jobs, ctx, initializer=_start_worker, initargs=(cores, runner_kwargs))
 
 
-_WORKER = {}  # a worker process's runner
+_WORKER = {"stopped": False}  # a worker process's runner, and whether it has seen a Ctrl-C
 
 
 def _start_worker(cores, runner_kwargs):
     os.sched_setaffinity(0, cores.get())
+    signal.signal(signal.SIGINT, _interrupted)  # outside a run's training loop, which saves first
     _WORKER["run"] = train_runner(**runner_kwargs)
 
 
+def _interrupted(*_):
+    _WORKER["stopped"] = True
+    raise KeyboardInterrupt
+
+
 def _worker_run(specs):
-    return _WORKER["run"](specs)
+    """The worker's runner on specs; after a Ctrl-C it starts none (the pool hands a worker its next one early)."""
+    if _WORKER["stopped"]:
+        raise KeyboardInterrupt("not started: the sweep was interrupted")
+    try:
+        return _WORKER["run"](specs)
+    except KeyboardInterrupt:
+        _WORKER["stopped"] = True
+        raise
 
 
 def train_together(args_list, tok):
@@ -685,7 +699,8 @@ def main(argv=None):
         if jobs > 1 and jax.process_count() > 1:
             p.error("--jobs is for one process: a multi-host sweep trains each run on every host")
         seeds, write = range(a.seed, a.seed + a.seeds), jax.process_index() == 0
-        with worker_pool(jobs, **kwargs) if jobs > 1 else contextlib.nullcontext() as pool:
+        pool = worker_pool(jobs, **kwargs) if jobs > 1 else None
+        try:
             runner = _worker_run if pool else runner
             if not (a.adaptive and a.sweep == "scale_c"):
                 run_sweep(plan(a.sweep, depths, budgets, tokens, *shape), csv_path, runner, seeds, write, pool)
@@ -700,6 +715,9 @@ def main(argv=None):
                         sizes[d] = effective_params([row], a.params_convention)[0]
                 adaptive_sweep(budgets, csv_path, runner, lambda d, c: plan("scale_c", [d], [c], (), *shape)[0],
                                sizes, seeds, width=a.width, pool=pool)
+        finally:  # on Ctrl-C (which every worker also gets, and saves its run) the queued runs never start
+            if pool:
+                pool.shutdown(cancel_futures=True)
         if jax.process_index():
             return None  # process 0 writes, fits and plots
     rows = read_results(csv_path)

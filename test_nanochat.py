@@ -2894,6 +2894,29 @@ def test_sweep_resume_skips_finished_runs(tmp_path):
     assert len(calls) == 14 and len(scaling.read_results(csv_path)) == 12
 
 
+def test_worker_starts_no_run_after_ctrl_c(monkeypatch):
+    """A --jobs worker interrupted in a run (which saved it) or between runs starts none of the runs queued to it."""
+    calls = []
+
+    def run(specs):
+        calls.append(specs)
+        if specs == ["a"]:
+            raise KeyboardInterrupt("interrupted: saved")
+        return ["row"]
+    monkeypatch.setattr(scaling, "_WORKER", {"stopped": False, "run": run})
+    assert scaling._worker_run(["b"]) == ["row"]
+    with pytest.raises(KeyboardInterrupt, match="saved"):
+        scaling._worker_run(["a"])
+    with pytest.raises(KeyboardInterrupt, match="not started"):
+        scaling._worker_run(["c"])
+    assert calls == [["b"], ["a"]]
+    monkeypatch.setattr(scaling, "_WORKER", {"stopped": False, "run": run})
+    with pytest.raises(KeyboardInterrupt):
+        scaling._interrupted()  # Ctrl-C between runs
+    with pytest.raises(KeyboardInterrupt, match="not started"):
+        scaling._worker_run(["d"])
+
+
 @pytest.mark.parametrize("width", [3, 4])
 def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path, width):
     """On losses from known Chinchilla exponents: each budget's grid is centred on the running estimate of N*(C) and
