@@ -192,9 +192,10 @@ def fit_chinchilla(N, D, L, starts=None, delta=1e-3):
     starts = chinchilla_starts() if starts is None else starts
     th, _ = fit_lse(np.log([N, D]), np.log(L), starts, delta)
     a, alpha, b, beta, e = th
-    with np.errstate(over="ignore"):  # a degenerate bootstrap resample can send A or B to infinity
+    with np.errstate(over="ignore", invalid="ignore"):  # a degenerate bootstrap resample can send A or B to infinity
         E, A, B = np.exp([e, a, b])
-    return {"E": E, "A": A, "alpha": alpha, "B": B, "beta": beta,
+        fitted = E + A / np.asarray(N, float) ** alpha + B / np.asarray(D, float) ** beta
+    return {"E": E, "A": A, "alpha": alpha, "B": B, "beta": beta, "fitted": fitted,
             "a": beta / (alpha + beta), "b": alpha / (alpha + beta), "theta": th}
 
 
@@ -220,10 +221,14 @@ def bootstrap(fit, rows, keys, n=200, seed=0, group=None):
         idx = [j for g in groups.values() for j in rng.choice(g, len(g))]
         res = fit([rows[j] for j in idx])
         samples.append([res[k] for k in keys])
-    s = np.array(samples, float)
+    return _intervals(samples, keys)
+
+
+def _intervals(samples, keys):
+    """{key: (5th, 95th percentile)} over the resampled fits' values (rows of samples, in keys' order)."""
     with warnings.catch_warnings():  # a fit undefined on this data (e.g. one budget) gives an all-NaN interval
         warnings.simplefilter("ignore", RuntimeWarning)
-        lo, hi = np.nanpercentile(s, [5, 95], axis=0)
+        lo, hi = np.nanpercentile(np.array(samples, float), [5, 95], axis=0)
     return {k: (l, h) for k, l, h in zip(keys, lo, hi)}
 
 def parametric_bootstrap(fit, rows, fitted, n_params, keys, n=200, seed=0, log=False):
@@ -241,10 +246,7 @@ def parametric_bootstrap(fit, rows, fitted, n_params, keys, n=200, seed=0, log=F
         e = rng.normal(0, sigma, len(rows))
         res = fit([dict(r, val_bpb=v) for r, v in zip(rows, fitted * np.exp(e) if log else fitted + e)])
         samples.append([res[k] for k in keys])
-    with warnings.catch_warnings():  # a fit undefined on this data (e.g. one budget) gives an all-NaN interval
-        warnings.simplefilter("ignore", RuntimeWarning)
-        lo, hi = np.nanpercentile(np.array(samples, float), [5, 95], axis=0)
-    return {k: (l, h) for k, l, h in zip(keys, lo, hi)}, sigma, dof
+    return _intervals(samples, keys), sigma, dof
 
 
 # ------------------------------------------------------------------------------------------------ SVG plots
@@ -576,9 +578,8 @@ def analyze_isoflop(rows, N, D, L, out, convention, n_boot, seed):
     cfit = lambda rs: fit_chinchilla(effective_params(rs, convention), [r["tokens_trained"] for r in rs],
                                      [r["val_bpb"] for r in rs], starts=ch["theta"][None])
     if ch:
-        cci, csigma, cdof = parametric_bootstrap(cfit, rows, ch["E"] + ch["A"] / N ** ch["alpha"] + ch["B"] /
-                                                 D ** ch["beta"], 5, ["alpha", "beta", "E", "a", "b"], n_boot, seed,
-                                                 log=True)
+        cci, csigma, cdof = parametric_bootstrap(cfit, rows, ch["fitted"], 5, ["alpha", "beta", "E", "a", "b"],
+                                                 n_boot, seed, log=True)
         print("  Chinchilla L(N, D) = E + A/N^alpha + B/D^beta (Huber in log space):")
         for k in ("alpha", "beta", "E", "a", "b"):
             print(_fmt(k if k not in "ab" else f"implied {k}", ch[k], cci[k]))
