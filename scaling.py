@@ -28,13 +28,15 @@
   by one (three seeds of d2 take 4.5x one seed's step time, of d6 3.0x: the vmapped backward pass is the cost),
   so it is off by default; it is for accelerators, where one tiny model leaves the chip idle.
 - The default scale_c: budgets 4e11 to 1.26e13 FLOPs (5, 1.5 decades), aspect ratio 12 and head_dim 12 (d2 = 23K
-  to d8 = 0.9M kaplan params), T = 128, vocab 384, 2,048 tokens per step, on the stdlib-source corpus.
+  to d8 = 0.9M kaplan params), T = 128, vocab 384, 2,048 tokens per step, on the python-source corpus.
   adaptive_sweep picks each budget's depths: --width (4) around the running estimate of N*(C), widened a depth at
   a time until the best run is inside. --no-adaptive trains every --depths at every budget instead.
 - --jobs (worker_pool): runs trained at once, each process on its share of the cores (default: one per core on a
   CPU), since one tiny model keeps about one core busy.
-- --corpus stdlib-source (default): the standard library's own source (~30M characters, stdlib_source), so that
-  no run reads a token twice (each row records the loader's data_epoch); docstrings: train.py's 2M-character one.
+- --corpus python-source (default): the standard library's source and the installed numpy's and jax's (~53M
+  characters, python_source); adaptive_sweep trains no run longer than one pass of the loader over it
+  (corpus_room), so no run reads a token twice (each row records the loader's data_epoch); docstrings: train.py's
+  2M-character corpus.
 - Weight decay: nanochat scales the Muon weight decay as 0.28 sqrt(B / 2^19) D_REF / D (calibrated at d12 with
   half-million-token batches). For the default sizes that is wd 1.6 (d8) to 65 (d2): Muon's lr * wd reaches 1.3,
   where a decay step shrinks a weight past zero. The sweep trains without it by default (--weight-decay 0.28
@@ -234,16 +236,18 @@ def _intervals(samples, keys):
 def parametric_bootstrap(fit, rows, fitted, n_params, keys, n=200, seed=0, log=False):
     """Percentile 90% intervals of fit(rows)[k] by the fixed-design bootstrap: every resample keeps every run, its
     val bpb the fitted value plus N(0, sigma^2) noise (times exp(noise) if log), sigma pooled from the fit's residuals
-    over len(rows) - n_params degrees of freedom (the seeds' spread included). Resampling the runs instead leaves a
-    budget of 3 or 4 sizes too few distinct sizes for its parabola in most resamples: that measures the resampling,
-    not the runs. Returns (intervals, sigma, degrees of freedom); NaN intervals where there are none."""
+    over len(rows) - n_params degrees of freedom (the seeds' spread included). A few degrees of freedom pin sigma
+    loosely, so each resample draws its own, sigma sqrt(dof / chi2(dof)) (its posterior: t-like intervals, not ones
+    that trust a lucky small sigma). Resampling the runs instead leaves a budget of 3 or 4 sizes too few distinct
+    sizes for its parabola in most resamples: that measures the resampling, not the runs. Returns (intervals, sigma,
+    degrees of freedom); NaN intervals where there are none."""
     L, dof = np.array([r["val_bpb"] for r in rows], float), len(rows) - n_params
     if dof < 1:
         return {k: (math.nan, math.nan) for k in keys}, math.nan, dof
     sigma = float(np.sqrt(np.sum((np.log(L / fitted) if log else L - fitted) ** 2) / dof))
     rng, samples = np.random.default_rng(seed), []
     for _ in range(n):
-        e = rng.normal(0, sigma, len(rows))
+        e = rng.normal(0, sigma * np.sqrt(dof / rng.chisquare(dof)), len(rows))
         res = fit([dict(r, val_bpb=v) for r, v in zip(rows, fitted * np.exp(e) if log else fitted + e)])
         samples.append([res[k] for k in keys])
     return _intervals(samples, keys), sigma, dof
@@ -364,14 +368,16 @@ def run_sweep(specs, csv_path, runner, seeds=(0,), write=True, pool=None):
     return read_results(csv_path)
 
 
-def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=True, width=4, pool=None):
+def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=True, width=4, pool=None, repeat=0):
     """scale_c with the grid chosen from the data: the budgets in increasing order, each trained at `width` depths
     around the running estimate of N*(C) (before any optimum: Chinchilla's D = 20 N; after one: N* ~ C^0.5 from it;
     after two or more: the isoFLOP fit's N* ~ C^a), extended a depth at a time while the best run (mean over seeds)
-    sits on an edge of its grid, so that every budget has runs on both sides of its optimum. The choices follow from
-    the CSV, so a resumed sweep makes the same ones. spec_of(depth, C) -> spec; sizes: {depth: N}, the candidates."""
-    depths = sorted(sizes)
-    for C in sorted(budgets):
+    sits on an edge of its grid, so that every budget has runs on both sides of its optimum. Then the `repeat` best
+    runs of every budget but the largest (which costs about as much as all the others) get one more seed, so that
+    the fits' residuals hold the seeds' spread. The choices follow from the CSV, so a resumed sweep makes the same
+    ones. spec_of(depth, C) -> spec, or None where the run would read past the corpus; sizes: {depth: N}."""
+    budgets, more = sorted(budgets), [max(seeds) + 1]
+    for C in budgets:
         before = [r for r in read_results(csv_path) if r["flops_budget"] < C * (1 - 1e-9)]
         optima = fit_isoflop(before)["optima"] if before else np.zeros((0, 5))
         if len(optima) >= 2:
@@ -379,12 +385,16 @@ def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=
             n_star = 10 ** (a * np.log10(C) + log_k)
         else:
             n_star = optima[-1, 1] * (C / optima[-1, 0]) ** 0.5 if len(optima) else (C / 120) ** 0.5  # C = 6 N 20 N
+        depths = [d for d in sorted(sizes) if spec_of(d, C)]  # the sizes whose run fits in the corpus
+        if len(depths) < width:
+            raise SystemExit(f"C = {C:.3g}: {len(depths)} sizes have runs that fit in the corpus, a grid needs {width}; "
+                             "give smaller --budgets or a larger corpus")
         centre = min(range(len(depths)), key=lambda i: abs(math.log(sizes[depths[i]] / n_star)))
         lo = max(0, min(centre - (width - 1) // 2, len(depths) - width))  # an even grid: one more above
         grid = depths[lo:lo + width]
         while True:
             rows = [r for r in run_sweep([spec_of(d, C) for d in grid], csv_path, runner, seeds, write, pool)
-                    if abs(r["flops_budget"] / C - 1) < 1e-6 and r["depth"] in grid]
+                    if abs(r["flops_budget"] / C - 1) < 1e-6 and r["depth"] in grid and int(r["seed"]) in seeds]
             bpb = {d: np.mean([r["val_bpb"] for r in rows if r["depth"] == d]) for d in grid}
             best, i = min(bpb, key=bpb.get), depths.index(grid[0])
             if best == grid[0] and i > 0:
@@ -393,21 +403,28 @@ def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=
                 grid.append(depths[depths.index(grid[-1]) + 1])
             else:
                 break
+        if best == grid[0] and min(sizes) < best:
+            print(f"C = {C:.3g}: the best run, d{best}, is the smallest whose tokens fit in the corpus; its optimum "
+                  "lies at the grid's edge (give a larger corpus or smaller --budgets)", flush=True)
+        if C < budgets[-1] and repeat:
+            run_sweep([spec_of(d, C) for d in sorted(bpb, key=bpb.get)[:repeat]], csv_path, runner, more, write, pool)
     return read_results(csv_path)
 
 
-def stdlib_source(out, min_chars=100, max_chars=250):
-    """The scaling corpus, written once to out/stdlib_source.jsonl: this Python's standard library source (its .py
-    files, tests included, ~30M characters: the default corpus's docstrings are inside it, so it replaces that corpus
-    rather than joining it), cut at blank lines into documents of min_chars to max_chars (about one 128-token row:
-    best-fit packing crops what does not fit), exact repeats dropped. Offline and the same on every machine with the
-    same Python; a sweep's runs then read each token at most once."""
+def python_source(out, min_chars=100, max_chars=250):
+    """The scaling corpus, written once to out/python_source.jsonl: this Python's standard library source and the
+    source of the numpy and jax it runs on (their .py files, tests included, ~53M characters: the default corpus's
+    docstrings are inside it, so it replaces that corpus rather than joining it), cut at blank lines into documents
+    of min_chars to max_chars (about one 128-token row), exact repeats dropped. Offline and the same on every machine
+    with the same Python and requirements.txt; a sweep's runs then read each token at most once."""
     import sysconfig
-    path = os.path.join(out, "stdlib_source.jsonl")
+    import jax
+    path = os.path.join(out, "python_source.jsonl")
     if os.path.isfile(path):
         return path
-    root, docs = sysconfig.get_paths()["stdlib"], {}
-    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) if "site-packages" not in d
+    stdlib, docs = sysconfig.get_paths()["stdlib"], {}
+    files = sorted(os.path.join(d, f) for root in (stdlib, os.path.dirname(np.__file__), os.path.dirname(jax.__file__))
+                   for d, _, fs in os.walk(root) if root != stdlib or "site-packages" not in d
                    for f in fs if f.endswith(".py"))
     for name in files:
         doc, n = [], 0
@@ -424,6 +441,16 @@ def stdlib_source(out, min_chars=100, max_chars=250):
         f.writelines(json.dumps({"text": docs[i]}) + "\n" for i in np.random.default_rng(0).permutation(len(docs)))
     os.replace(path + ".tmp", path)
     return path
+
+
+def corpus_room(tok, paths, B, T):
+    """Tokens a run can train on before train.py's loader (paths as its --data, B rows of T + 1 tokens a batch)
+    reads a document a second time: one pass of the loader, counted. Best-fit packing crops what does not fit in a
+    row and drops the rest (a third of the python-source corpus at T = 128), so the corpus's token count overstates it."""
+    import data
+    for n, (_, _, state) in enumerate(data.pretrain_batches(tok, data.corpus(paths, "train"), B, T)):
+        if state["epoch"] > 0:  # this batch's buffer holds the first documents again; the batches before it do not
+            return n * B * T
 
 
 def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_ratio=12, head_dim=12, T=128,
@@ -554,6 +581,8 @@ def analyze(sweep, rows, out, convention="kaplan", n_boot=200, seed=0):
     D, L = (np.array([r[k] for r in rows], float) for k in ("tokens_trained", "val_bpb"))
     unit = {"kaplan": "transformer matrices + lm_head", "total": "all params", "transformer": "transformer only"}
     print(f"{sweep}: {len(rows)} runs, N = {unit[convention]} ({convention}), D = tokens trained")
+    if twice := sum(r.get("data_epoch", 0) > 0 for r in rows):
+        print(f"  ({twice} of them read part of the corpus twice: data_epoch > 0 in the CSV)")
     fit = analyze_isoflop if sweep == "scale_c" else functools.partial(analyze_power, sweep)
     return fit(rows, N, D, L, out, convention, n_boot, seed)
 
@@ -653,9 +682,11 @@ def main(argv=None):
                    "of N*(C), widening the grid until the optimum is inside it (adaptive_sweep); --no-adaptive: "
                    "every depth at every budget")
     p.add_argument("--width", type=int, default=4, help="--adaptive: depths per budget before any widening")
-    p.add_argument("--corpus", default="stdlib-source", choices=["docstrings", "stdlib-source"],
-                   help="docstrings: train.py's default corpus (2M chars); stdlib-source: the standard library's "
-                   "source (30M chars), so that large budgets never read a token twice")
+    p.add_argument("--repeat", type=int, default=2, help="--adaptive: the best runs of every budget but the largest "
+                   "trained with one more seed, so that the intervals hold the seeds' spread")
+    p.add_argument("--corpus", default="python-source", choices=["docstrings", "python-source"],
+                   help="docstrings: train.py's default corpus (2M chars); python-source: the standard library's, "
+                   "numpy's and jax's source (53M chars), so that large budgets never read a token twice")
     p.add_argument("--budgets", type=float, nargs="*", help="scale_c: training FLOP budgets C")
     p.add_argument("--tokens", type=float, nargs="*", help="scale_n / scale_d: tokens per run")
     p.add_argument("--seed", type=int, default=0, help="training seed (init, data order) and bootstrap seed")
@@ -682,15 +713,15 @@ def main(argv=None):
     depths, budgets, tokens = a.depths or d["depths"], a.budgets or d["budgets"], a.tokens or d["tokens"]
     if a.sweep == "scale_c" and not budgets or a.sweep != "scale_c" and not tokens:
         p.error(f"--sweep {a.sweep} needs {'--budgets' if a.sweep == 'scale_c' else '--tokens'}")
-    if min(depths) < 1 or min(budgets + tokens) <= 0 or a.width < 3 or a.jobs < 0:
+    if min(depths) < 1 or min(budgets + tokens) <= 0 or a.width < 3 or a.jobs < 0 or a.repeat < 0:
         p.error("--depths must be 1 or more, --budgets and --tokens positive, --width 3 or more (a parabola), "
-                "--jobs 0 (one per core) or more")
+                "--jobs and --repeat 0 or more")
     os.makedirs(a.out, exist_ok=True)
     csv_path = os.path.join(a.out, f"{a.sweep}.csv")
     t = time.perf_counter()
     if not a.fit_only:
         shape = (a.batch, a.vocab_size, a.aspect_ratio, a.head_dim, a.seq_len)
-        corpus = ["--data", stdlib_source(a.out)] if a.corpus == "stdlib-source" else []
+        corpus = ["--data", python_source(a.out)] if a.corpus == "python-source" else []
         extra = [*corpus, "--weight-decay", str(a.weight_decay), *a.train_args.split()]
         kwargs = dict(out=a.out, batch=a.batch, device_batch_size=min(16, a.batch // a.seq_len), vocab_size=shape[1],
                       aspect_ratio=shape[2], head_dim=shape[3], T=shape[4], extra=extra, together=a.together)
@@ -708,14 +739,22 @@ def main(argv=None):
             elif jax.process_count() > 1:
                 p.error("--adaptive is for one process: its choices follow from results only process 0 writes")
             else:
+                import data
                 import nanochat as nc
                 sizes = {}
                 for d in a.depths or range(1, 25):
                     with contextlib.suppress(ValueError):  # too narrow for this aspect ratio
                         row = model_row(nc.config_for_depth(d, *shape[1:4], sequence_len=a.seq_len))
                         sizes[d] = effective_params([row], a.params_convention)[0]
-                adaptive_sweep(budgets, csv_path, runner, lambda d, c: plan("scale_c", [d], [c], (), *shape)[0],
-                               sizes, seeds, width=a.width, pool=pool)
+                tok = data.Tokenizer.load(os.path.join(a.out, "tokenizer.json"))  # train_runner's
+                room = corpus_room(tok, corpus[1:], kwargs["device_batch_size"], a.seq_len)
+                print(f"corpus: {room / 1e6:.1f}M tokens to train on before any repeats", flush=True)
+
+                def spec_of(d, c):  # None where the run would read past the corpus
+                    spec = plan("scale_c", [d], [c], (), *shape)[0]
+                    return spec if spec["num_iterations"] * a.batch <= room else None
+                adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds, width=a.width, pool=pool,
+                               repeat=a.repeat)
         finally:  # on Ctrl-C (which every worker also gets, and saves its run) the queued runs never start
             if pool:
                 pool.shutdown(cancel_futures=True)

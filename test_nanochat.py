@@ -2830,7 +2830,7 @@ def test_fits_are_deterministic():
 
 
 @pytest.mark.parametrize("flags", [["--depths", "0"], ["--budgets", "-1"], ["--sweep", "scale_d", "--tokens", "0"],
-                                   ["--adaptive", "--width", "2"], ["--jobs", "-1"]])
+                                   ["--adaptive", "--width", "2"], ["--jobs", "-1"], ["--repeat", "-1"]])
 def test_sweep_bad_sizes_are_refused(flags, tmp_path, capsys):
     with pytest.raises(SystemExit):
         scaling.main([*flags, "--out", str(tmp_path)])
@@ -2947,16 +2947,54 @@ def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path, width):
     n = len(calls)
     assert scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=width) == rows and len(calls) == n
     assert abs(scaling.fit_isoflop(rows)["a"] - BETA0 / (ALPHA0 + BETA0)) < 0.1
+    more = scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=width, repeat=2)  # a second seed:
+    for c in budgets:  # at the two best sizes of every budget but the largest, and nothing else trained again
+        here = {r["depth"]: r["val_bpb"] for r in rows if r["flops_budget"] == c}
+        again = sorted(r["depth"] for r in more if r["flops_budget"] == c and r["seed"] == 1)
+        assert again == (sorted(sorted(here, key=here.get)[:2]) if c < budgets[-1] else [])
+    assert len(calls) == n + 2 * (len(budgets) - 1) and more[:len(rows)] == rows
 
 
-def test_stdlib_source_corpus(tmp_path):
-    path = scaling.stdlib_source(str(tmp_path))
+def test_adaptive_sweep_never_reads_past_the_corpus(tmp_path, capsys):
+    """A run whose tokens the corpus does not hold is never trained: the grid stops at the smallest size that fits,
+    and the sweep says its optimum lies on the edge."""
+    sizes = {d: 3000.0 * d**3 for d in range(2, 80)}
+    fake = lambda specs: [{"depth": s["depth"], "params_transformer": sizes[s["depth"]], "params_lm_head": 0.0,
+                           "tokens_trained": s["tokens"], "val_bpb": s["depth"] / 100} for s in specs]  # smaller: better
+    tokens = lambda d, c: c / (6 * sizes[d])
+    spec_of = lambda d, c: {"flops_budget": c, "depth": d, "model_dim": d, "num_iterations": 1,
+                            "tokens": tokens(d, c)} if tokens(d, c) <= 1e6 else None
+    rows = scaling.adaptive_sweep([1e15], str(tmp_path / "scale_c.csv"), fake, spec_of, sizes)
+    fits = [d for d in sizes if tokens(d, 1e15) <= 1e6]
+    assert max(r["tokens_trained"] for r in rows) <= 1e6 and min(r["depth"] for r in rows) == min(fits) > 2
+    assert "is the smallest whose tokens fit in the corpus" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="3 sizes have runs that fit in the corpus, a grid needs 4"):
+        scaling.adaptive_sweep([1e15], str(tmp_path / "small.csv"), fake, spec_of, {d: sizes[d] for d in range(2, 42)})
+
+
+def test_corpus_room_is_what_a_run_reads_once(tmp_path):
+    """corpus_room is exact: a run of room / batch steps reads every token at most once (data_epoch 0), one step more
+    reads the corpus's first documents again."""
+    path = tmp_path / "docs.jsonl"
+    rng = np.random.default_rng(0)
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(["spam", "eggs", "ham", "x = 1"], n))}) + "\n"
+                            for n in rng.integers(3, 12, 3000)))  # more documents than the loader's buffer holds
+    runner = scaling.train_runner(str(tmp_path), batch=128, device_batch_size=4, vocab_size=270, aspect_ratio=32,
+                                  head_dim=32, T=32, eval_steps=1, extra=["--data", str(path), "--compile-cache="])
+    room = scaling.corpus_room(data.Tokenizer.load(str(tmp_path / "tokenizer.json")), [str(path)], 4, 32)
+    steps = room // 128
+    rows = runner([{"depth": 1, "num_iterations": n, "seed": 0} for n in (steps, steps + 1)])
+    assert steps > 10 and [r["data_epoch"] for r in rows] == [0, 1]
+
+
+def test_python_source_corpus(tmp_path):
+    path = scaling.python_source(str(tmp_path))
     docs = [json.loads(line)["text"] for line in open(path)]
-    assert len(docs) > 50_000 and sum(map(len, docs)) > 20_000_000  # this Python's own source, offline
+    assert len(docs) > 150_000 and sum(map(len, docs)) > 45_000_000  # this Python's, numpy's and jax's source
     assert len(set(docs)) == len(docs) and all(docs)  # repeats dropped
     assert np.percentile([len(d) for d in docs], 90) < 400  # about one 128-token row each
     mtime = os.path.getmtime(path)
-    assert scaling.stdlib_source(str(tmp_path)) == path and os.path.getmtime(path) == mtime  # written once
+    assert scaling.python_source(str(tmp_path)) == path and os.path.getmtime(path) == mtime  # written once
     train_docs = list(itertools.islice(data.corpus([path], "train")(0), 2000))
     val_docs = list(itertools.islice(data.corpus([path], "val")(0), 100))
     assert train_docs[0] == docs[0] and not set(train_docs) & set(val_docs)
