@@ -21,8 +21,9 @@
   is a batched Levenberg-Marquardt on the Huber's IRLS weights (every start at once); a = beta / (alpha + beta).
   The same machinery fits L(N) = E + A N^-alpha (scale_n) and L(D) = E + B D^-beta (scale_d).
 - 90% intervals: the isoFLOP and Chinchilla fits by the fixed-design bootstrap (parametric_bootstrap: every run
-  kept, its bpb redrawn around the fit with the residuals' spread, which with --seeds N includes the seeds'); the
-  scale_n / scale_d fits by resampling runs.
+  kept, its bpb redrawn around the fit with the residuals' spread, which includes the seeds' where runs repeat:
+  --repeat, the default sweep's second seed at each budget's two best depths, or --seeds N); the scale_n /
+  scale_d fits by resampling runs.
 - --together trains a run's seeds as one program (`train_together`: params, optimizer states and data streams
   stacked, the train step vmapped; tested equal to the runs one by one). On the 2-core CPU it is slower than one
   by one (three seeds of d2 take 4.5x one seed's step time, of d6 3.0x: the vmapped backward pass is the cost),
