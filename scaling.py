@@ -34,7 +34,7 @@
   a time until the best run is inside. --no-adaptive trains every --depths at every budget instead.
 - --jobs (worker_pool): runs trained at once, each process on its share of the cores (default: one per core on a
   CPU), since one tiny model keeps about one core busy.
-- --corpus python-source (default): the standard library's source and the installed numpy's and jax's (~53M
+- --corpus python-source (default): the standard library's source and the installed numpy's and jax's (~49M
   characters, python_source); adaptive_sweep trains no run longer than one pass of the loader over it
   (corpus_room), so no run reads a token twice (each row records the loader's data_epoch); docstrings: train.py's
   2M-character corpus.
@@ -414,7 +414,7 @@ def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=
 
 def python_source(out, min_chars=100, max_chars=250):
     """The scaling corpus, written once to out/python_source.jsonl: this Python's standard library source and the
-    source of the numpy and jax it runs on (their .py files, tests included, ~53M characters: the default corpus's
+    source of the numpy and jax it runs on (their .py files, tests included, ~49M characters: the default corpus's
     docstrings are inside it, so it replaces that corpus rather than joining it), cut at blank lines into documents
     of min_chars to max_chars (about one 128-token row), exact repeats dropped. Offline and the same on every machine
     with the same Python and requirements.txt; a sweep's runs then read each token at most once."""
@@ -687,7 +687,7 @@ def main(argv=None):
                    "trained with one more seed, so that the intervals hold the seeds' spread")
     p.add_argument("--corpus", default="python-source", choices=["docstrings", "python-source"],
                    help="docstrings: train.py's default corpus (2M chars); python-source: the standard library's, "
-                   "numpy's and jax's source (53M chars), so that large budgets never read a token twice")
+                   "numpy's and jax's source (49M chars), so that large budgets never read a token twice")
     p.add_argument("--budgets", type=float, nargs="*", help="scale_c: training FLOP budgets C")
     p.add_argument("--tokens", type=float, nargs="*", help="scale_n / scale_d: tokens per run")
     p.add_argument("--seed", type=int, default=0, help="training seed (init, data order) and bootstrap seed")
