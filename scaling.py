@@ -388,8 +388,8 @@ def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=
             n_star = optima[-1, 1] * (C / optima[-1, 0]) ** 0.5 if len(optima) else (C / 120) ** 0.5  # C = 6 N 20 N
         depths = [d for d in sorted(sizes) if spec_of(d, C)]  # the sizes whose run fits in the corpus
         if len(depths) < width:
-            raise SystemExit(f"C = {C:.3g}: {len(depths)} sizes have runs that fit in the corpus, a grid needs {width}; "
-                             "give smaller --budgets or a larger corpus")
+            raise SystemExit(f"C = {C:.3g}: {len(depths)} sizes have runs that fit in the corpus, a grid needs "
+                             f"{width}; give smaller --budgets or a larger corpus")
         centre = min(range(len(depths)), key=lambda i: abs(math.log(sizes[depths[i]] / n_star)))
         lo = max(0, min(centre - (width - 1) // 2, len(depths) - width))  # an even grid: one more above
         grid = depths[lo:lo + width]
@@ -404,7 +404,7 @@ def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=
                 grid.append(depths[depths.index(grid[-1]) + 1])
             else:
                 break
-        if best == grid[0] and min(sizes) < best:
+        if best == depths[0] != min(sizes):  # smaller sizes exist, but their runs do not fit
             print(f"C = {C:.3g}: the best run, d{best}, is the smallest whose tokens fit in the corpus; its optimum "
                   "lies at the grid's edge (give a larger corpus or smaller --budgets)", flush=True)
         if C < budgets[-1] and repeat:
@@ -447,7 +447,8 @@ def python_source(out, min_chars=100, max_chars=250):
 def corpus_room(tok, paths, B, T):
     """Tokens a run can train on before train.py's loader (paths as its --data, B rows of T + 1 tokens a batch)
     reads a document a second time: one pass of the loader, counted. Best-fit packing crops what does not fit in a
-    row and drops the rest (a third of the python-source corpus at T = 128), so the corpus's token count overstates it."""
+    row and drops the rest (a third of the standard library's source at T = 128), so a corpus's token count
+    overstates it."""
     import data
     for n, (_, _, state) in enumerate(data.pretrain_batches(tok, data.corpus(paths, "train"), B, T)):
         if state["epoch"] > 0:  # this batch's buffer holds the first documents again; the batches before it do not
