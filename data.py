@@ -346,7 +346,8 @@ def _best_fit(items, encode, B, T, state, buffer_size, pad, bos):
             found[key] = encode(item)
     if len(found) < len(wanted):
         raise ValueError("the corpus changed since this loader state was saved; resume with the same data and seed")
-    buffer, stream, cap = [(k, *found[k]) for k in keys], _stream(items, *nxt), T + 1
+    buffer, stream, cap = [(list(k), *found[k]) for k in keys], _stream(items, *nxt), T + 1  # keys as the state's
+    lens = np.array([len(e[1]) for e in buffer], np.int64)  # the buffered documents' lengths, kept alongside
     while True:
         rows, masks = np.full((B, cap), bos, np.int32), np.zeros((B, cap), np.int8)
         for b in range(B):
@@ -354,9 +355,9 @@ def _best_fit(items, encode, B, T, state, buffer_size, pad, bos):
             while pos < cap:
                 while len(buffer) < buffer_size:
                     key, item = next(stream)
-                    buffer.append((key, *encode(item)))
+                    buffer.append((list(key), *encode(item)))
+                    lens = np.append(lens, len(buffer[-1][1]))
                     nxt = (key[0], key[1] + 1)
-                lens = np.array([len(e[1]) for e in buffer])
                 fits = np.where(lens <= cap - pos, lens, 0)
                 if fits.any():
                     j = int(fits.argmax())  # the largest that fits; ties go to the first, as in nanochat's scan
@@ -364,12 +365,12 @@ def _best_fit(items, encode, B, T, state, buffer_size, pad, bos):
                     break  # SFT: the rest of the row stays BOS with mask 0
                 else:
                     j = int(lens.argmin())  # nothing fits: crop the shortest and drop its tail
-                _, ids, mask = buffer.pop(j)
+                (_, ids, mask), lens = buffer.pop(j), np.delete(lens, j)
                 n = min(len(ids), cap - pos)
                 rows[b, pos:pos + n], masks[b, pos:pos + n] = ids[:n], mask[:n]
                 dropped += len(ids) - n
                 pos += n
-        yield rows, masks, {"epoch": nxt[0], "index": nxt[1], "buffer": [list(e[0]) for e in buffer],
+        yield rows, masks, {"epoch": nxt[0], "index": nxt[1], "buffer": [e[0] for e in buffer],
                             "dropped": dropped}
 
 
