@@ -259,9 +259,9 @@ def splash_attention(q, k, v, window):
 
 def causal_attention(q, k, v, window, impl="auto", block=None):
     """attend() over positions 0..T-1 (training) by the route `attention_route` picks, all to the same numbers: on a
-    CPU, `attend_cpu` on blocks of 128 queries (64 up to T = 128, so that short rows skip a quarter of their scores:
-    6-11% off a scaling sweep's d5-d8 step), each over only the keys from its window's start to its own end (fully
-    masked key blocks are never computed); cuDNN or splash attention on accelerators (tested against attend)."""
+    CPU, `attend_cpu` on blocks of 128 queries (64 up to T = 128, so that short rows also skip a quarter of their
+    scores), each over only the keys from its window's start to its own end (fully masked key blocks are never
+    computed); cuDNN or splash attention on accelerators (tested against attend)."""
     route = attention_route(impl, jax.default_backend(), q.dtype, q.shape[1], q.shape[-1])
     if route in ("cudnn", "xla"):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window, 0),

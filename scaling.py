@@ -406,9 +406,11 @@ def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=
                 grid.append(depths[depths.index(grid[-1]) + 1])
             else:
                 break
-        if best == depths[0] != min(sizes):  # smaller sizes exist, but their runs do not fit
-            print(f"C = {C:.3g}: the best run, d{best}, is the smallest whose tokens fit in the corpus; its optimum "
-                  "lies at the grid's edge (give a larger corpus or smaller --budgets)", flush=True)
+        if best == depths[0]:  # no smaller size to widen to
+            why = ("is the smallest model there is; its optimum may lie at the grid's edge (give larger --budgets)"
+                   if best == min(sizes) else "is the smallest whose tokens fit in the corpus; its optimum may lie at "
+                   "the grid's edge (give a larger corpus or smaller --budgets)")
+            print(f"C = {C:.3g}: the best run, d{best}, {why}", flush=True)
         if C <= budgets[-1] / 10 * (1 + 1e-9) and repeat:
             run_sweep([spec_of(d, C) for d in sorted(bpb, key=bpb.get)[:repeat]], csv_path, runner, more, write, pool)
     return read_results(csv_path)

@@ -2958,17 +2958,19 @@ def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path, width):
 
 def test_adaptive_sweep_never_reads_past_the_corpus(tmp_path, capsys):
     """A run whose tokens the corpus does not hold is never trained: the grid stops at the smallest size that fits,
-    and the sweep says its optimum lies on the edge."""
+    and the sweep says its optimum may lie on the edge, as it does when the best run is the smallest size there is."""
     sizes = {d: 3000.0 * d**3 for d in range(2, 80)}
     fake = lambda specs: [{"depth": s["depth"], "params_transformer": sizes[s["depth"]], "params_lm_head": 0.0,
                            "tokens_trained": s["tokens"], "val_bpb": s["depth"] / 100} for s in specs]  # smaller: better
     tokens = lambda d, c: c / (6 * sizes[d])
-    spec_of = lambda d, c: {"flops_budget": c, "depth": d, "model_dim": d, "num_iterations": 1,
-                            "tokens": tokens(d, c)} if tokens(d, c) <= 1e6 else None
+    every = lambda d, c: {"flops_budget": c, "depth": d, "model_dim": d, "num_iterations": 1, "tokens": tokens(d, c)}
+    spec_of = lambda d, c: every(d, c) if tokens(d, c) <= 1e6 else None
     rows = scaling.adaptive_sweep([1e15], str(tmp_path / "scale_c.csv"), fake, spec_of, sizes)
     fits = [d for d in sizes if tokens(d, 1e15) <= 1e6]
     assert max(r["tokens_trained"] for r in rows) <= 1e6 and min(r["depth"] for r in rows) == min(fits) > 2
     assert "is the smallest whose tokens fit in the corpus" in capsys.readouterr().out
+    scaling.adaptive_sweep([1e15], str(tmp_path / "all.csv"), fake, every, sizes)  # every size fits: the best is d2
+    assert "the best run, d2, is the smallest model there is" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="3 sizes have runs that fit in the corpus, a grid needs 4"):
         scaling.adaptive_sweep([1e15], str(tmp_path / "small.csv"), fake, spec_of, {d: sizes[d] for d in range(2, 42)})
 
