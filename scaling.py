@@ -377,8 +377,9 @@ def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=
     after two or more: the isoFLOP fit's N* ~ C^a), extended a depth at a time while the best run (mean over seeds)
     sits on an edge of its grid, so that every budget has runs on both sides of its optimum. Then the `repeat` best
     runs of every budget up to a tenth of the largest get one more seed, so that the fits' residuals hold the seeds'
-    spread, measured where runs are cheap (the larger budgets cost most of a sweep). The choices follow from the CSV, so a resumed sweep makes the same
-    ones. spec_of(depth, C) -> spec, or None where the run would read past the corpus; sizes: {depth: N}."""
+    spread, measured where runs are cheap (the larger budgets cost most of a sweep). The choices follow from the
+    CSV, so a resumed sweep makes the same ones. spec_of(depth, C) -> spec, or None where the run would read past the
+    corpus; sizes: {depth: N}."""
     budgets, more = sorted(budgets), [max(seeds) + 1]
     for C in budgets:
         before = [r for r in read_results(csv_path) if r["flops_budget"] < C * (1 - 1e-9)]
