@@ -346,8 +346,9 @@ def _best_fit(items, encode, B, T, state, buffer_size, pad, bos):
             found[key] = encode(item)
     if len(found) < len(wanted):
         raise ValueError("the corpus changed since this loader state was saved; resume with the same data and seed")
-    buffer, stream, cap = [(list(k), *found[k]) for k in keys], _stream(items, *nxt), T + 1  # keys as the state's
-    lens = np.array([len(e[1]) for e in buffer], np.int64)  # the buffered documents' lengths, kept alongside
+    # keys as lists, which the yielded states share; lens mirrors the buffered documents' lengths
+    buffer, stream, cap = [(list(k), *found[k]) for k in keys], _stream(items, *nxt), T + 1
+    lens = np.array([len(e[1]) for e in buffer], np.int64)
     while True:
         rows, masks = np.full((B, cap), bos, np.int32), np.zeros((B, cap), np.int8)
         for b in range(B):
