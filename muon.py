@@ -19,6 +19,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 POLAR_EXPRESS = (  # (a, b, c) per iteration: X <- aX + (bA + cA^2)X, A = XX^T
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -36,9 +37,11 @@ def second_moment_shape(w):
 
 
 def init(params, labels, groups):
-    """Optimizer state: a step counter, first moments like params, second moments (factored for Muon leaves)."""
-    second = lambda w, label: jnp.zeros(second_moment_shape(w) if groups[label]["kind"] == "muon" else w.shape)
-    return {"step": jnp.zeros((), jnp.int32), "mom": jax.tree.map(jnp.zeros_like, params),
+    """Optimizer state: a step counter, first moments like params, second moments (factored for Muon leaves). Host
+    zeros, which jit takes as they are: jnp.zeros would compile a device op for every shape."""
+    second = lambda w, label: np.zeros(second_moment_shape(w) if groups[label]["kind"] == "muon" else w.shape,
+                                       np.float32)
+    return {"step": np.zeros((), np.int32), "mom": jax.tree.map(lambda w: np.zeros(w.shape, w.dtype), params),
             "var": jax.tree.map(second, params, labels)}
 
 
