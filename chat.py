@@ -17,7 +17,8 @@
   sends each reply back as its parts, and drops the oldest turns (saying so) when a conversation outgrows the context.
   GET /v1/models, POST /v1/chat/completions (stream, n, stop, temperature, top_p, top_k, seed, logprobs and
   top_logprobs, max_tokens) follow OpenAI's API, errors included (an unknown model is a 404), so its clients work
-  unchanged; our additions: a message's (or a stream delta's) `parts`, the model's `context_length`, GET /health.
+  unchanged; our additions: a message's (or a stream delta's) `parts`, the model's `context_length` and
+  default `max_tokens` (-m), GET /health.
   One lock around the model: requests queue, streams never interleave, a client that disconnects stops its
   generation. At start-up `warm_up` compiles every shape a request can take (sampling settings are traced values),
   so no request compiles; a stalled client holds a thread only until a timeout, and connections are capped.
@@ -439,9 +440,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._error(refused.status, str(refused), refused.code)
         elif path == "/":
             self._send(200, "text/html; charset=utf-8", self.server.page)
-        elif path == "/v1/models":  # context_length: our addition, for clients (the page) that fit conversations
+        elif path == "/v1/models":  # context_length, max_tokens (the default reply): ours, for the page to fit turns
             self._json(200, {"object": "list", "data": [{"id": self.server.name, "object": "model", "owned_by":
-                             "nanochat", "created": self.server.created, "context_length": cfg.sequence_len}]})
+                             "nanochat", "created": self.server.created, "context_length": cfg.sequence_len,
+                             "max_tokens": self.server.defaults["max_tokens"]}]})
         elif path == "/health":
             self._json(200, {"status": "ok", "model": self.server.name, "compiled": self.server.compiled.is_set()})
         else:

@@ -2375,7 +2375,7 @@ def test_api_completion_and_models(server, chat_model):
     assert r["usage"] == {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
     status, _, body = request(server, "GET", "/v1/models")
     assert status == 200 and json.loads(body)["data"][0]["id"] == "nanochat"
-    assert json.loads(body)["data"][0]["context_length"] == 256
+    assert json.loads(body)["data"][0]["context_length"] == 256 and json.loads(body)["data"][0]["max_tokens"] == 32
     assert json.loads(request(server, "GET", "/health")[2])["status"] == "ok"
     status, ctype, body = request(server, "GET", "/?q=hi")
     assert status == 200 and ctype.startswith("text/html") and "<textarea" in body and "/v1/chat/completions" in body
@@ -2681,7 +2681,7 @@ def test_browser_streams_a_reply(server, chat_model, tmp_path):
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.skip("no chromium binary (apt-get install -y chromium)")
-    reply = expected_reply(chat_model, HI, 128)[0]  # greedy (the server's default here), half the context
+    reply = expected_reply(chat_model, HI, 32)[0]  # greedy, the server's -m (below half the context)
     assert request(server, "POST", "/v1/chat/completions", {"messages": HI, "stream": True})[0] == 200  # compiled
     url = f"http://127.0.0.1:{server.server_address[1]}/?q=hello"  # the page sends q as the first message
     done = """new Promise(resolve => { const poll = setInterval(() => {  // the reply is finished when "typing" is gone
@@ -2708,6 +2708,7 @@ def test_browser_holds_a_conversation(server, monkeypatch, tmp_path):
         yield from (([t] * num_samples, [1] * num_samples) for t in reply)
 
     monkeypatch.setattr(nc, "generate", generate)
+    monkeypatch.setitem(server.defaults, "max_tokens", 512)  # -m over half the context: the page asks for 128
     talk = """(async () => {
       for (let i = 1; i <= 5; i++) {
         input.value = `What is 6 times 7? (${i})`;
