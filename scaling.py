@@ -762,6 +762,9 @@ def main(argv=None):
                     return spec if spec["num_iterations"] * a.batch <= room else None
                 adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds, width=a.width, pool=pool,
                                repeat=a.repeat)
+        except KeyboardInterrupt:  # a run's "continue with --resume" is for train.py: the sweep resumes its runs
+            raise KeyboardInterrupt("interrupted: the runs in progress saved a checkpoint; the same command resumes "
+                                    "the sweep") from None
         finally:  # on Ctrl-C (which every worker also gets, and saves its run) the queued runs never start
             if pool:
                 pool.shutdown(cancel_futures=True)
@@ -780,3 +783,5 @@ if __name__ == "__main__":
         main()
     except (ValueError, FileNotFoundError, ImportError) as e:  # bad input (a path, a size): one line, no traceback
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt as e:  # Ctrl-C: where to go on from
+        sys.exit(str(e) or "interrupted")

@@ -2919,6 +2919,18 @@ def test_worker_starts_no_run_after_ctrl_c(monkeypatch):
         scaling._worker_run(["d"])
 
 
+def test_sweep_ctrl_c_says_how_to_resume(monkeypatch, tmp_path):
+    """Ctrl-C in a sweep's run (which saved it) ends the sweep with one line that says to run the same command again,
+    not the run's own `--resume` advice, which is train.py's."""
+    def runner(specs):
+        raise KeyboardInterrupt("interrupted: saved runs/d2/base/step_000003; continue with --resume")
+    monkeypatch.setattr(scaling, "train_runner", lambda **kwargs: runner)
+    with pytest.raises(KeyboardInterrupt) as e:
+        scaling.main(["--no-adaptive", "--depths", "2", "--budgets", "1e11", "--jobs", "1", "--corpus", "docstrings",
+                      "--out", str(tmp_path)])
+    assert str(e.value) == "interrupted: the runs in progress saved a checkpoint; the same command resumes the sweep"
+
+
 @pytest.mark.parametrize("width", [3, 4])
 def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path, width):
     """On losses from known Chinchilla exponents: each budget's grid is centred on the running estimate of N*(C) and
