@@ -119,7 +119,7 @@ def bench_decode(args):
 def train_step_timing(cfg, B, steps, warmup=3):
     """In this process: time from process start to the first finished step, the first call alone (compile
     included), then the median step time, on random tokens (B, cfg.sequence_len)."""
-    params = nc.init_params(cfg, jax.random.key(0))
+    params = train.new_params(cfg, jax.random.key(0))
     opt_state = muon.init(params, *nc.param_groups(params))
     rng = np.random.default_rng(0)
     x, y = (rng.integers(0, cfg.vocab_size, (1, B, cfg.sequence_len), dtype=np.int32) for _ in range(2))

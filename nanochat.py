@@ -114,8 +114,8 @@ def window_sizes(cfg):
             for i in range(cfg.n_layer)]
 
 
-@functools.partial(jax.jit, static_argnames="cfg", compiler_options={"xla_backend_optimization_level": 1})
-def init_params(cfg, key):  # runs once: LLVM's -O1 halves its compile on a CPU, to the same bits
+@functools.partial(jax.jit, static_argnames="cfg")
+def init_params(cfg, key):
     """nanochat's init_weights: every parameter drawn from its own key, derived from its name."""
     C, L, V, K, D, n_ve = cfg.n_embd, cfg.n_layer, cfg.padded_vocab, cfg.n_kv_head, cfg.head_dim, len(cfg.ve_layers)
     s = 3**0.5 / C**0.5  # U(-s, s) has std 1/sqrt(C)
