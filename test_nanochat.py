@@ -573,7 +573,7 @@ def test_grad_accumulation_equals_big_batch(tiny_params):
 
 def test_step_donates_params_and_opt_state(tiny_params):
     p = jax.tree.map(jnp.copy, tiny_params)
-    opt = init_opt(p)
+    opt = jax.device_put(init_opt(p))  # host zeros on the device, as train.py puts them
     s = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0, momentum_start=0.95,
              momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
     lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
