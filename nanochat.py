@@ -215,7 +215,7 @@ def attend_cpu(q, k, v, mask):
     q = q.reshape(B, Tq, K, H // K, D).transpose(0, 2, 3, 1, 4)  # (B, K, H/K, Tq, D): query heads by kv head
     k, v = (a.transpose(0, 2, 1, 3)[:, :, None] for a in (k, v))  # (B, K, 1, Tk, D)
     scores = jnp.matmul(q, k.mT, preferred_element_type=jnp.float32) / D**0.5  # (B, K, H/K, Tq, Tk)
-    p = jnp.where(mask, jnp.exp(scores), 0.0)
+    p = jnp.exp(jnp.where(mask, scores, -jnp.inf))  # masked before exp: one (Tq, Tk) array for the backward to keep
     y = jnp.matmul(p.astype(v.dtype), v, preferred_element_type=jnp.float32) / p.sum(-1, keepdims=True)
     return y.astype(v.dtype).transpose(0, 3, 1, 2, 4).reshape(B, Tq, H, D)
 
