@@ -33,7 +33,7 @@
   head_dim 12 (d2 = 23K to d8 = 0.9M kaplan params), T = 128, vocab 384, 2,048 tokens per step, on the
   python-source corpus.
   adaptive_sweep picks each budget's depths: --width (4) around the running estimate of N*(C), widened a depth at
-  a time until the best run is inside. --no-adaptive trains every --depths at every budget instead.
+  a time until the parabola's vertex (the fit's N*) is inside. --no-adaptive trains every --depths at every budget instead.
 - --jobs (worker_pool): runs trained at once, each process on its share of the cores (default: one per core on a
   CPU), since one tiny model keeps about one core busy.
 - --corpus python-source (default): the standard library's source and the installed numpy's and jax's (~49M
@@ -374,12 +374,14 @@ def run_sweep(specs, csv_path, runner, seeds=(0,), write=True, pool=None):
 def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=True, width=4, pool=None, repeat=0):
     """scale_c with the grid chosen from the data: the budgets in increasing order, each trained at `width` depths
     around the running estimate of N*(C) (before any optimum: Chinchilla's D = 20 N; after one: N* ~ C^0.5 from it;
-    after two or more: the isoFLOP fit's N* ~ C^a), extended a depth at a time while the best run (mean over seeds)
-    sits on an edge of its grid, so that every budget has runs on both sides of its optimum. Then the `repeat` best
-    runs of every budget up to a tenth of the largest get one more seed, so that the fits' residuals hold the seeds'
-    spread, measured where runs are cheap (the larger budgets cost most of a sweep). The choices follow from the
-    CSV, so a resumed sweep makes the same ones. spec_of(depth, C) -> spec, or None where the run would read past the
-    corpus; sizes: {depth: N}."""
+    after two or more: the isoFLOP fit's N* ~ C^a), extended a depth at a time while the optimum lies outside the grid:
+    the vertex of the parabola through the runs (mean over seeds), as the isoFLOP fit finds it, or where the runs do not
+    curve upward the best run, on an edge. So every budget has runs on both sides of its optimum (a best run on an
+    edge with the vertex inside is the seeds' noise on a flat bottom, not a reason to train one more size). Then the
+    `repeat` best runs of every budget up to a tenth of the largest get one more seed, so that the fits' residuals
+    hold the seeds' spread, measured where runs are cheap (the larger budgets cost most of a sweep). The choices
+    follow from the CSV, so a resumed sweep makes the same ones. spec_of(depth, C) -> spec, or None where the run
+    would read past the corpus; sizes: {depth: N}."""
     budgets, more = sorted(budgets), [max(seeds) + 1]
     for C in budgets:
         before = [r for r in read_results(csv_path) if r["flops_budget"] < C * (1 - 1e-9)]
@@ -400,18 +402,20 @@ def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=
             rows = [r for r in run_sweep([spec_of(d, C) for d in grid], csv_path, runner, seeds, write, pool)
                     if abs(r["flops_budget"] / C - 1) < 1e-6 and r["depth"] in grid and int(r["seed"]) in seeds]
             bpb = {d: np.mean([r["val_bpb"] for r in rows if r["depth"] == d]) for d in grid}
-            best, i = min(bpb, key=bpb.get), depths.index(grid[0])
-            if best == grid[0] and i > 0:
+            x, y = np.log10([sizes[d] for d in grid]), np.array([bpb[d] for d in grid])
+            p = np.polyfit(x, y, 2)  # the isoFLOP parabola: its vertex is the N* the fit will report
+            vertex, i = -p[1] / (2 * p[0]) if p[0] > 0 else x[np.argmin(y)], depths.index(grid[0])
+            if vertex <= x[0] and i > 0:
                 grid.insert(0, depths[i - 1])
-            elif best == grid[-1] and grid[-1] != depths[-1]:
+            elif vertex >= x[-1] and grid[-1] != depths[-1]:
                 grid.append(depths[depths.index(grid[-1]) + 1])
             else:
                 break
-        if best == depths[0]:  # no smaller size to widen to
-            why = ("is the smallest model there is; its optimum may lie at the grid's edge (give larger --budgets)"
-                   if best == min(sizes) else "is the smallest whose tokens fit in the corpus; its optimum may lie at "
-                   "the grid's edge (give a larger corpus or smaller --budgets)")
-            print(f"C = {C:.3g}: the best run, d{best}, {why}", flush=True)
+        if vertex <= x[0]:  # no smaller size to widen to
+            why = ("is the smallest model there is; the optimum may lie below it (give larger --budgets)"
+                   if grid[0] == min(sizes) else "is the smallest whose tokens fit in the corpus; the optimum may lie "
+                   "below it (give a larger corpus or smaller --budgets)")
+            print(f"C = {C:.3g}: the smallest run, d{grid[0]}, {why}", flush=True)
         if C <= budgets[-1] / 10 * (1 + 1e-9) and repeat:
             run_sweep([spec_of(d, C) for d in sorted(bpb, key=bpb.get)[:repeat]], csv_path, runner, more, write, pool)
     return read_results(csv_path)

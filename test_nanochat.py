@@ -2935,8 +2935,8 @@ def test_sweep_ctrl_c_says_how_to_resume(monkeypatch, tmp_path):
 @pytest.mark.parametrize("width", [3, 4])
 def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path, width):
     """On losses from known Chinchilla exponents: each budget's grid is centred on the running estimate of N*(C) and
-    widened until its best run has a run on either side, whatever the first guess; a resumed sweep retrains
-    nothing; the isoFLOP fit then recovers a."""
+    widened until its optimum (the vertex of its isoFLOP parabola) has runs on either side, whatever the first guess;
+    a resumed sweep retrains nothing; the isoFLOP fit then recovers a."""
     sizes = {d: 3000.0 * d**3 for d in range(2, 80)}
     csv_path, calls = str(tmp_path / "scale_c.csv"), []
 
@@ -2955,9 +2955,9 @@ def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path, width):
     budgets = [1e15, 1e16, 1e17, 5e17]
     rows = scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=width)
     for c in budgets:
-        here = sorted((r["depth"], r["val_bpb"]) for r in rows if r["flops_budget"] == c)
-        best = min(range(len(here)), key=lambda i: here[i][1])
-        assert 0 < best < len(here) - 1, (c, here)  # runs on both sides of the optimum
+        here = [r for r in rows if r["flops_budget"] == c]
+        n_star, sizes_here = scaling.fit_isoflop(here)["optima"][0, 1], [sizes[r["depth"]] for r in here]
+        assert min(sizes_here) < n_star < max(sizes_here), (c, here)  # runs on both sides of the optimum
         assert len(here) <= 6  # the grid follows N*(C): it does not sweep every size
     n = len(calls)
     assert scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=width) == rows and len(calls) == n
@@ -2968,6 +2968,23 @@ def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path, width):
         again = sorted(r["depth"] for r in more if r["flops_budget"] == c and r["seed"] == 1)
         assert again == (sorted(sorted(here, key=here.get)[:2]) if c <= 5e16 else [])
     assert len(calls) == n + 2 * 2 and more[:len(rows)] == rows
+
+
+@pytest.mark.parametrize("bpb, trained", [
+    ({1: 3.0, 2: 2.151, 3: 2.163, 4: 2.352, 5: 2.610}, [2, 3, 4, 5]),  # best on the edge, vertex inside: noise
+    ({d: 2 + 0.5 * (3 * np.log10(d / 1.5)) ** 2 for d in range(1, 6)}, [1, 2, 3, 4, 5]),  # vertex below d2
+    ({1: 2.3, 2: 2.0, 3: 2.2, 4: 2.35, 5: 2.45}, [1, 2, 3, 4, 5])])  # curving down: the best run's edge decides
+def test_adaptive_sweep_widens_for_the_vertex_not_for_an_edge_run(tmp_path, capsys, bpb, trained):
+    """A grid grows only while its parabola's vertex (the N* the isoFLOP fit reports) lies outside it, or, where the
+    runs do not curve upward, while its best run sits on an edge; a best run on the edge of a flat bottom is not
+    enough (the first bpb are a real budget's: d2 best by 0.012, the vertex between d2 and d3)."""
+    sizes = {d: 3000.0 * d**3 for d in range(1, 10)}
+    fake = lambda specs: [{"depth": s["depth"], "params_transformer": sizes[s["depth"]], "params_lm_head": 0.0,
+                           "tokens_trained": 1.0, "val_bpb": bpb[s["depth"]]} for s in specs]
+    spec_of = lambda d, c: {"flops_budget": c, "depth": d, "model_dim": d, "num_iterations": 1}
+    rows = scaling.adaptive_sweep([120 * sizes[3] ** 2], str(tmp_path / "scale_c.csv"), fake, spec_of, sizes)
+    assert sorted(r["depth"] for r in rows) == trained  # the first grid: d2-d5, around d3 = (C / 120)^0.5
+    assert "smallest" not in capsys.readouterr().out
 
 
 def test_adaptive_sweep_never_reads_past_the_corpus(tmp_path, capsys):
@@ -2982,9 +2999,9 @@ def test_adaptive_sweep_never_reads_past_the_corpus(tmp_path, capsys):
     rows = scaling.adaptive_sweep([1e15], str(tmp_path / "scale_c.csv"), fake, spec_of, sizes)
     fits = [d for d in sizes if tokens(d, 1e15) <= 1e6]
     assert max(r["tokens_trained"] for r in rows) <= 1e6 and min(r["depth"] for r in rows) == min(fits) > 2
-    assert "is the smallest whose tokens fit in the corpus" in capsys.readouterr().out
+    assert f"d{min(fits)}, is the smallest whose tokens fit in the corpus" in capsys.readouterr().out
     scaling.adaptive_sweep([1e15], str(tmp_path / "all.csv"), fake, every, sizes)  # every size fits: the best is d2
-    assert "the best run, d2, is the smallest model there is" in capsys.readouterr().out
+    assert "the smallest run, d2, is the smallest model there is" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="3 sizes have runs that fit in the corpus, a grid needs 4"):
         scaling.adaptive_sweep([1e15], str(tmp_path / "small.csv"), fake, spec_of, {d: sizes[d] for d in range(2, 42)})
 
