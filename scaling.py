@@ -33,7 +33,8 @@
   head_dim 12 (d2 = 23K to d8 = 0.9M kaplan params), T = 128, vocab 384, 2,048 tokens per step, on the
   python-source corpus.
   adaptive_sweep picks each budget's depths: --width (4) around the running estimate of N*(C), widened a depth at
-  a time until the parabola's vertex (the fit's N*) is inside. --no-adaptive trains every --depths at every budget instead.
+  a time until the parabola's vertex (the fit's N*) is inside. --no-adaptive trains every --depths at every budget
+  instead.
 - --jobs (worker_pool): runs trained at once, each process on its share of the cores (default: one per core on a
   CPU), since one tiny model keeps about one core busy.
 - --corpus python-source (default): the standard library's source and the installed numpy's and jax's (~49M
@@ -404,7 +405,8 @@ def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=
             bpb = {d: np.mean([r["val_bpb"] for r in rows if r["depth"] == d]) for d in grid}
             x, y = np.log10([sizes[d] for d in grid]), np.array([bpb[d] for d in grid])
             p = np.polyfit(x, y, 2)  # the isoFLOP parabola: its vertex is the N* the fit will report
-            vertex, i = -p[1] / (2 * p[0]) if p[0] > 0 else x[np.argmin(y)], depths.index(grid[0])
+            vertex = -p[1] / (2 * p[0]) if p[0] > 0 else x[np.argmin(y)]  # no minimum: the best run's place
+            i = depths.index(grid[0])
             if vertex <= x[0] and i > 0:
                 grid.insert(0, depths[i - 1])
             elif vertex >= x[-1] and grid[-1] != depths[-1]:
