@@ -106,6 +106,13 @@ def effective_params(rows, convention="kaplan"):
 # ------------------------------------------------------------------------------------------------ fits
 
 
+def parabola_min(x, y):
+    """The parabola in x through (x, y) (zeros for fewer than 3 distinct x) and where its minimum lies: the vertex,
+    or the lowest point where it does not open upward."""
+    p = np.polyfit(x, y, 2) if len(np.unique(x)) >= 3 else np.zeros(3)
+    return p, -p[1] / (2 * p[0]) if p[0] > 0 else x[np.argmin(y)]
+
+
 def fit_isoflop(rows, convention="kaplan"):
     """nanochat's isoFLOP analysis: per-budget optima (C, N*, D*, D/N, bpb*) and power laws N* ~ C^a, D* ~ C^b."""
     N, D = effective_params(rows, convention), np.array([r["tokens_trained"] for r in rows], float)
@@ -116,12 +123,11 @@ def fit_isoflop(rows, convention="kaplan"):
         x, y, d = np.log10(N[m]), L[m], np.log10(D[m])
         o = np.argsort(x)
         x, y, d = x[o], y[o], d[o]
-        p = np.polyfit(x, y, 2) if len(np.unique(x)) >= 3 else np.zeros(3)
+        p, xs = parabola_min(x, y)
         if p[0]:
             fitted[m], n_params = np.polyval(p, np.log10(N[m])), n_params + 3
         else:  # too few sizes for a parabola: the runs stand for themselves
             n_params += m.sum()
-        xs = -p[1] / (2 * p[0]) if p[0] > 0 else x[np.argmin(y)]  # the raw minimum if the parabola opens down
         xs = float(np.clip(xs, x[0], x[-1]))  # an optimum outside the runs is an extrapolation: pin it to the edge
         ys = float(np.polyval(p, xs)) if p[0] > 0 else float(y.min())
         ds = float(np.interp(xs, x, d))
@@ -404,8 +410,7 @@ def adaptive_sweep(budgets, csv_path, runner, spec_of, sizes, seeds=(0,), write=
                     if abs(r["flops_budget"] / C - 1) < 1e-6 and r["depth"] in grid and int(r["seed"]) in seeds]
             bpb = {d: np.mean([r["val_bpb"] for r in rows if r["depth"] == d]) for d in grid}
             x, y = np.log10([sizes[d] for d in grid]), np.array([bpb[d] for d in grid])
-            p = np.polyfit(x, y, 2)  # the isoFLOP parabola: its vertex is the N* the fit will report
-            vertex = -p[1] / (2 * p[0]) if p[0] > 0 else x[np.argmin(y)]  # no minimum: the best run's place
+            vertex = parabola_min(x, y)[1]  # the isoFLOP fit's N* before fit_isoflop pins it inside the runs
             i = depths.index(grid[0])
             if vertex <= x[0] and i > 0:
                 grid.insert(0, depths[i - 1])
