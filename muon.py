@@ -1,16 +1,19 @@
-"""nanochat's MuonAdamW as pure functions over any pytree: `init(params, labels, groups) -> state` and
-`update(grads, state, params, labels, groups) -> (params, state)`.
+"""nanochat's MuonAdamW as pure functions over any pytree:
+`init(params, labels, groups) -> state`, `update(grads, state, params, labels, groups) ->
+(params, state)`.
 
-The caller says how each leaf is optimized, as data: `labels` is a pytree like params with a group name per leaf,
-and `groups` maps names to hyper-parameters: dict(kind="adamw", lr, betas, eps, weight_decay) or dict(kind="muon",
-lr, momentum, weight_decay, beta2, dtype) (nanochat.param_groups builds nanochat's). They may be traced values, so
-schedules never recompile. Muon leaves are matrices (in, out), i.e. `x @ W`, or stacks of them (..., in, out).
-- Muon (arXiv 2502.16982): Nesterov momentum in nanochat's lerp form; MuonEq (every output unit's weights get the
-  same norm); Polar Express orthogonalization (arXiv 2505.16932, nanochat's five (a, b, c) triples, normalized by
-  1.01 ||X||_F); Muon+ rescaling to the Frobenius norm of a semi-orthogonal matrix; NorMuon variance reduction
-  (arXiv 2510.05491) with a second moment factored per output unit (per input when there are more inputs);
-  cautious weight decay (arXiv 2510.12402: decay only where update and weight agree in sign); lr * sqrt(max(1,
-  fan_out / fan_in)). Matrices of one group and shape are orthogonalized in one batched call.
+The caller says how each leaf is optimized, as data: `labels` is a pytree like params with a group
+name per leaf, and `groups` maps names to hyper-parameters, dict(kind="adamw", lr, betas, eps,
+weight_decay) or dict(kind="muon", lr, momentum, weight_decay, beta2, dtype); nanochat.param_groups
+builds nanochat's. They may be traced values, so schedules never recompile. Muon leaves are
+matrices (in, out), `x @ W`, or stacks of them (..., in, out).
+- Muon (arXiv 2502.16982): Nesterov momentum in nanochat's lerp form; MuonEq (every output unit's
+  weights get the same norm); Polar Express orthogonalization (arXiv 2505.16932: nanochat's five
+  (a, b, c) triples, after dividing by 1.01 ||X||_F); Muon+ rescaling to the Frobenius norm of a
+  semi-orthogonal matrix; NorMuon's variance reduction (arXiv 2510.05491) with a second moment
+  factored per output unit (per input when there are more inputs); cautious weight decay (arXiv
+  2510.12402: decay only where update and weight agree in sign); lr * sqrt(max(1, out / in)).
+  The matrices of one group and shape are orthogonalized in one batched call.
 - AdamW: decoupled weight decay, bias correction, fp32 math.
 """
 
@@ -31,24 +34,29 @@ POLAR_EXPRESS = (  # (a, b, c) per iteration: X <- aX + (bA + cA^2)X, A = XX^T
 
 
 def second_moment_shape(w):
-    """NorMuon's factored second moment of a matrix (..., in, out): per output unit, or per input when in > out."""
+    """NorMuon's factored second moment of a matrix (..., in, out): per output unit, or per input
+    when in > out."""
     *k, n, m = w.shape
     return (*k, 1, m) if m >= n else (*k, n, 1)
 
 
 def init(params, labels, groups):
-    """Optimizer state: a step counter, first moments like params, second moments (factored for Muon leaves). Host
-    zeros, which jit takes as they are: jnp.zeros would compile a device op for every shape."""
-    second = lambda w, label: np.zeros(second_moment_shape(w) if groups[label]["kind"] == "muon" else w.shape,
-                                       np.float32)
-    return {"step": np.zeros((), np.int32), "mom": jax.tree.map(lambda w: np.zeros(w.shape, w.dtype), params),
+    """Optimizer state: a step counter, first moments like params, second moments (factored for
+    Muon leaves). Host zeros, which jit takes as they are: jnp.zeros would compile a device op for
+    every shape."""
+    def second(w, label):
+        muon = groups[label]["kind"] == "muon"
+        return np.zeros(second_moment_shape(w) if muon else w.shape, np.float32)
+    return {"step": np.zeros((), np.int32),
+            "mom": jax.tree.map(lambda w: np.zeros(w.shape, w.dtype), params),
             "var": jax.tree.map(second, params, labels)}
 
 
 def polar_express(x):
     """Approximate the orthogonal polar factor U V^T of a stack of matrices x (K, m, n)."""
     m, n = x.shape[-2:]
-    x = x / (jnp.linalg.norm(x.astype(jnp.float32), axis=(-2, -1), keepdims=True) * 1.01 + 1e-6).astype(x.dtype)
+    norm = jnp.linalg.norm(x.astype(jnp.float32), axis=(-2, -1), keepdims=True)
+    x = x / (norm * 1.01 + 1e-6).astype(x.dtype)
     for a, b, c in POLAR_EXPRESS:
         if m > n:  # tall: iterate on the small n x n Gram matrix
             A = x.mT @ x
@@ -86,7 +94,7 @@ def muon_step(p, g, buf, buf2, lr, momentum, weight_decay, beta2=0.9, dtype=jnp.
 
 
 def adamw_step(p, g, m, v, t, lr, beta1, beta2, weight_decay, eps=1e-10):
-    """One AdamW step (decoupled weight decay first, then the bias-corrected update); returns (p, m, v)."""
+    """One AdamW step, decoupled weight decay first, then the bias-corrected update: (p, m, v)."""
     p = p * (1 - lr * weight_decay)
     m = m + (1 - beta1) * (g - m)
     v = v + (1 - beta2) * (g * g - v)
@@ -97,20 +105,24 @@ def adamw_step(p, g, m, v, t, lr, beta1, beta2, weight_decay, eps=1e-10):
 def update(grads, state, params, labels, groups):
     """One MuonAdamW step: each leaf by the group its label names. Returns (params, state)."""
     t, treedef = state["step"] + 1, jax.tree.structure(params)
-    p, g, m, v, names = (treedef.flatten_up_to(tree) for tree in (params, grads, state["mom"], state["var"], labels))
+    trees = (params, grads, state["mom"], state["var"], labels)
+    p, g, m, v, names = (treedef.flatten_up_to(tree) for tree in trees)
     out, stacks = [None] * len(p), {}
     for i, name in enumerate(names):
         hp = groups[name]
         if hp["kind"] == "adamw":
-            out[i] = adamw_step(p[i], g[i], m[i], v[i], t, hp["lr"], *hp["betas"], hp["weight_decay"], hp["eps"])
+            out[i] = adamw_step(p[i], g[i], m[i], v[i], t, hp["lr"], *hp["betas"],
+                                hp["weight_decay"], hp["eps"])
         else:
             stacks.setdefault((name, p[i].shape[-2:]), []).append(i)
-    # Muon: gather the matrices of one group and shape into one stack, step it once, scatter back
+    # Muon: the matrices of one group and shape in one stack, stepped once, scattered back
     for (name, _), idx in stacks.items():
         hp = groups[name]
-        cat = lambda xs: jnp.concatenate([xs[i].reshape(-1, *xs[i].shape[-2:]) for i in idx])
-        stack = muon_step(cat(p), cat(g), cat(m), cat(v), hp["lr"], hp["momentum"], hp["weight_decay"], hp["beta2"],
-                          hp["dtype"])
+
+        def cat(xs):
+            return jnp.concatenate([xs[i].reshape(-1, *xs[i].shape[-2:]) for i in idx])
+        stack = muon_step(cat(p), cat(g), cat(m), cat(v), hp["lr"], hp["momentum"],
+                          hp["weight_decay"], hp["beta2"], hp["dtype"])
         splits = list(itertools.accumulate(math.prod(p[i].shape[:-2]) for i in idx))[:-1]
         for i, *parts in zip(idx, *(jnp.split(a, splits) for a in stack)):
             out[i] = tuple(a.reshape(like.shape) for a, like in zip(parts, (p[i], m[i], v[i])))

@@ -471,43 +471,59 @@ def corpus_room(tok, paths, B, T):
             return n * B * T
 
 
-def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_ratio=12, head_dim=12, T=128,
-                 eval_steps=16, extra=(), together=False, restart=False):
-    """A runner for run_sweep: one spec's seeds trained by train.run_stage(args, "base") in-process one by one,
-    each in its own checkpoint root under out/runs (an interrupted run resumes from it), or with together=True as one
-    vmapped program (train_together; an interrupted group starts over). restart: train.setup_process's."""
+def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_ratio=12,
+                 head_dim=12, T=128, eval_steps=16, data_paths=(), optim=None,
+                 tokenizer_max_chars=2e9, compile_cache="", together=False, restart=False):
+    """A runner for run_sweep: one spec's seeds trained by train.run_stage in-process one by one,
+    each in its own checkpoint root under out/runs (an interrupted run resumes from it), or with
+    together=True as one vmapped program (train_together; an interrupted group starts over).
+    optim: train.plan's keyword values (the batch is `batch`); restart: kernels.tune_process's."""
+    import jax
+    import checkpoint
     import data
+    import kernels
     import train
-    common = ["--vocab-size", str(vocab_size), "--aspect-ratio", str(aspect_ratio), "--head-dim", str(head_dim),
-              "--max-seq-len", str(T), "--device-batch-size", str(device_batch_size), "--total-batch-size",
-              str(batch), "--eval-steps", str(eval_steps), "--sample-every", "0", "--keep", "1", "--resume",
-              "--stage", "base", *extra]
-    args = train.parse_args(common + ["--out", out])
-    train.setup_process(args.compile_cache, restart)  # as train.main: a resumed sweep skips the compiles
-    train.init_distributed(args)  # a sweep on a pod: every host runs this same sweep, process 0 writes the results
-    tok = train.get_tokenizer(args)  # one tokenizer for every run
+    kernels.tune_process(compile_cache, restart)  # as train.main: a resumed sweep skips compiles
+    train.init_distributed()  # (a sweep on a pod: every host runs it, process 0 writes results)
+    tok = data.tokenizer_for(out, data_paths, vocab_size, tokenizer_max_chars,
+                             write=jax.process_index() == 0)  # one tokenizer for every run
+    optim = {**(optim or {}), "total_batch_size": batch}
 
-    def args_of(spec):
+    def run_of(spec):
+        """(the run's checkpoint root, its stage, its warmup steps)"""
         d, n, seed = int(spec["depth"]), int(spec["num_iterations"]), int(spec["seed"])
-        root = os.path.join(out, "runs", f"d{d}_ar{aspect_ratio}_hd{head_dim}_v{vocab_size}_T{T}_b{batch}_n{n}_s{seed}")
-        return train.parse_args(common + ["--depth", str(d), "--num-iterations", str(n), "--eval-every", str(n),
-                                          "--warmup-steps", str(min(40, n // 5)), "--seed", str(seed), "--out", root])
+        name = f"d{d}_ar{aspect_ratio}_hd{head_dim}_v{vocab_size}_T{T}_b{batch}_n{n}_s{seed}"
+        cfg = train.model_config(tok.n_vocab, d, aspect_ratio, head_dim, T)
+        docs = data.corpus(data_paths, "train", seed=seed)
+        stage = train.base_stage(cfg, docs, jax.random.key(seed), n)
+        return os.path.join(out, "runs", name), stage, min(40, n // 5)
 
     def one(spec):
         t = time.perf_counter()
-        _, cfg, _, info = train.run_stage(run_args := args_of(spec), "base", tok)
-        with open(os.path.join(data.latest_checkpoint(run_args.out, ("base",)), "meta.json")) as f:
+        root, stage, warmup = run_of(spec)
+        evals = dict(val_docs=data.corpus(data_paths, "val"), eval_every=stage["iterations"],
+                     eval_steps=eval_steps, sample_every=0)
+        _, cfg, _, info = train.run_stage("base", stage, tok, root, device_batch_size,
+                                          {**optim, "warmup_steps": warmup}, evals, resume=True,
+                                          keep=1)
+        with open(os.path.join(checkpoint.latest_checkpoint(root, ("base",)), "meta.json")) as f:
             epoch = max(s["epoch"] for s in json.load(f)["data_states"])
-        return dict(model_row(cfg), num_iterations=info["steps"], tokens_trained=info["steps"] * batch,
-                    val_bpb=info["val_bpb"], train_time_sec=time.perf_counter() - t, data_epoch=epoch)
+        return dict(model_row(cfg), num_iterations=info["steps"],
+                    tokens_trained=info["steps"] * batch, val_bpb=info["val_bpb"],
+                    train_time_sec=time.perf_counter() - t, data_epoch=epoch)
 
     def run(specs):
         if not (together and len(specs) > 1):
             return [one(spec) for spec in specs]
         t = time.perf_counter()
-        cfg, steps, _, bpb = train_together([args_of(s) for s in specs], tok)
-        return [dict(model_row(cfg), num_iterations=steps, tokens_trained=steps * batch, val_bpb=b,
-                     train_time_sec=(time.perf_counter() - t) / len(specs)) for b in bpb]
+        stages = [run_of(spec)[1] for spec in specs]
+        warmup = run_of(specs[0])[2]
+        cfg, steps, _, bpb = train_together(stages, tok, device_batch_size,
+                                            {**optim, "warmup_steps": warmup},
+                                            data.corpus(data_paths, "val"), eval_steps)
+        return [dict(model_row(cfg), num_iterations=steps, tokens_trained=steps * batch,
+                     val_bpb=b, train_time_sec=(time.perf_counter() - t) / len(specs))
+                for b in bpb]
     return run
 
 
@@ -547,44 +563,50 @@ def _worker_run(specs):
         raise
 
 
-def train_together(args_list, tok):
-    """Train one model size under several seeds (or learning rates) as one compiled program: the runs' params,
-    optimizer states and data streams stacked on a leading axis, train.train_step vmapped over it. The args must
-    agree on all but --seed and the learning rates. Returns (cfg, steps, each run's losses (steps, runs) and final
-    val bits per byte), as train.run_stage would give them one by one."""
+def train_together(stages, tok, device_batch_size, optim, val_docs, eval_steps, lrs=None):
+    """Train one model size under several seeds as one compiled program: the runs' params,
+    optimizer states and data streams (train.base_stage's, which must agree on all but the seed)
+    stacked on a leading axis, train.train_step vmapped over it; lrs: one train.learning_rates
+    dict per run, to train several learning rates together. Returns (cfg, steps, each run's
+    losses (steps, runs), each run's final val bits per byte), as train.run_stage would give them
+    one by one."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import data
     import evaluate
+    import kernels
     import muon
     import nanochat as nc
     import train
-    a = args_list[0]
-    stages = [train.base_stage(x, tok, jax.random.key(x.seed)) for x in args_list]
     cfg = stages[0]["cfg"]
-    T, rows = cfg.sequence_len, a.device_batch_size * jax.device_count()
-    steps, batch, lr_scale, wd = train.horizon(a, cfg, rows, stages[0]["iterations"])
-    sched = train.base_schedule(a, steps, lr_scale, wd)[0]
-    stack = lambda trees: jax.tree.map(lambda *x: jnp.stack(x), *trees)
-    lrs = stack([train.base_schedule(x, steps, lr_scale, wd)[1] for x in args_list])  # {name: (runs,)}
+    T, rows = cfg.sequence_len, device_batch_size * jax.device_count()
+    sched, base_lrs, batch, _ = train.plan(cfg, rows, stages[0]["iterations"], **optim)
+
+    def stack(trees):
+        return jax.tree.map(lambda *x: jnp.stack(x), *trees)
+    lrs = stack(lrs or [base_lrs] * len(stages))  # {name: (runs,)}
     inits = [s["init"]() for s in stages]
     params, opt_state = stack(inits), stack([muon.init(p, *nc.param_groups(p)) for p in inits])
     split = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P(None, "data"))
-    streams = [train.sharded_batches(x, tok, s, batch // (rows * T), T, split)[0] for x, s in zip(args_list, stages)]
-    step_fn = jax.jit(jax.vmap(functools.partial(train.train_step, cfg=cfg), in_axes=(0, 0, 0, None, None, 0)),
-                      donate_argnums=(0, 1))
+    streams = [train.sharded_batches(tok, s, batch // (rows * T), rows, T, split)[0]
+               for s in stages]
+    step = functools.partial(train.train_step, cfg=cfg, attn=kernels.attention())
+    step_fn = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, None, None, 0)), donate_argnums=(0, 1))
     losses = []
-    for step in range(steps):
+    for i in range(sched["num_iterations"]):
         inputs, targets = zip(*(next(stream)[0] for stream in streams))
-        params, opt_state, m = step_fn(params, opt_state, (jnp.stack(inputs), jnp.stack(targets)), step, sched, lrs)
+        batch_i = (jnp.stack(inputs), jnp.stack(targets))
+        params, opt_state, m = step_fn(params, opt_state, batch_i, i, sched, lrs)
         losses.append(np.asarray(m["loss"]))
         if not np.asarray(m["finite"]).all():
-            raise FloatingPointError(f"step {step}: a loss is not finite ({losses[-1]}); lower the learning rates")
-    val_docs, token_bytes = data.corpus(a.data, "val"), jnp.asarray(tok.token_bytes())
-    bpb = [evaluate.evaluate_bpb(jax.tree.map(lambda x: x[i], params), cfg, data.pretrain_batches(
-        tok, val_docs, a.device_batch_size, T), token_bytes, a.eval_steps) for i in range(len(args_list))]
-    return cfg, steps, np.array(losses), bpb
+            raise FloatingPointError(f"step {i}: a loss is not finite ({losses[-1]}); lower the "
+                                     "learning rates")
+    token_bytes = jnp.asarray(tok.token_bytes())
+    bpb = [evaluate.evaluate_bpb(jax.tree.map(lambda x: x[i], params), cfg,
+                                 data.pretrain_batches(tok, val_docs, device_batch_size, T),
+                                 token_bytes, eval_steps) for i in range(len(stages))]
+    return cfg, sched["num_iterations"], np.array(losses), bpb
 
 # ------------------------------------------------------------------------------------------------ analysis
 
@@ -740,9 +762,15 @@ def main(argv=None):
     if not a.fit_only:
         shape = (a.batch, a.vocab_size, a.aspect_ratio, a.head_dim, a.seq_len)
         corpus = ["--data", python_source(a.out)] if a.corpus == "python-source" else []
-        extra = [*corpus, "--weight-decay", str(a.weight_decay), *a.train_args.split()]
+        import shlex
+        import train
+        sweep_flags = ["--eval-steps", "16", "--weight-decay", str(a.weight_decay)]  # then the user's
+        targs = train.parse_args([*sweep_flags, *shlex.split(a.train_args)])
         kwargs = dict(out=a.out, batch=a.batch, device_batch_size=min(16, a.batch // a.seq_len), vocab_size=shape[1],
-                      aspect_ratio=shape[2], head_dim=shape[3], T=shape[4], extra=extra, together=a.together)
+                      aspect_ratio=shape[2], head_dim=shape[3], T=shape[4], eval_steps=targs.eval_steps,
+                      data_paths=corpus[1:], optim={k: getattr(targs, k) for k in train.OPTIM},
+                      tokenizer_max_chars=targs.tokenizer_max_chars, compile_cache=targs.compile_cache,
+                      together=a.together)
         runner = train_runner(**kwargs, restart=argv is None)  # here: the tokenizer, trained once for every run
         import jax  # after train_runner, which joins a multi-host run
         jobs = a.jobs or (len(os.sched_getaffinity(0)) if jax.default_backend() == "cpu" and not a.together else 1)

@@ -1,7 +1,11 @@
-"""Tests for nanochat-jax, CPU-only and offline: `python -m pytest -q test_nanochat.py`.
+"""Tests for nanochat-jax, CPU-only and offline.
 
-Golden numbers in testdata/ come from the real PyTorch nanochat (see ../shared/golden/README.md for how they
-were made); tolerances are the ones that README justifies from fp32-vs-fp64 reruns.
+    python -m pytest -q -m "not slow" test_nanochat.py   # the quick tier, between changes
+    python -m pytest -q test_nanochat.py                 # everything, as CI runs it
+
+The slow tests (several processes, a browser, the whole pipeline, server soaks, sweeps) carry the
+`slow` marker. Golden numbers in testdata/ come from the real PyTorch nanochat; testdata/README.md
+says how they were made and which tolerances their fp32-vs-fp64 reruns justify.
 """
 
 import ast
@@ -37,11 +41,17 @@ import pytest
 import tiktoken
 
 import chat
+import checkpoint
 import data
 import evaluate
+import execution
+import kernels
 import muon
 import nanochat as nc
+import report
+import rl
 import scaling
+import tasks
 import train
 
 TESTDATA = pathlib.Path(__file__).parent / "testdata"
@@ -61,12 +71,12 @@ def golden():
 def golden_tree(golden, prefix):
     """A golden state_dict (params, grads, ...) under `prefix/` converted to our params layout."""
     n = len(prefix) + 1
-    return nc.from_nanochat_state_dict({k[n:]: golden[k] for k in golden.files if k.startswith(prefix + "/")},
+    return checkpoint.from_nanochat_state_dict({k[n:]: golden[k] for k in golden.files if k.startswith(prefix + "/")},
                                        GOLDEN_CFG)
 
 
 def assert_matches_golden(params, golden, prefix, atol):
-    sd = nc.to_nanochat_state_dict(params, GOLDEN_CFG)
+    sd = checkpoint.to_nanochat_state_dict(params, GOLDEN_CFG)
     keys = [k for k in sd if f"{prefix}/{k}" in golden.files]
     assert keys
     for k in keys:
@@ -93,7 +103,7 @@ def test_golden_gradients(golden, batch):
     params = golden_tree(golden, "after1" if batch else "param")  # grad2 was taken at nanochat's after1
     loss, grads = value_and_grad(params, golden["tokens" + batch], golden["targets" + batch], GOLDEN_CFG)
     np.testing.assert_allclose(loss, golden["loss" + batch], rtol=0, atol=1e-5)
-    sd = nc.to_nanochat_state_dict(grads, GOLDEN_CFG)
+    sd = checkpoint.to_nanochat_state_dict(grads, GOLDEN_CFG)
     for k, g in sd.items():
         ref = golden[f"grad{batch}/{k}"]
         assert np.abs(g - ref).max() <= 2e-4 * np.abs(ref).max(), k
@@ -133,9 +143,9 @@ def test_depth_dial_matches_nanochat(depth, width, heads, groups, flops):
 def test_presets():
     d6 = nc.config_for_depth(6, vocab_size=8192, head_dim=64, sequence_len=512, window_pattern="L")
     assert (d6.n_embd, d6.n_head) == (384, 6)  # runs/runcpu.sh's model
-    nano = nc.NANO
-    assert (nano.n_layer, nano.n_embd, nano.n_head, nano.n_kv_head, nano.sequence_len) == (4, 128, 4, 4, 256)
-    assert 850_000 <= nc.num_scaling_params(nano)["total"] <= 1_000_000
+    default = train.model_config(384)  # train.py's default model: d3, 96 wide, 3 heads
+    assert (default.n_layer, default.n_embd, default.n_head, default.sequence_len) == (3, 96, 3, 256)
+    assert nc.num_scaling_params(default)["total"] == 479_336
     assert nc.window_sizes(nc.Config(sequence_len=2048, n_layer=8)) == [512, 512, 512, 2048] * 2
     assert nc.window_sizes(nc.Config(sequence_len=1024, n_layer=3, window_pattern="sl")) == [256, 1024, 1024]
 
@@ -178,7 +188,7 @@ def test_init_follows_nanochat(tiny_params):
     assert float(p["smear_lambda"][0]) == 0 and float(p["backout_lambda"][0]) == pytest.approx(0.2)
     again = nc.init_params(TINY, jax.random.key(0))
     other = nc.init_params(TINY, jax.random.key(1))
-    fast = train.new_params(TINY, jax.random.key(0))  # compiled at LLVM -O1
+    fast = kernels.init_params(TINY, jax.random.key(0))  # compiled at LLVM -O1
     nested = jax.jit(nc.init_params, static_argnames="cfg")(TINY, jax.random.key(0))  # it composes: e.g. out_shardings
     for same in (again, fast, nested):
         assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, tiny_params, same)))
@@ -204,13 +214,16 @@ def test_causality(tiny_params):
 @pytest.mark.parametrize("T, window, dtype", [(300, 300, "float32"), (300, 100, "float32"), (256, 64, "bfloat16"),
                                              (100, 100, "float32"), (128, 40, "float32")])  # 64-query blocks
 def test_fast_attention_equals_plain(T, window, dtype):
-    """attend_cpu (query blocks, skipped key blocks, no max pass) and causal_attention against the plain attend."""
+    """kernels.attend_cpu (no max pass) and its query blocks (fully masked key blocks skipped) against the plain
+    attend, and the model's plain causal_attention too."""
     keys = jax.random.split(jax.random.key(12), 3)
     q, k = (nc.rms_norm(jax.random.normal(key, (2, T, h, 16))) * nc.QK_SCALE for key, h in zip(keys, (4, 2)))
     q, k, v = (a.astype(dtype) for a in (q, k, jax.random.normal(keys[2], (2, T, 2, 16))))
     pos = jnp.arange(T)
     plain = nc.attend(q, k, v, nc.attention_mask(pos, pos, window)).astype(jnp.float32)
-    for fast in (nc.attend_cpu(q, k, v, nc.attention_mask(pos, pos, window)), nc.causal_attention(q, k, v, window)):
+    for fast in (kernels.attend_cpu(q, k, v, nc.attention_mask(pos, pos, window)),
+                 kernels.blocked_attention(q, k, v, window), kernels.attention("cpu")(q, k, v, window),
+                 nc.causal_attention(q, k, v, window)):
         assert fast.dtype == q.dtype
         np.testing.assert_allclose(fast.astype(jnp.float32), plain, rtol=0, atol=1e-5 if dtype == "float32" else 2e-2)
     if window < T:  # the window binds: full causal attention differs
@@ -219,28 +232,50 @@ def test_fast_attention_equals_plain(T, window, dtype):
 
 @pytest.mark.parametrize("route", ["cpu", "xla", "plain", "splash"])
 def test_every_attention_route_equals_plain(route):
-    """Each route causal_attention can take (the library's XLA path and TPU's splash kernel, interpreted, included)
-    gives the plain attend's outputs and gradients, with a binding window and GQA (4 query heads on 2 kv heads)."""
+    """Each kernel kernels.attention gives (the library's XLA path and TPU's splash kernel, interpreted, included)
+    has the plain attend's outputs and gradients, with a binding window and GQA (4 query heads on 2 kv heads)."""
     keys = jax.random.split(jax.random.key(13), 4)
     q, k, v = (jax.random.normal(key, (2, 256, h, 128)) for key, h in zip(keys, (4, 2, 2)))
     pos, w = jnp.arange(256), jax.random.normal(keys[3], (2, 256, 4, 128))
     for window in (100, 256):
         loss = lambda f: jax.value_and_grad(lambda q, k, v: jnp.sum(f(q, k, v) * w), (0, 1, 2))(q, k, v)
         want = loss(lambda q, k, v: nc.attend(q, k, v, nc.attention_mask(pos, pos, window)))
-        got = loss(lambda q, k, v: nc.causal_attention(q, k, v, window, route))
+        got = loss(lambda q, k, v: kernels.attention(route)(q, k, v, window))
         np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
         for g, h in zip(got[1], want[1]):
             np.testing.assert_allclose(g, h, rtol=0, atol=1e-4 * float(jnp.abs(h).max()))
 
 
+def test_cached_attention_of_every_route_equals_plain():
+    """A query chunk over a KV cache (prefill, decode: pos given) takes attend_cpu on a CPU: the plain numbers."""
+    keys = jax.random.split(jax.random.key(14), 3)
+    q, k, v = (jax.random.normal(key, (2, T, h, 32)) for key, T, h in zip(keys, (5, 40, 40), (4, 2, 2)))
+    for window in (8, 64):
+        want = nc.causal_attention(q, k, v, window, jnp.int32(20))
+        for route in kernels.ROUTES:
+            np.testing.assert_allclose(kernels.attention(route)(q, k, v, window, jnp.int32(20)), want, atol=1e-5)
+
+
+def test_model_names_no_backend():
+    """nanochat.py is the math: no backend, kernel or mesh name; kernels.py chooses them, outside the model."""
+    source = (pathlib.Path(__file__).parent / "nanochat.py").read_text().lower()
+    for name in ("cpu", "gpu", "tpu", "cudnn", "splash", "pallas", "mesh", "shard_map", "default_backend"):
+        assert not re.search(rf"\b{name}\b", source), name
+    params = perturbed(nc.init_params(TINY, jax.random.key(0)), jax.random.key(5))
+    tokens = jax.random.randint(jax.random.key(6), (2, 64), 0, TINY.vocab_size)
+    fast = jax.jit(nc.forward, static_argnames=("cfg", "attn"))(params, tokens, TINY, kernels.attention())
+    np.testing.assert_allclose(fast, forward(params, tokens, TINY), rtol=0, atol=2e-5)  # the same model
+
+
 def test_attention_route_is_picked_by_backend_and_shape():
-    route = lambda impl, backend, dtype, T=2048, D=128: nc.attention_route(impl, backend, jnp.dtype(dtype), T, D)
+    route = lambda impl, backend, dtype, T=2048, D=128: kernels.route(impl, backend, jnp.dtype(dtype), T, D)
     assert route("auto", "gpu", "bfloat16") == "cudnn" and route("auto", "gpu", "float32") == "plain"
     assert route("auto", "tpu", "bfloat16") == "splash" and route("auto", "tpu", "bfloat16", T=100) == "plain"
     assert route("auto", "tpu", "bfloat16", D=64) == "plain" and route("auto", "cpu", "float32") == "cpu"
     assert route("xla", "gpu", "bfloat16") == "xla"  # forced
-    with pytest.raises(ValueError, match="attention 'flash' must be one of"):
-        nc.Config(attention="flash")
+    with pytest.raises(ValueError, match="attention route 'flash' must be one of"):
+        kernels.attention("flash")
+    assert kernels.attention() is kernels.attention("auto")  # one function a route: jit compiles it once
 
 
 def test_sliding_window_limits_context():
@@ -281,21 +316,21 @@ def test_bf16_close_to_fp32(golden):
 
 
 def test_state_dict_round_trip(tiny_params):
-    sd = nc.to_nanochat_state_dict(tiny_params, TINY)
+    sd = checkpoint.to_nanochat_state_dict(tiny_params, TINY)
     assert sd["transformer.h.0.attn.c_k.weight"].shape == (16, 32)  # (out, in)
     assert sd["lm_head.weight"].shape == (128, 32) and "value_embeds.1.weight" not in sd
-    back = nc.from_nanochat_state_dict({"_orig_mod." + k: v for k, v in sd.items()}, TINY)
+    back = checkpoint.from_nanochat_state_dict({"_orig_mod." + k: v for k, v in sd.items()}, TINY)
     assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, back, tiny_params)))
-    again = nc.to_nanochat_state_dict(back, TINY)
+    again = checkpoint.to_nanochat_state_dict(back, TINY)
     assert all(np.array_equal(again[k], sd[k]) for k in sd)
 
 
 def test_state_dict_errors(tiny_params):
-    sd = nc.to_nanochat_state_dict(tiny_params, TINY)
+    sd = checkpoint.to_nanochat_state_dict(tiny_params, TINY)
     with pytest.raises(ValueError, match="missing .*lm_head"):
-        nc.from_nanochat_state_dict({k: v for k, v in sd.items() if k != "lm_head.weight"}, TINY)
+        checkpoint.from_nanochat_state_dict({k: v for k, v in sd.items() if k != "lm_head.weight"}, TINY)
     with pytest.raises(ValueError, match="shape"):
-        nc.from_nanochat_state_dict({**sd, "transformer.wte.weight": np.zeros((64, 32))}, TINY)
+        checkpoint.from_nanochat_state_dict({**sd, "transformer.wte.weight": np.zeros((64, 32))}, TINY)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -366,16 +401,44 @@ def test_muon_trains_a_model_that_is_not_the_gpt():
     assert losses[-1] < 0.2 * losses[0], (losses[0], losses[-1])
 
 
-def test_imports_flow_one_way():
-    """The model and the optimizer import nothing of the project, data.py no jax, chat.py not the trainer."""
-    def imports(name):
-        tree = ast.parse((pathlib.Path(__file__).parent / name).read_text())
-        return {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
-                for a in (n.names if isinstance(n, ast.Import) else [ast.alias(n.module or "")])}
-    ours = {"nanochat", "muon", "data", "train", "chat", "bench", "scaling"}
-    assert not imports("muon.py") & ours and not imports("nanochat.py") & ours
-    assert not imports("data.py") & (ours | {"jax"}) and imports("chat.py") & ours == {"nanochat", "data"}
-    assert imports("train.py") & ours == {"nanochat", "muon", "data"}
+IMPORTS = {  # each module of ours: the modules of ours it imports (nanochat.py and muon.py: none)
+    "nanochat": set(), "muon": set(), "data": set(), "execution": set(), "kernels": {"nanochat"},
+    "tasks": {"data", "execution"}, "checkpoint": {"data", "nanochat"},
+    "evaluate": {"checkpoint", "data", "kernels", "nanochat", "tasks"},
+    "report": {"data", "evaluate", "nanochat"},
+    "rl": {"checkpoint", "data", "evaluate", "kernels", "nanochat", "tasks"},
+    "train": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "report", "rl", "tasks"},
+    "chat": {"checkpoint", "data", "kernels", "nanochat"},
+    "bench": {"data", "kernels", "muon", "nanochat", "report", "train"},
+    "scaling": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "train"},
+}
+
+
+def test_imports_form_a_dag_without_private_names():
+    """Every module's imports of ours are the ones above (a DAG: the model and optimizer at the bottom, data.py without
+    jax, tasks and checkpoints on the model and data, the programs above them, the tools on top), and no module uses
+    another's private (_name) functions."""
+    root = pathlib.Path(__file__).parent
+    assert {p.stem for p in root.glob("*.py")} - {"test_nanochat"} == set(IMPORTS)
+    for name, want in IMPORTS.items():
+        tree = ast.parse((root / f"{name}.py").read_text())
+        aliases = {}  # the local name -> the module of ours it is
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases.update({a.asname or a.name: a.name for a in node.names if a.name in IMPORTS})
+            assert not (isinstance(node, ast.ImportFrom) and node.module in IMPORTS), (name, node.module)
+        assert set(aliases.values()) == want, name
+        private = [f"{aliases[n.value.id]}.{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                   and isinstance(n.value, ast.Name) and n.value.id in aliases and n.attr.startswith("_")]
+        assert not private, (name, private)
+    data_imports = [a.name for n in ast.walk(ast.parse((root / "data.py").read_text())) if isinstance(n, ast.Import)
+                    for a in n.names]
+    assert data_imports and not [m for m in data_imports if m.split(".")[0] in ("jax", "jaxlib")]
+    done = set()  # a topological order exists: no cycle
+    while len(done) < len(IMPORTS):
+        ready = {m for m, deps in IMPORTS.items() if m not in done and deps <= done}
+        assert ready, f"a cycle among {set(IMPORTS) - done}"
+        done |= ready
 
 
 def test_readme_snippets_run():
@@ -457,11 +520,15 @@ TRAIN_ARGS = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "16", "--max
               "--eval-every", "0", "--sample-every", "0", "--compile-cache", ""]
 
 
+TINY_MODEL = dict(depth=2, aspect_ratio=32, head_dim=16, max_seq_len=32)  # TRAIN_ARGS's, as values
+TINY_OPTIM = dict(total_batch_size=256, warmup_steps=2)
+
+
 @pytest.fixture(scope="session")
 def train_root(tmp_path_factory):
     """A checkpoint root holding a tokenizer trained once for every training test."""
     root = tmp_path_factory.mktemp("train")
-    train.get_tokenizer(train.parse_args(["--stage", "tokenizer", "--out", str(root), *TRAIN_ARGS]))
+    data.tokenizer_for(str(root), vocab_size=300)
     return root
 
 
@@ -471,9 +538,14 @@ def fresh_root(train_root, tmp_path):
     return str(tmp_path)
 
 
-def run_base(root, *extra):
-    args = train.parse_args(["--stage", "base", "--out", root, *TRAIN_ARGS, *extra])
-    return train.run_stage(args, "base", data.Tokenizer.load(os.path.join(root, "tokenizer.json")))
+def run_base(root, iterations, seed=0, model=None, optim=None, evals=None, **kwargs):
+    """train.run_stage on a fresh tiny base model, wired as train.main wires TRAIN_ARGS, through the values API:
+    (params, cfg, losses, info). kwargs: run_stage's (resume, save_every, debug, ...)."""
+    tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
+    cfg = train.model_config(tok.n_vocab, **{**TINY_MODEL, **(model or {})})
+    stage = train.base_stage(cfg, data.corpus(None, "train", seed=seed), jax.random.key(seed), iterations)
+    evals = {"eval_every": 0, "sample_every": 0, **(evals or {})}
+    return train.run_stage("base", stage, tok, root, 4, {**TINY_OPTIM, **(optim or {})}, evals, **kwargs)
 
 
 def test_schedules_follow_nanochat():
@@ -497,14 +569,13 @@ def test_schedules_follow_nanochat():
     (26, 11.021e9, 2**20, 10510, 1.4142, 0.0475),
 ])
 def test_horizon_follows_nanochat(depth, tokens, batch, iters, lr_scale, wd):
-    args = train.parse_args(["--num-iterations", "-1", "--total-batch-size", "-1", "--batch-lr-scale", "-1"])
     cfg = nc.config_for_depth(depth, 32768)
-    steps, b, scale, weight_decay = train.horizon(args, cfg, 32, -1)
+    steps, b, scale, weight_decay = train.horizon(cfg, 32, -1, total_batch_size=-1, batch_lr_scale=-1)
     assert (steps, b) == (iters, batch) and float(f"{steps * b:.4g}") == pytest.approx(tokens, rel=2e-3)
     assert scale == pytest.approx(lr_scale, abs=1e-4) and weight_decay == pytest.approx(wd, rel=1e-2)
-    args.target_flops = 1e18
-    assert train.horizon(args, cfg, 32, -1)[0] == round(1e18 / (nc.estimate_flops(cfg) * batch))
-    assert train.horizon(args, cfg, 32, 7)[0] == 7  # --num-iterations wins
+    flops = train.horizon(cfg, 32, -1, total_batch_size=-1, target_flops=1e18)[0]
+    assert flops == round(1e18 / (nc.estimate_flops(cfg) * batch))
+    assert train.horizon(cfg, 32, 7, total_batch_size=-1, target_flops=1e18)[0] == 7  # --num-iterations wins
 
 
 def test_bits_per_byte(tiny_params):
@@ -530,8 +601,8 @@ def test_task_evaluation_scores_exact_matches(monkeypatch):
         for t in ref + [btok.special["<|assistant_end|>"]]:
             yield [t], [1]
 
-    for task in data.TASKS:
-        for c in itertools.islice(data.task_conversations(task, "test"), 5):
+    for task in tasks.TASKS:
+        for c in itertools.islice(tasks.task_conversations(task, "test"), 5):
             ids, mask = data.render_conversation(btok, c)
             prompt = data.render_for_completion(btok, c)
             if task in ("identity", "arithmetic"):
@@ -582,11 +653,11 @@ def test_step_donates_params_and_opt_state(tiny_params):
     assert all(a.is_deleted() for a in jax.tree.leaves((p, opt)))  # updated in place: no second copy in memory
 
 
-def test_setup_process_turns_on_the_compile_cache():
+def test_tune_process_turns_on_the_compile_cache():
     keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
     saved = {k: getattr(jax.config, k) for k in keys}
     try:
-        train.setup_process(train.parse_args([]).compile_cache)
+        kernels.tune_process(train.parse_args([]).compile_cache)
         assert jax.config.jax_compilation_cache_dir == os.path.expanduser("~/.cache/nanochat_jax/xla")
         assert jax.config.jax_persistent_cache_min_compile_time_secs == 0  # every compile is cached
     finally:
@@ -594,20 +665,20 @@ def test_setup_process_turns_on_the_compile_cache():
             jax.config.update(k, v)
 
 
-def test_setup_process_restarts_a_script_onto_huge_pages():
+def test_tune_process_restarts_a_script_onto_huge_pages():
     """Where the kernel offers transparent huge pages and glibc reads the hugetlb tunable (2.35+), a script's
-    setup_process starts it over once with the tunable set, and malloc's large blocks then lie on huge pages."""
-    code = ("import os, numpy as np, train; print('start', os.getpid()); train.setup_process('', restart=True); "
+    tune_process starts it over once with the tunable set, and malloc's large blocks then lie on huge pages."""
+    code = ("import os, numpy as np, kernels; print('start', os.getpid()); kernels.tune_process('', restart=True); "
             "x = np.ones(2**25, np.float32); "  # 128 MiB: one block that malloc maps
             "huge = [int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')]; "
             "print('tunables', os.environ.get('GLIBC_TUNABLES'), 'huge_kb', huge[0])")
     r = subprocess.run([sys.executable, "-c", code], cwd=pathlib.Path(__file__).parent, capture_output=True,
                        text=True, check=True, env={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"})
     lines = r.stdout.splitlines()
-    if train.huge_pages_offered():
+    if kernels.huge_pages_offered():
         assert lines[0] == lines[1] and lines[0].startswith("start")  # the same process, started over once
         tunables, huge_kb = lines[2].split()[1], int(lines[2].split()[3])
-        assert tunables == train.HUGE_PAGES and huge_kb >= 2048
+        assert tunables == kernels.HUGE_PAGES and huge_kb >= 2048
     else:
         assert len(lines) == 2 and lines[1].split()[1] == "None"
 
@@ -615,59 +686,59 @@ def test_setup_process_restarts_a_script_onto_huge_pages():
 def test_checkpoint_round_trip_and_atomic(tmp_path, tiny_params):
     opt = init_opt(tiny_params)
     for step in (1, 2, 3, 4):
-        path = data.save_checkpoint(str(tmp_path), step, tiny_params, opt, {"step": step}, keep=2)
-    assert [os.path.basename(d) for d in data.checkpoint_dirs(str(tmp_path))] == ["step_000003", "step_000004"]
-    params, opt2, meta = data.load_checkpoint(path)
+        path = checkpoint.save_checkpoint(str(tmp_path), step, tiny_params, opt, {"step": step}, keep=2)
+    assert [os.path.basename(d) for d in checkpoint.checkpoint_dirs(str(tmp_path))] == ["step_000003", "step_000004"]
+    params, opt2, meta = checkpoint.load_checkpoint(path)
     assert meta == {"step": 4} and all(jax.tree.leaves(jax.tree.map(np.array_equal, params, tiny_params)))
     assert int(opt2["step"]) == 0 and all(jax.tree.leaves(jax.tree.map(np.array_equal, opt2, opt)))
     # a write that dies midway leaves the previous checkpoint intact
     with pytest.raises(TypeError):
-        data.save_checkpoint(str(tmp_path), 5, {"bad": object()}, None, {})
+        checkpoint.save_checkpoint(str(tmp_path), 5, {"bad": object()}, None, {})
     assert sorted(os.listdir(tmp_path)) == ["step_000003", "step_000004"]  # no half-written step 5 left
     unwritable = lambda p: open(os.path.join(p, "no_such_dir", "tokenizer.json"), "w")
     with pytest.raises(FileNotFoundError):  # nor when an extra file (train.py's tokenizer.json) fails
-        data.save_checkpoint(str(tmp_path), 5, tiny_params, None, {}, files={"tokenizer.json": unwritable})
+        checkpoint.save_checkpoint(str(tmp_path), 5, tiny_params, None, {}, files={"tokenizer.json": unwritable})
     assert sorted(os.listdir(tmp_path)) == ["step_000003", "step_000004"]
-    assert data.latest_checkpoint(str(tmp_path), ("",)) == path and data.load_checkpoint(path)[2] == {"step": 4}
+    assert checkpoint.latest_checkpoint(str(tmp_path), ("",)) == path and checkpoint.load_checkpoint(path)[2] == {"step": 4}
     with pytest.raises(FileNotFoundError, match="not a checkpoint"):
-        data.load_checkpoint(str(tmp_path))
+        checkpoint.load_checkpoint(str(tmp_path))
 
 
 def test_resume_is_bit_identical(train_root, tmp_path):
     full_root, cut_root = fresh_root(train_root, tmp_path / "a"), fresh_root(train_root, tmp_path / "b")
-    _, _, full, _ = run_base(full_root, "--num-iterations", "6")
-    _, _, first, _ = run_base(cut_root, "--num-iterations", "6", "--save-every", "3")
+    _, _, full, _ = run_base(full_root, 6)
+    _, _, first, _ = run_base(cut_root, 6, save_every=3)
     assert first == full  # same seed, same machine: the same trajectory, bit for bit
     shutil.rmtree(os.path.join(cut_root, "base", "step_000006"))
-    params, _, rest, _ = run_base(cut_root, "--num-iterations", "6", "--resume")
+    params, _, rest, _ = run_base(cut_root, 6, resume=True)
     assert rest == full[3:]
-    a = data.load_checkpoint(data.latest_checkpoint(full_root))[0]
+    a = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(full_root))[0]
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, a, jax.device_get(params))))
     with pytest.raises(ValueError, match=r"step_000006 holds Config\(.*n_layer=2.*but these flags make .*n_layer=3"):
-        run_base(cut_root, "--num-iterations", "6", "--resume", "--depth", "3")  # the weights would not fit
+        run_base(cut_root, 6, model=dict(depth=3), resume=True)  # the weights would not fit
     files = ["meta.json", "opt.msgpack", "params.msgpack", "tokenizer.json"]  # the tokenizer inside the atomic write
-    assert sorted(os.listdir(data.latest_checkpoint(full_root))) == files
+    assert sorted(os.listdir(checkpoint.latest_checkpoint(full_root))) == files
     assert full[-1] < full[0]
 
 
 def test_debug_runs_the_same_step_unjitted(train_root, tmp_path, monkeypatch):
-    _, _, jitted, _ = run_base(fresh_root(train_root, tmp_path / "a"), "--num-iterations", "1")
+    _, _, jitted, _ = run_base(fresh_root(train_root, tmp_path / "a"), 1)
     monkeypatch.setattr(train, "jit_train_step", lambda *a, **k: pytest.fail("--debug took the jitted step"))
     eager_step, jit_off = train.train_step, []
     monkeypatch.setattr(train, "train_step", lambda *a, **k: jit_off.append(jax.config.jax_disable_jit)
                         or eager_step(*a, **k))
-    _, _, eager, _ = run_base(fresh_root(train_root, tmp_path / "b"), "--num-iterations", "1", "--debug")
+    _, _, eager, _ = run_base(fresh_root(train_root, tmp_path / "b"), 1, debug=True)
     assert jit_off == [True]
     np.testing.assert_allclose(eager, jitted, rtol=1e-5)
     loss_fn = nc.loss_fn  # a NaN inside the model stops at the op that made it, not at the end of the step
     monkeypatch.setattr(nc, "loss_fn", lambda p, *a, **k: loss_fn({**p, "wte": p["wte"] * jnp.nan}, *a, **k))
     with pytest.raises(FloatingPointError, match="nan"):
-        run_base(fresh_root(train_root, tmp_path / "c"), "--num-iterations", "1", "--debug")
+        run_base(fresh_root(train_root, tmp_path / "c"), 1, debug=True)
 
 
 def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch):
     real, handler = train.jit_train_step, signal.getsignal(signal.SIGINT)
-    _, _, full, _ = run_base(fresh_root(train_root, tmp_path / "full"), "--num-iterations", "6")
+    _, _, full, _ = run_base(fresh_root(train_root, tmp_path / "full"), 6)
 
     def failing(*a, **k):
         params, opt, m = real(*a, **k)
@@ -675,9 +746,9 @@ def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch
 
     monkeypatch.setattr(train, "jit_train_step", failing)
     with pytest.raises(FloatingPointError, match="step 3: .*not finite; the last good checkpoint is .*step_000002"):
-        run_base(fresh_root(train_root, tmp_path / "nan"), "--num-iterations", "6", "--save-every", "2")
+        run_base(fresh_root(train_root, tmp_path / "nan"), 6, save_every=2)
     with pytest.raises(FloatingPointError, match="step 3: .*not finite; no checkpoint was saved yet .*--save-every N"):
-        run_base(fresh_root(train_root, tmp_path / "nan0"), "--num-iterations", "6")
+        run_base(fresh_root(train_root, tmp_path / "nan0"), 6)
 
     def ctrl_c(*a, **k):  # Ctrl-C the moment a step's update is done, before the loop has counted the step
         out = real(*a, **k)
@@ -689,14 +760,14 @@ def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch
     monkeypatch.setattr(train, "jit_train_step", ctrl_c)
     presses = {1: 2}  # step -> Ctrl-Cs; twice: the second aborts at once, saving nothing
     with pytest.raises(KeyboardInterrupt):
-        run_base(root, "--num-iterations", "6")
-    assert data.latest_checkpoint(root) is None and signal.getsignal(signal.SIGINT) is handler
+        run_base(root, 6)
+    assert checkpoint.latest_checkpoint(root) is None and signal.getsignal(signal.SIGINT) is handler
     presses = {3: 1}  # once: the run stops where params, step and data position agree, and saves there
     with pytest.raises(KeyboardInterrupt, match="interrupted: saved .*step_000004; continue with --resume"):
-        run_base(root, "--num-iterations", "6")
-    assert data.latest_checkpoint(root).endswith("step_000004") and signal.getsignal(signal.SIGINT) is handler
+        run_base(root, 6)
+    assert checkpoint.latest_checkpoint(root).endswith("step_000004") and signal.getsignal(signal.SIGINT) is handler
     monkeypatch.setattr(train, "jit_train_step", real)
-    _, _, rest, _ = run_base(root, "--num-iterations", "6", "--resume")
+    _, _, rest, _ = run_base(root, 6, resume=True)
     assert rest == full[4:]  # no batch trained twice or skipped
 
 
@@ -711,7 +782,7 @@ LRS = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5
 def test_rl_loss_and_advantages_by_hand(tiny_params):
     groups = [([[5, 6, 7, 8], [5, 6, 9]], [[0, 0, 1, 1], [0, 0, 1]], [1.0, 0.0]),  # prompt 5 6; 7 8 and 9 sampled
               ([[3, 4, 2, 2], [3, 4, 1, 0]], [[0, 1, 0, 1], [0, 1, 1, 1]], [1.0, 1.0])]  # 2 at index 2: tool output
-    x, y, w = train.rl_batch(groups, T=5)
+    x, y, w = rl.rl_batch(groups, T=5)
     np.testing.assert_array_equal(w[:, :, 0], [[0.5, -0.5], [0, 0]])  # r - mean(r) of the group, no std division
     assert (w == w[:, :, :1]).all()
     np.testing.assert_array_equal(x[0], [[5, 6, 7, 0, 0], [5, 6, 0, 0, 0]])
@@ -731,7 +802,7 @@ def test_rl_loss_and_advantages_by_hand(tiny_params):
     chex.assert_trees_all_equal(new["h"], params["h"])  # Muon (no weight decay here) moves nothing; AdamW only
     assert all(np.isfinite(a).all() for a in jax.tree.leaves(new))  # applies nanochat's fixed weight decays
     with pytest.raises(FloatingPointError, match="not all finite"):
-        train.rl_batch([([[1, 2]], [[0, 1]], [float("nan")])], T=4)
+        rl.rl_batch([([[1, 2]], [[0, 1]], [float("nan")])], T=4)
 
 
 def test_rl_raises_the_reward_of_a_tiny_task(btok):
@@ -746,41 +817,52 @@ def test_rl_raises_the_reward_of_a_tiny_task(btok):
     opt = init_opt(params)
     for i in range(60):
         params, opt, _ = train.jit_train_step(params, opt, (x[None], y[None]), i, CONST, LRS, cfg=cfg)
-    reward = lambda p, seed: np.mean(train.rollout(p, cfg, btok, ask("yes"), jax.random.key(seed), 64, 8)[2])
+    reward = lambda p, seed: np.mean(rl.rollout(p, cfg, btok, ask("yes"), jax.random.key(seed), 64, 8)[2])
     before = reward(params, 100)
     assert 0.2 < before < 0.8  # SFT left both answers likely
     opt = init_opt(params)
     for i in range(10):
-        groups = [train.rollout(params, cfg, btok, ask("yes"), jax.random.key(i), 16, 8)]
-        batch = train.rl_batch(groups, cfg.sequence_len)
+        groups = [rl.rollout(params, cfg, btok, ask("yes"), jax.random.key(i), 16, 8)]
+        batch = rl.rl_batch(groups, cfg.sequence_len)
         params, opt, m = train.jit_train_step(params, opt, batch, i, CONST, {k: v * 0.3 for k, v in LRS.items()},
                                               cfg=cfg)
     assert reward(params, 100) > before + 0.3
 
 
-RL_ARGS = ["--rl-prompts", "2", "--rl-samples", "2", "--rl-max-tokens", "8", "--rl-eval", "0", "--rl-iterations", "4"]
+RL_TINY = dict(prompts=2, samples=2, max_tokens=8, eval_n=0, iterations=4)
 
 
-def run_stage(root, stage, *extra):
-    args = train.parse_args(["--stage", stage, "--out", root, *TRAIN_ARGS, "--max-seq-len", "128",
-                             "--total-batch-size", "512", *extra])
-    return train.run_stage(args, stage, data.Tokenizer.load(os.path.join(root, "tokenizer.json")))
+def run_stage(root, name, iterations=None, resume=False, **stage_kwargs):
+    """A tiny base (T 128), SFT or RL stage through train.run_stage, as train.main wires it. stage_kwargs: the
+    stage's (rl.rl_stage's for RL, on top of RL_TINY)."""
+    tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
+    if name == "base":
+        cfg = train.model_config(tok.n_vocab, **{**TINY_MODEL, "max_seq_len": 128})
+        stage = train.base_stage(cfg, data.corpus(None, "train"), jax.random.key(0), iterations)
+    elif name == "sft":
+        stage = train.sft_stage(root, tok, data.corpus(None, "train"), iterations=iterations)
+    else:
+        given = {} if iterations is None else {"iterations": iterations}
+        stage = rl.rl_stage(root, tok, jax.random.key(0), **{**RL_TINY, **given, **stage_kwargs})
+    optim = {**TINY_OPTIM, "total_batch_size": 512}
+    return train.run_stage(name, stage, tok, root, 4, optim, {"eval_every": 0, "sample_every": 0},
+                           resume=resume)
 
 
 def test_rl_stage_resumes_exactly_and_saves_on_ctrl_c(train_root, tmp_path, monkeypatch):
     root = fresh_root(train_root, tmp_path / "full")
     with pytest.raises(FileNotFoundError, match="no sft checkpoint under .*: run `python train.py --stage sft` first"):
-        run_stage(root, "rl", *RL_ARGS)
+        run_stage(root, "rl")
     with pytest.raises(SystemExit):  # argparse names the tasks there are
         train.parse_args(["--rl-tasks", "poetry"])
-    run_stage(root, "base", "--num-iterations", "2")
-    run_stage(root, "sft", "--sft-iterations", "2")
+    run_stage(root, "base", 2)
+    run_stage(root, "sft", 2)
     cut = shutil.copytree(root, tmp_path / "cut")
-    params, _, full, _ = run_stage(root, "rl", *RL_ARGS)
+    params, _, full, _ = run_stage(root, "rl")
     assert len(full) == 4 and np.isfinite(full).all()
-    _, _, meta = data.load_checkpoint(data.latest_checkpoint(root), optimizer=False)
+    _, _, meta = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root), optimizer=False)
     assert meta["stage"] == "rl" and meta["step"] == 4 and meta["schedule"]["warmdown_ratio"] == 1.0
-    real, calls = train.rollout, []
+    real, calls = rl.rollout, []
 
     def ctrl_c(*a, **k):  # Ctrl-C in the middle of step 3's sampling (2 prompts a step)
         calls.append(1)
@@ -788,11 +870,11 @@ def test_rl_stage_resumes_exactly_and_saves_on_ctrl_c(train_root, tmp_path, monk
             signal.raise_signal(signal.SIGINT)
         return real(*a, **k)
 
-    monkeypatch.setattr(train, "rollout", ctrl_c)
+    monkeypatch.setattr(rl, "rollout", ctrl_c)
     with pytest.raises(KeyboardInterrupt, match="interrupted: saved .*rl.step_000003; continue with --resume"):
-        run_stage(str(cut), "rl", *RL_ARGS)  # the step in flight finishes, then the run saves and stops
-    monkeypatch.setattr(train, "rollout", real)
-    resumed, _, rest, _ = run_stage(str(cut), "rl", *RL_ARGS, "--resume")
+        run_stage(str(cut), "rl")  # the step in flight finishes, then the run saves and stops
+    monkeypatch.setattr(rl, "rollout", real)
+    resumed, _, rest, _ = run_stage(str(cut), "rl", resume=True)
     assert rest == full[3:]  # the same prompts and samples: the key is threaded from (seed, step)
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(resumed), jax.device_get(params))))
 
@@ -873,8 +955,8 @@ def test_two_processes_agree_on_ctrl_c(train_root, tmp_path):
     saved = [re.search(r"^interrupted: saved (\S+); continue with --resume$", out, re.M) for out in outs]
     assert codes == [1, 1] and all(saved), outs[0][-2000:] + outs[1][-2000:]
     path = saved[0][1]
-    assert saved[1][1] == path and data.checkpoint_dirs(os.path.join(root, "base")) == [path]
-    _, _, meta = data.load_checkpoint(path)
+    assert saved[1][1] == path and checkpoint.checkpoint_dirs(os.path.join(root, "base")) == [path]
+    _, _, meta = checkpoint.load_checkpoint(path)
     assert path.endswith(f"step_{meta['step']:06d}") and 1 <= meta["step"] < 200 and len(meta["data_states"]) == 2
     _, out = run_cli(root, "--device-batch-size", "8", "--data-shards", "2", "--resume")  # one process, both shards
     assert f"resuming {path} at step {meta['step']}" in out
@@ -895,7 +977,7 @@ def test_default_pipeline(tmp_path):
             "--rl-samples", "2", "--rl-max-tokens", "8", "--rl-eval", "1", "--rl-iterations", "2"]
     results = train.main(argv)
     for stage in ("sft", "rl"):  # each chat stage is graded on the template split and the hand-written questions
-        assert set(results[stage]["tasks"]) == set(data.TASKS)
+        assert set(results[stage]["tasks"]) == set(tasks.TASKS)
         assert set(results[stage]["questions"]) == {"arithmetic", "counting", "spelling", "identity"}
         assert all(0 <= a <= 1 for a in [*results[stage]["tasks"].values(), *results[stage]["questions"].values()])
         assert results[stage]["recall_bpb"] > 0
@@ -904,9 +986,9 @@ def test_default_pipeline(tmp_path):
         with open(os.path.join(root, stage, "metrics.jsonl")) as f:
             losses = [json.loads(line)["loss"] for line in f if '"loss"' in line]
         assert len(losses) == steps and np.isfinite(losses).all()
-    _, _, base = data.load_checkpoint(data.latest_checkpoint(root, ("base",)), optimizer=False)
-    _, _, sft = data.load_checkpoint(data.latest_checkpoint(root, ("sft",)), optimizer=False)
-    rl_params, _, rl = data.load_checkpoint(data.latest_checkpoint(root, ("rl",)), optimizer=False)
+    _, _, base = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("base",)), optimizer=False)
+    _, _, sft = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("sft",)), optimizer=False)
+    rl_params, _, rl = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("rl",)), optimizer=False)
     # nanochat's chat_sft: 0.8 x the base lrs, no warmup, linear warmdown over the last half to 0, no weight decay,
     # Muon momentum 0.85 -> 0.95 over 300 steps; chat_rl: a fraction of the base lrs decaying linearly to 0
     assert sft["lrs"] == pytest.approx({k: 0.8 * v for k, v in base["lrs"].items()})
@@ -917,11 +999,11 @@ def test_default_pipeline(tmp_path):
     assert rl["lrs"] == pytest.approx({k: frac * v for k, v in base["lrs"].items()})
     assert rl["schedule"]["warmdown_ratio"] == 1.0 and rl["schedule"]["final_lr_frac"] == 0.0
     assert "pass@1" in results["rl"]["pass@k before"]["counting"] and "pass@2" in results["rl"]["pass@k"]["spelling"]
-    params, cfg, tok = chat.load_checkpoint(root)  # chat.py's default: the newest checkpoint of the last stage
+    params, cfg, tok = checkpoint.load_model(root)  # chat.py's default: the newest checkpoint of the last stage
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(params), rl_params)))
     assert cfg == nc.Config(**base["config"]) and tok.n_vocab == 300
     assert set(results["base"]["core"]["results"]) == {"pydoc_qa", "opposites", "because_schema", "doc_lm", "doc_lm_qa"}
-    assert set(results["sft"]["chatcore"]["results"]) == set(evaluate.CHAT_TASKS)
+    assert set(results["sft"]["chatcore"]["results"]) == set(tasks.CHAT_TASKS)
     report = open(os.path.join(root, "report.md")).read()  # the report card, from each stage's report.json
     for stage in ("base", "sft", "rl"):
         r = json.load(open(os.path.join(root, stage, "report.json")))
@@ -958,7 +1040,7 @@ def test_train_cli_error_is_one_line_and_help_shows_defaults(tmp_path, capsys):
         train.parse_args(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "--matrix-lr MATRIX_LR Muon lr of the transformer's matrices (default: 0.02)" in out
-    assert "--target-flops TARGET_FLOPS base training FLOPs (-1: use the ratio) (default: -1.0)" in out
+    assert "--target-flops TARGET_FLOPS base training FLOPs (-1: the ratio) (default: -1.0)" in out
 
 
 def test_bench_json_lines():
@@ -1369,9 +1451,9 @@ def reference_completion(btok, messages):
     return btok.decode(ids[len(ids) - ids[::-1].index(btok.special["<|assistant_start|>"]):])
 
 
-@pytest.mark.parametrize("task", data.TASKS)
+@pytest.mark.parametrize("task", tasks.TASKS)
 def test_task_generator_and_checker(btok, task):
-    take = lambda split, seed, n: list(itertools.islice(data.task_conversations(task, split, seed), n))
+    take = lambda split, seed, n: list(itertools.islice(tasks.task_conversations(task, split, seed), n))
     train = take("train", 0, 300)
     assert train[:30] == take("train", 0, 30)  # deterministic per seed
     assert train[:30] != take("train", 1, 30)
@@ -1385,28 +1467,28 @@ def test_task_generator_and_checker(btok, task):
         assert ids[-1] == btok.special["<|assistant_end|>"] and mask[-1] == 1 and sum(mask) > 1
         generated = reference_completion(btok, messages)
         assert generated.endswith("<|assistant_end|>")
-        assert data.check(messages, generated)
+        assert tasks.check(messages, generated)
         ref = messages[-1]["content"]
         numeric = isinstance(ref, list)
         if numeric:
             value = ref[1]["text"]
-            assert data.check(messages, f"The answer is {value}.")
-            assert not data.check(messages, generated.replace("<|assistant_end|>", "") + " -12345678")
-            assert not data.check(messages, "I don't know.")
+            assert tasks.check(messages, f"The answer is {value}.")
+            assert not tasks.check(messages, generated.replace("<|assistant_end|>", "") + " -12345678")
+            assert not tasks.check(messages, "I don't know.")
             tool_part = generated[:generated.rindex("<|output_end|>") + len("<|output_end|>")]
-            assert not data.check(messages, tool_part + "No idea.<|assistant_end|>")  # only the final text counts
+            assert not tasks.check(messages, tool_part + "No idea.<|assistant_end|>")  # only the final text counts
         else:
-            assert data.check(messages, f"  {ref}\n")
-            assert not data.check(messages, ref + " Extra.")
-            assert not data.check(messages, "wrong " + ref)
+            assert tasks.check(messages, f"  {ref}\n")
+            assert not tasks.check(messages, ref + " Extra.")
+            assert not tasks.check(messages, "wrong " + ref)
     with pytest.raises(ValueError, match="unknown task"):
-        data.task_conversations(task, "val")
+        tasks.task_conversations(task, "val")
     with pytest.raises(ValueError, match="unknown task"):
-        data.task_conversations("poetry", "train")
+        tasks.task_conversations("poetry", "train")
 
 
 def test_task_contents():
-    take = lambda task, n: list(itertools.islice(data.task_conversations(task, "train"), n))
+    take = lambda task, n: list(itertools.islice(tasks.task_conversations(task, "train"), n))
     ops, digits, phrasings = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}, [], set()
     for (user, assistant) in take("arithmetic", 400):
         a, op, b = re.fullmatch(r"(\d+)([-+*/])(\d+)", assistant["content"][0]["text"]).groups()
@@ -1433,7 +1515,7 @@ def test_task_contents():
         assert assistant["content"] == "-".join(w) and w.isalpha() and w.islower() and 3 <= len(w) <= 10
         assert re.search(rf"\b{w}\b", user["content"])
         words.append(w)
-    assert len(set(words)) > 350 and not set(words) <= set(data._corpus_words())  # broad, made-up words too
+    assert len(set(words)) > 350 and not set(words) <= set(tasks._corpus_words())  # broad, made-up words too
     assert np.mean([bool(re.search(r"(.)\1", w)) for w in words]) > 0.15  # doubled letters are common
     for (user, assistant) in take("docstring", 100):  # reading: the answer is the paragraph's first sentence
         sentence = assistant["content"]
@@ -1444,14 +1526,14 @@ def test_task_contents():
 
 def test_sft_mixture_keeps_pretraining_text():
     docs = data.shuffled([f"document {i}" for i in range(5)])
-    items = list(itertools.islice(data.sft_mixture(3, extra=["mine"], documents=docs, text_every=4)(0), 1 + 40))
-    assert items[0] == "mine" and items[1:] == list(itertools.islice(data.sft_mixture(3, ["mine"], docs, 4)(0), 1, 41))
+    items = list(itertools.islice(tasks.sft_mixture(3, extra=["mine"], documents=docs, text_every=4)(0), 1 + 40))
+    assert items[0] == "mine" and items[1:] == list(itertools.islice(tasks.sft_mixture(3, ["mine"], docs, 4)(0), 1, 41))
     texts = [i for i, x in enumerate(items[1:]) if isinstance(x, str)]
     assert texts == [4, 9, 14, 19, 24, 29, 34, 39]  # a document after every 4 conversations
     assert set(items[1 + t] for t in texts) == {f"document {i}" for i in range(5)}  # cycles through the corpus
     kinds = collections.Counter(task_of(m) for m in items[1:] if not isinstance(m, str))
-    assert set(kinds) <= set(data.MIXTURE)
-    assert not any(isinstance(x, str) for x in itertools.islice(data.sft_mixture(3)(0), 50))
+    assert set(kinds) <= set(tasks.MIXTURE)
+    assert not any(isinstance(x, str) for x in itertools.islice(tasks.sft_mixture(3)(0), 50))
 
 
 def task_of(messages):
@@ -1462,21 +1544,21 @@ def task_of(messages):
 
 
 def test_heldout_questions_and_grading(tmp_path):
-    questions = data.load_questions(os.path.join(TESTDATA, "heldout_questions.jsonl"))
+    questions = tasks.load_questions(os.path.join(TESTDATA, "heldout_questions.jsonl"))
     counts = collections.Counter(q["skill"] for q in questions)
     assert len(questions) >= 40 and set(counts) == {"arithmetic", "counting", "spelling", "identity"}
-    assert data.grade("arithmetic", "47", "<|python_start|>12+35<|python_end|><|output_start|>47<|output_end|>"
+    assert tasks.grade("arithmetic", "47", "<|python_start|>12+35<|python_end|><|output_start|>47<|output_end|>"
                       "12 + 35 = 47<|assistant_end|>")
-    assert data.grade("arithmetic", "12", "84 / 7 = 12.0") and not data.grade("arithmetic", "12", "13")
-    assert not data.grade("arithmetic", "47", "<|output_start|>47<|output_end|>I don't know.")
-    assert data.grade("counting", "3", "'r' appears 3 time(s) in 'strawberry'.") and not data.grade("counting", "3", "")
-    assert data.grade("spelling", "coffee", "c-o-f-f-e-e") and not data.grade("spelling", "coffee", "c-o-f-e-e")
-    assert data.grade("identity", "nanochat", "I'm nanochat, ...") and not data.grade("identity", "nanochat", "A bot.")
+    assert tasks.grade("arithmetic", "12", "84 / 7 = 12.0") and not tasks.grade("arithmetic", "12", "13")
+    assert not tasks.grade("arithmetic", "47", "<|output_start|>47<|output_end|>I don't know.")
+    assert tasks.grade("counting", "3", "'r' appears 3 time(s) in 'strawberry'.") and not tasks.grade("counting", "3", "")
+    assert tasks.grade("spelling", "coffee", "c-o-f-f-e-e") and not tasks.grade("spelling", "coffee", "c-o-f-e-e")
+    assert tasks.grade("identity", "nanochat", "I'm nanochat, ...") and not tasks.grade("identity", "nanochat", "A bot.")
     with pytest.raises(ValueError, match=r"README.md:1: invalid JSON"):
-        data.load_questions(os.path.join(TESTDATA, "..", "README.md"))
+        tasks.load_questions(os.path.join(TESTDATA, "..", "README.md"))
     with pytest.raises(ValueError, match=r":1: want \{"):
         (tmp_path / "q.jsonl").write_text('{"skill": "poetry", "question": "?", "answer": "!"}\n')
-        data.load_questions(tmp_path / "q.jsonl")
+        tasks.load_questions(tmp_path / "q.jsonl")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1798,7 +1880,7 @@ def test_pretrain_crops_long_documents(btok):
 
 def test_sft_packing_pads_and_masks(btok):
     B, T, n, buffer_size = 3, 160, 12, 10
-    convs = [m for task in data.TASKS[:4] for m in itertools.islice(data.task_conversations(task, "train", seed=4), 12)]
+    convs = [m for task in tasks.TASKS[:4] for m in itertools.islice(tasks.task_conversations(task, "train", seed=4), 12)]
     convs.append([{"role": "user", "content": "long " * 10}, {"role": "assistant", "content": "ok " * 60}])
     conversations = data.shuffled(convs, seed=6)
     got = list(itertools.islice(data.sft_batches(btok, conversations, B, T, buffer_size=buffer_size), n))
@@ -1864,7 +1946,7 @@ def generated(params, cfg, prompt, **kwargs):
 @pytest.fixture(scope="module")
 def gen_golden():
     g = np.load(TESTDATA / "nanochat_golden.npz")
-    params = nc.from_nanochat_state_dict({k[6:]: g[k] for k in g.files if k.startswith("param/")}, GEN_CFG)
+    params = checkpoint.from_nanochat_state_dict({k[6:]: g[k] for k in g.files if k.startswith("param/")}, GEN_CFG)
     return params, np.load(TESTDATA / "nanochat_generate.npz")
 
 
@@ -1955,7 +2037,7 @@ def test_sample_top_k_and_top_p_are_traced():
     what remains; 0 and 1 turn them off); being traced, 40 settings share one compiled sampler."""
     probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04] + [0.0] * 300)  # V 306 > TOP_K_MAX
     logits = jnp.log(jnp.asarray(probs, jnp.float32) + 1e-30)[None]
-    draw = jax.jit(jax.vmap(lambda key, t, k, p: nc.sample(logits, key, t, k, p)[0], (0, None, None, None)))
+    draw = jax.jit(jax.vmap(lambda key, t, k, p: nc.sample_next_token(logits, key, t, k, p)[0], (0, None, None, None)))
     keys = jax.random.split(jax.random.key(0), 20000)
     freq = lambda t, k, p: np.bincount(np.asarray(draw(keys, t, k, p)), minlength=306)[:8] / len(keys)
     for k, p, kept in ((0, 1.0, 6), (3, 1.0, 3), (0, 0.5, 2), (0, 0.8, 4), (4, 0.75, 3), (4, 0.7, 2), (1, 1.0, 1), (300, 1.0, 6)):
@@ -2034,7 +2116,7 @@ def test_decode_donates_its_cache(chat_model):
 def test_nanochat_checkpoint_import():
     root = TESTDATA / "nanochat_checkpoint"
     e = np.load(root / "expected.npz")
-    params, cfg, tk = chat.load_nanochat_checkpoint(str(root))  # the NANOCHAT_BASE_DIR: finds base_checkpoints/d2
+    params, cfg, tk = checkpoint.load_nanochat(str(root))  # the NANOCHAT_BASE_DIR: finds base_checkpoints/d2
     assert cfg == nc.Config(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=1, n_embd=64,
                             window_pattern="L")
     assert [tk.bos] + tk.encode("Return the") == e["prompt_ids"][0].tolist() and tk.bos == 503
@@ -2050,9 +2132,9 @@ def test_nanochat_checkpoint_import():
     assert tk.decode(e["prompt_ids"][0].tolist() + tokens[:, 0].tolist()) == \
         "<|bos|>Return the string obtained by replacing the leftmost\nnon"
     model_dir = root / "base_checkpoints" / "d2"  # the model directory itself works too
-    again, _, _ = chat.load_nanochat_checkpoint(str(model_dir))
+    again, _, _ = checkpoint.load_nanochat(str(model_dir))
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, again, params)))
-    sd = chat.read_torch_state_dict(model_dir / "model_000100.pt")
+    sd = checkpoint.read_torch_state_dict(model_dir / "model_000100.pt")
     assert sd["transformer.wte.weight"].dtype.name == "bfloat16" and sd["lm_head.weight"].dtype == np.float32
 
 
@@ -2071,11 +2153,11 @@ def test_malicious_pickles_are_refused(tmp_path):
         z.writestr("model_000001/data.pkl", evil)
         z.writestr("model_000001/byteorder", "little")
     with pytest.raises(ValueError, match=r"model_000001.pt: refusing to load posix\.system"):
-        chat.read_torch_state_dict(tmp_path / "model_000001.pt")
+        checkpoint.read_torch_state_dict(tmp_path / "model_000001.pt")
     (tmp_path / "tokenizer").mkdir()
     (tmp_path / "tokenizer" / "tokenizer.pkl").write_bytes(pickle.dumps(_Evil(marker)))
     with pytest.raises(pickle.UnpicklingError, match="refusing"):
-        chat.load_nanochat_tokenizer(tmp_path / "tokenizer" / "tokenizer.pkl")
+        checkpoint.load_nanochat_tokenizer(tmp_path / "tokenizer" / "tokenizer.pkl")
     (tmp_path / "meta_000001.json").write_text(json.dumps({"model_config": dataclasses.asdict(CHAT_CFG)}))
     code, _, err = run_chat(["--nanochat-checkpoint", str(tmp_path)])
     assert code == 1 and "refusing to load posix.system" in err and len(err.splitlines()) == 1
@@ -2112,19 +2194,19 @@ def test_damaged_torch_checkpoints_are_one_line_errors(tmp_path):
              (broken("cut", lambda n, b: b[:len(b) // 2] if n == pkl else b), "a damaged torch checkpoint")]
     for d, message in cases:
         with pytest.raises(ValueError, match=re.escape(f"{d / 'model_000100.pt'}: {message}")):
-            chat.read_torch_state_dict(d / "model_000100.pt")
+            checkpoint.read_torch_state_dict(d / "model_000100.pt")
     with pytest.raises(pickle.UnpicklingError, match="a tensor runs past its storage"):
-        chat._rebuild_tensor(np.zeros(4, np.float32), 2, (3,), (1,))
+        checkpoint._rebuild_tensor(np.zeros(4, np.float32), 2, (3,), (1,))
     fine = broken("fine")  # a whole checkpoint, but no tokenizer above it, then a tokenizer of another size
     with pytest.raises(FileNotFoundError, match="no tokenizer/tokenizer.pkl here or in the 3 directories above"):
-        chat.load_nanochat_checkpoint(str(fine))
+        checkpoint.load_nanochat(str(fine))
     (tmp_path / "tokenizer").mkdir()
     ranks = {bytes([i]): i for i in range(256)}
     specials = {s: 256 + i for i, s in enumerate(data.SPECIAL_TOKENS)}
     small = tiktoken.Encoding("small", pat_str=data.SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
     (tmp_path / "tokenizer" / "tokenizer.pkl").write_bytes(pickle.dumps(small))
     with pytest.raises(ValueError, match="265 tokens, but the model has vocab_size 512"):
-        chat.load_nanochat_checkpoint(str(fine))
+        checkpoint.load_nanochat(str(fine))
     code, _, err = run_chat(["--nanochat-checkpoint", str(tmp_path / "short")])
     assert code == 1 and err.count("\n") == 1 and "storage 0 is shorter" in err
 
@@ -2134,36 +2216,36 @@ def test_damaged_checkpoint_is_skipped_by_resume_and_kill9_never_leaves_half_a_s
     step; a process killed at random moments while saving (kill -9) leaves every step_* complete or absent."""
     root = str(tmp_path / "ck")
     for step in (1, 2):
-        data.save_checkpoint(root, step, tiny_params, None, {"step": step})
+        checkpoint.save_checkpoint(root, step, tiny_params, None, {"step": step})
     newest = os.path.join(root, "step_000002")
     raw = open(os.path.join(newest, "params.msgpack"), "rb").read()
     for damage in (raw[:len(raw) // 2], raw[:100] + b"\xc1" + raw[101:]):  # truncated; a byte msgpack never uses
         open(os.path.join(newest, "params.msgpack"), "wb").write(damage)
         with pytest.raises(ValueError, match="params.msgpack: damaged .*; use an earlier checkpoint"):
-            data.load_checkpoint(newest)
+            checkpoint.load_checkpoint(newest)
         said = []
-        path, params, _, meta = data.load_newest(root, log=said.append)
+        path, params, _, meta = checkpoint.load_newest(root, log=said.append)
         assert path.endswith("step_000001") and meta == {"step": 1} and said[0].startswith(f"skipping {newest}")
     open(os.path.join(root, "step_000001", "meta.json"), "w").write('{"step": ')
     with pytest.raises(ValueError, match="meta.json: damaged"):
-        data.load_checkpoint(os.path.join(root, "step_000001"))
-    assert data.load_newest(root, log=lambda *_: None) is None
+        checkpoint.load_checkpoint(os.path.join(root, "step_000001"))
+    assert checkpoint.load_newest(root, log=lambda *_: None) is None
     with pytest.raises(ValueError, match=r"meta.json: config fields \['n_expert'\] are unknown to this version"):
-        nc.config_from({**dataclasses.asdict(TINY), "n_expert": 8}, "ck/meta.json")
-    saver = (f"import data, numpy as np\nbig = {{'w': np.arange(4_000_000, dtype=np.float32)}}\n"
+        checkpoint.config_from({**dataclasses.asdict(TINY), "n_expert": 8}, "ck/meta.json")
+    saver = (f"import checkpoint, numpy as np\nbig = {{'w': np.arange(4_000_000, dtype=np.float32)}}\n"
              f"for step in range(10**6):\n"
-             f"    data.save_checkpoint({root!r}, step % 3 + 10, big, big, {{'step': step}})\n")
+             f"    checkpoint.save_checkpoint({root!r}, step % 3 + 10, big, big, {{'step': step}})\n")
     shutil.rmtree(root)
     for delay in (0.6, 0.9, 1.3, 1.7, 2.2):
         p = subprocess.Popen([sys.executable, "-c", saver], cwd=pathlib.Path(__file__).parent)
         time.sleep(delay)
         p.kill()  # SIGKILL, wherever the save is
         p.wait()
-        for step_dir in data.checkpoint_dirs(root):  # whatever is there is whole
-            params, opt, meta = data.load_checkpoint(step_dir)
+        for step_dir in checkpoint.checkpoint_dirs(root):  # whatever is there is whole
+            params, opt, meta = checkpoint.load_checkpoint(step_dir)
             assert params["w"].shape == (4_000_000,) and float(params["w"][-1]) == 3_999_999 and opt is not None
-    assert data.checkpoint_dirs(root)  # some saves completed
-    data.save_checkpoint(root, 99, tiny_params, None, {})  # the next save sweeps what the killed ones left
+    assert checkpoint.checkpoint_dirs(root)  # some saves completed
+    checkpoint.save_checkpoint(root, 99, tiny_params, None, {})  # the next save sweeps what the killed ones left
     assert all(re.fullmatch(r"step_\d{6}", n) for n in os.listdir(root))
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2176,7 +2258,7 @@ def chat_model(tmp_path_factory):
     params, bt = random_params(CHAT_CFG, 7), data.byte_tokenizer()
     root = tmp_path_factory.mktemp("run") / "checkpoints"
     meta = {"stage": "sft", "step": 5, "config": dataclasses.asdict(CHAT_CFG), "tokenizer": "tokenizer.json"}
-    step_dir = data.save_checkpoint(str(root / "sft"), 5, params, None, meta)
+    step_dir = checkpoint.save_checkpoint(str(root / "sft"), 5, params, None, meta)
     bt.save(os.path.join(step_dir, "tokenizer.json"))
     return params, CHAT_CFG, bt, root
 
@@ -2207,7 +2289,7 @@ def run_chat(args, stdin="", cwd=None):
 
 def test_cli_scripted(chat_model, tmp_path):
     params, cfg, bt, root = chat_model
-    load = chat.load_checkpoint(str(root))  # the newest step of the root: what `python chat.py` picks
+    load = checkpoint.load_model(str(root))  # the newest step of the root: what `python chat.py` picks
     assert load[1] == cfg and all(jax.tree.leaves(jax.tree.map(np.array_equal, load[0], params)))
     reply, _, _ = expected_reply(chat_model, HI)
 
@@ -2856,13 +2938,15 @@ def test_svg_is_well_formed(tmp_path):
 def test_seeds_trained_together_equal_one_by_one(train_root, tmp_path):
     """scaling.train_together: three runs (two seeds, two matrix learning rates) vmapped in one program give the
     losses and val bits per byte that train.run_stage gives each alone (fp32: batched matmuls sum in another order)."""
-    runs = [("0", "0.02"), ("1", "0.02"), ("1", "0.04")]
-    flags = lambda seed, lr: ["--num-iterations", "5", "--seed", seed, "--matrix-lr", lr, "--eval-every", "5",
-                              "--eval-steps", "2"]
-    alone = [run_base(fresh_root(train_root, tmp_path / f"s{seed}_{lr}"), *flags(seed, lr)) for seed, lr in runs]
-    root = fresh_root(train_root, tmp_path / "together")
-    args = [train.parse_args(["--stage", "base", "--out", root, *TRAIN_ARGS, *flags(*r)]) for r in runs]
-    cfg, steps, losses, bpb = scaling.train_together(args, data.Tokenizer.load(os.path.join(root, "tokenizer.json")))
+    runs = [(0, 0.02), (1, 0.02), (1, 0.04)]
+    evals = dict(eval_every=5, eval_steps=2)
+    alone = [run_base(fresh_root(train_root, tmp_path / f"s{seed}_{lr}"), 5, seed, optim=dict(matrix_lr=lr),
+                      evals=evals) for seed, lr in runs]
+    tok = data.Tokenizer.load(os.path.join(fresh_root(train_root, tmp_path / "together"), "tokenizer.json"))
+    cfg = train.model_config(tok.n_vocab, **TINY_MODEL)
+    stages = [train.base_stage(cfg, data.corpus(None, "train", seed=s), jax.random.key(s), 5) for s, _ in runs]
+    lrs = [train.learning_rates(matrix_lr=lr) for _, lr in runs]
+    cfg, steps, losses, bpb = scaling.train_together(stages, tok, 4, TINY_OPTIM, data.corpus(None, "val"), 2, lrs)
     assert cfg == alone[0][1] and steps == 5 and losses.shape == (5, 3)
     np.testing.assert_allclose(losses, np.array([r[2] for r in alone]).T, rtol=2e-5)
     np.testing.assert_allclose(bpb, [r[3]["val_bpb"] for r in alone], rtol=2e-5)
@@ -3014,7 +3098,7 @@ def test_corpus_room_is_what_a_run_reads_once(tmp_path):
     path.write_text("".join(json.dumps({"text": " ".join(rng.choice(["spam", "eggs", "ham", "x = 1"], n))}) + "\n"
                             for n in rng.integers(3, 12, 3000)))  # more documents than the loader's buffer holds
     runner = scaling.train_runner(str(tmp_path), batch=128, device_batch_size=4, vocab_size=270, aspect_ratio=32,
-                                  head_dim=32, T=32, eval_steps=1, extra=["--data", str(path), "--compile-cache="])
+                                  head_dim=32, T=32, eval_steps=1, data_paths=[str(path)])
     room = scaling.corpus_room(data.Tokenizer.load(str(tmp_path / "tokenizer.json")), [str(path)], 4, 32)
     steps = room // 128
     rows = runner([{"depth": 1, "num_iterations": n, "seed": 0} for n in (steps, steps + 1)])
@@ -3066,7 +3150,7 @@ CORE_DIR = TESTDATA / "core_eval"
 
 @pytest.fixture(scope="session")
 def nanochat_d2():
-    return chat.load_nanochat_checkpoint(str(TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"))
+    return checkpoint.load_nanochat(str(TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"))
 
 
 def test_core_equals_nanochat(nanochat_d2):
@@ -3074,12 +3158,12 @@ def test_core_equals_nanochat(nanochat_d2):
     mean losses within 1e-4, token rows, spans and prompts (few-shot included) exact, the accuracies and CORE equal."""
     params, cfg, tok = nanochat_d2
     expected = json.loads((CORE_DIR / "expected.json").read_text())
-    tasks = evaluate.load_bundle(str(CORE_DIR / "eval_bundle"))
-    out = evaluate.evaluate_core(params, cfg, tok, tasks, batch_tokens=512, details=True)  # several batches per task
-    assert [t["label"] for t in tasks] == list(expected["results"])
-    for task in tasks:
+    found = evaluate.load_bundle(str(CORE_DIR / "eval_bundle"))
+    out = evaluate.evaluate_core(params, cfg, tok, found, batch_tokens=512, details=True)  # several batches a task
+    assert [t["label"] for t in found] == list(expected["results"])
+    for task in found:
         want, got = expected["tasks"][task["label"]], out["per_example"][task["label"]]
-        lines = [l for _, l in data._json_lines(CORE_DIR / "eval_bundle" / "eval_data" / want["dataset_uri"], "")]
+        lines = [l for _, l in data.json_lines(CORE_DIR / "eval_bundle" / "eval_data" / want["dataset_uri"], "")]
         assert task["data"] == [lines[i] for i in want["shuffled_lines"]]  # Random(1337)'s shuffle
         assert got["correct"] == [bool(c) for c in want["correct"]]
         for ex, losses in zip(want["examples"], got["mean_losses"]):
@@ -3185,11 +3269,11 @@ def write_chat_data(root):
 
 def test_chatcore_categorical_is_the_letters_argmax(tmp_path, btok):
     rows = write_chat_data(tmp_path)
-    tasks = evaluate.load_chat_tasks(str(tmp_path))
+    found = tasks.load_chat_tasks(str(tmp_path))
     order = np.random.default_rng(42).permutation(6)  # nanochat's Dataset.shuffle(seed=42)
-    answers = [c["messages"][-1]["content"] for c in tasks["ARC-Easy"]]
+    answers = [c["messages"][-1]["content"] for c in found["ARC-Easy"]]
     assert answers == [rows["ARC-Easy"][i]["answerKey"] for i in order]
-    assert tasks["ARC-Challenge"][0]["messages"] == [
+    assert found["ARC-Challenge"][0]["messages"] == [
         {"role": "user", "content": "Multiple Choice question: Pick two.\n- one=1\n- two=2\n- three=3\n\n"
                                     "Respond only with the letter of the correct answer."},
         {"role": "assistant", "content": "2"}]
@@ -3199,54 +3283,54 @@ def test_chatcore_categorical_is_the_letters_argmax(tmp_path, btok):
     want = {}
     for name in ("ARC-Easy", "ARC-Challenge", "MMLU"):  # by hand: one row at a time, the full forward's last logits
         hits = []
-        for c in tasks[name]:
+        for c in found[name]:
             ids = data.render_for_completion(btok, c["messages"])
             z = np.asarray(forward(params, jnp.array([ids]), cfg))[0, -1]
             hits.append(c["letters"][int(np.argmax(z[[btok.encode(l)[0] for l in c["letters"]]]))] ==
                         c["messages"][-1]["content"])
         want[name] = np.mean(hits)
-    categorical = {n: tasks[n] for n in want}
+    categorical = {n: found[n] for n in want}
     for batch_tokens in (256, 1 << 14):  # one row per batch, or all rows in one
         assert evaluate.evaluate_chat(params, cfg, btok, categorical, batch_tokens=batch_tokens)["results"] == want
     bad = tmp_path / "bad"
     shutil.copytree(tmp_path / "mmlu", bad / "mmlu")
     (bad / "mmlu/all/test.jsonl").write_text('{"question": "q", "choices": ["a", "b"], "answer": 7}\n')
     with pytest.raises(ValueError, match="mmlu/all: row 0: .*want the layout of Hugging Face's cais/mmlu"):
-        evaluate.load_chat_tasks(str(bad))
+        tasks.load_chat_tasks(str(bad))
 
 
 def test_gsm8k_humaneval_and_chatcore(tmp_path, btok, monkeypatch):
-    assert evaluate.gsm8k_answer("so 3 + 4 = 7\n#### 1,234.5 dollars") == "1234.5"
-    assert evaluate.gsm8k_answer("#### -12") == "-12" and evaluate.gsm8k_answer("the answer is 12") is None
-    assert evaluate.gsm8k_parts("It is 12/60=<<12/60=0.2>>0.2 a minute.\n#### 0.2") == [
+    assert tasks.gsm8k_answer("so 3 + 4 = 7\n#### 1,234.5 dollars") == "1234.5"
+    assert tasks.gsm8k_answer("#### -12") == "-12" and tasks.gsm8k_answer("the answer is 12") is None
+    assert tasks.gsm8k_parts("It is 12/60=<<12/60=0.2>>0.2 a minute.\n#### 0.2") == [
         {"type": "text", "text": "It is 12/60="}, {"type": "python", "text": "12/60"},
         {"type": "python_output", "text": "0.2"}, {"type": "text", "text": "0.2 a minute.\n#### 0.2"}]
     write_chat_data(tmp_path)
-    tasks = evaluate.load_chat_tasks(str(tmp_path))
-    he = tasks["HumanEval"][0]
-    program = evaluate.humaneval_program(he, "Here:\n```python\ndef root(x):\n    return math.sqrt(x)\n```\nDone.")
+    found = tasks.load_chat_tasks(str(tmp_path))
+    he = found["HumanEval"][0]
+    program = tasks.humaneval_program(he, "Here:\n```python\ndef root(x):\n    return math.sqrt(x)\n```\nDone.")
     assert program.startswith("import math\n\ndef root(x):\n") and program.endswith("check(root)")
     cfg = nc.Config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=2, n_kv_head=2, n_embd=32)
     params = nc.init_params(cfg, jax.random.key(0))
 
     def answer(right):  # the engine's completion replaced by the reference answer (or a wrong one)
         refs = {}
-        for c in tasks["GSM8K"] + tasks["HumanEval"]:
+        for c in found["GSM8K"] + found["HumanEval"]:
             ref = c["messages"][-1]["content"]
-            text = f"#### {evaluate.gsm8k_answer(ref[-1]['text'])}" if isinstance(ref, list) else ref
+            text = f"#### {tasks.gsm8k_answer(ref[-1]['text'])}" if isinstance(ref, list) else ref
             refs[tuple(data.render_for_completion(btok, c["messages"]))] = text if right else text[:-3] + "1"
         return lambda p, cfg, tok, prompt, n, *a: [btok.encode(refs[tuple(prompt)])] * n
 
     for right in (True, False):
-        monkeypatch.setattr(evaluate, "completions", answer(right))
-        generative = {n: tasks[n] for n in ("GSM8K", "HumanEval")}
+        monkeypatch.setattr(evaluate, "complete", answer(right))
+        generative = {n: found[n] for n in ("GSM8K", "HumanEval")}
         assert evaluate.evaluate_chat(params, cfg, btok, generative)["results"] == {"GSM8K": right, "HumanEval": right}
-    out = evaluate.evaluate_chat(params, cfg, btok, tasks)
+    out = evaluate.evaluate_chat(params, cfg, btok, found)
     centred = [(out["results"][n] - b) / (1 - b) for n, b in (("ARC-Easy", .25), ("ARC-Challenge", .25), ("MMLU", .25),
                                                              ("GSM8K", 0), ("HumanEval", 0))]
     assert out["chatcore"] == pytest.approx(np.mean(centred))
-    del tasks["MMLU"]
-    assert evaluate.evaluate_chat(params, cfg, btok, tasks)["chatcore"] is None  # ChatCORE needs all five
+    del found["MMLU"]
+    assert evaluate.evaluate_chat(params, cfg, btok, found)["chatcore"] is None  # ChatCORE needs all five
 
 
 GOOD_PROGRAM = "def add(a, b):\n    return a + b\n\ndef check(f):\n    assert f(2, 3) == 5\n\ncheck(add)\n"
@@ -3259,22 +3343,22 @@ def tree_snapshot(d):
 
 
 def test_sandbox_correct_program_passes():
-    assert evaluate.run_program(GOOD_PROGRAM)[:2] == (True, None)
+    assert execution.run_program(GOOD_PROGRAM)[:2] == (True, None)
 
 
 def test_sandbox_failing_assert_fails():
-    passed, error, _ = evaluate.run_program(GOOD_PROGRAM.replace("== 5", "== 6"))
+    passed, error, _ = execution.run_program(GOOD_PROGRAM.replace("== 5", "== 6"))
     assert not passed and "AssertionError" in error
 
 
 def test_sandbox_exit_status():
-    assert evaluate.run_program("import sys; sys.exit(3)")[:2] == (False, "exit status 3")
-    assert evaluate.run_program("import os; os.abort()")[:2] == (False, "killed by signal 6")
+    assert execution.run_program("import sys; sys.exit(3)")[:2] == (False, "exit status 3")
+    assert execution.run_program("import os; os.abort()")[:2] == (False, "killed by signal 6")
 
 
 def test_sandbox_infinite_loop_times_out():
     t = time.time()
-    passed, error, _ = evaluate.run_program("while True:\n    pass\n", timeout=1)
+    passed, error, _ = execution.run_program("while True:\n    pass\n", timeout=1)
     assert not passed and error == "timed out after 1 s"
     assert time.time() - t < 3
 
@@ -3282,14 +3366,14 @@ def test_sandbox_infinite_loop_times_out():
 @pytest.mark.parametrize("code", ["x = []\nwhile True:\n    x.append(b'x' * 10**7)\n", "bytearray(10**10)"])
 def test_sandbox_unbounded_allocation_fails(code):
     t = time.time()
-    passed, error, _ = evaluate.run_program(code, timeout=5)
+    passed, error, _ = execution.run_program(code, timeout=5)
     assert not passed and "MemoryError" in error
     assert time.time() - t < 3  # the memory limit stops it, not the timeout
 
 
 def test_sandbox_output_flood_is_cut():
     t = time.time()
-    passed, error, stdout = evaluate.run_program("while True:\n    print('x' * 10**6)\n", timeout=5)
+    passed, error, stdout = execution.run_program("while True:\n    print('x' * 10**6)\n", timeout=5)
     assert not passed and "File too large" in error
     assert len(stdout) <= 10_000 and time.time() - t < 5
 
@@ -3298,18 +3382,16 @@ def test_sandbox_output_flood_is_cut():
                                   "import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)\n",
                                   "import urllib.request\nurllib.request.urlopen('http://127.0.0.1:80', timeout=1)\n"])
 def test_sandbox_network_fails(code):
-    passed, error, _ = evaluate.run_program(code, timeout=2)
+    passed, error, _ = execution.run_program(code, timeout=2)
     assert not passed and "sandbox: socket." in error
 
 
 def test_sandbox_network_fails_without_namespaces(monkeypatch):
     # where unshare is refused (containers, unprivileged users), the audit hook alone must still stop sockets
-    assert "0x10000000 | 0x40000000" in evaluate.SANDBOX
-    monkeypatch.setattr(evaluate, "SANDBOX", evaluate.SANDBOX.replace("0x10000000 | 0x40000000", "-1"))  # EINVAL
     code = "import os\nprint(os.getuid())\nimport socket\nsocket.socket()\n"
-    passed, error, stdout = evaluate.run_program(code, timeout=2)
+    passed, error, stdout = execution.run_program(code, timeout=2, network_namespace=False)
     assert not passed and "sandbox: socket.__new__" in error and stdout == f"{os.getuid()}\n"
-    assert evaluate.run_program(GOOD_PROGRAM)[:2] == (True, None)
+    assert execution.run_program(GOOD_PROGRAM)[:2] == (True, None)
 
 
 @pytest.mark.parametrize("code", [
@@ -3323,7 +3405,7 @@ def test_sandbox_network_fails_without_namespaces(monkeypatch):
 def test_sandbox_write_outside_fails(tmp_path, code):
     target = str(tmp_path / "new.txt")
     before = tree_snapshot(tmp_path)
-    passed, error, _ = evaluate.run_program(code.format(target=target))
+    passed, error, _ = execution.run_program(code.format(target=target))
     assert not passed and "PermissionError: sandbox:" in error
     assert not os.path.exists(target) and tree_snapshot(tmp_path) == before
 
@@ -3348,7 +3430,7 @@ def test_sandbox_change_outside_fails(tmp_path, code):
     victim.write_text("precious")
     os.chmod(victim, 0o644)
     before = tree_snapshot(tmp_path)
-    passed, error, _ = evaluate.run_program(code.format(victim=str(victim), folder=str(folder)))
+    passed, error, _ = execution.run_program(code.format(victim=str(victim), folder=str(folder)))
     assert not passed and "PermissionError: sandbox:" in error
     assert victim.read_text() == "precious" and os.stat(victim).st_mode & 0o777 == 0o644
     assert tree_snapshot(tmp_path) == before
@@ -3366,7 +3448,7 @@ def test_sandbox_change_outside_fails(tmp_path, code):
 ])
 def test_sandbox_process_creation_and_ctypes_fail(tmp_path, code):
     target = str(tmp_path / "touched")
-    passed, error, _ = evaluate.run_program(code.format(target=target))
+    passed, error, _ = execution.run_program(code.format(target=target))
     assert not passed and "sandbox:" in error
     assert not os.path.exists(target)
 
@@ -3378,7 +3460,7 @@ def test_sandbox_own_temp_dir_is_writable_and_removed():
             "os.makedirs('a/b')\nos.rename('data.txt', 'a/b/data.txt')\nshutil.rmtree('a')\n"
             "with tempfile.TemporaryFile() as f:\n    f.write(b'x')\n"
             "print(os.getcwd())\n")
-    passed, error, stdout = evaluate.run_program(code)
+    passed, error, stdout = execution.run_program(code)
     assert (passed, error) == (True, None)
     cwd = stdout.strip()
     assert cwd.startswith("/") and not os.path.exists(cwd)
@@ -3392,7 +3474,7 @@ def test_sandbox_ordinary_imports_work():
             "sys.setrecursionlimit(10_000)\n"
             "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
             "assert depth(5_000) == 5_000\n")
-    assert evaluate.run_program(code)[:2] == (True, None)
+    assert execution.run_program(code)[:2] == (True, None)
 
 
 def test_sandbox_run_goes_on(tmp_path):
@@ -3400,8 +3482,8 @@ def test_sandbox_run_goes_on(tmp_path):
     bad = ["while True: pass", "bytearray(10**10)", "import socket; socket.socket()", "import ctypes",
            f"open({str(tmp_path / 'x')!r}, 'w')", "import os; os.system('true')", "raise SystemExit(7)"]
     for code in bad:
-        assert evaluate.run_program(code, timeout=1)[0] is False
-    assert evaluate.run_program(GOOD_PROGRAM)[:2] == (True, None)
+        assert execution.run_program(code, timeout=1)[0] is False
+    assert execution.run_program(GOOD_PROGRAM)[:2] == (True, None)
     assert os.listdir(tmp_path) == []
 
 
@@ -3415,24 +3497,25 @@ def test_rl_on_gsm8k_takes_nanochat_settings(train_root, tmp_path):
     assert train.parse_args([]).rl_prompts == 8 and train.parse_args([]).rl_eval_every == 0
     write_chat_data(tmp_path / "chat")
     root = fresh_root(train_root, tmp_path / "run")
-    run_stage(root, "base", "--num-iterations", "2")
-    run_stage(root, "sft", "--sft-iterations", "2")
-    gsm = ["--rl-tasks", "gsm8k", "--chat-data", str(tmp_path / "chat"), "--rl-prompts", "2", "--rl-samples", "2",
-           "--rl-max-tokens", "8", "--rl-eval", "2", "--rl-eval-every", "1"]
+    run_stage(root, "base", 2)
+    run_stage(root, "sft", 2)
+    gsm = dict(task_names=["gsm8k"], chat_data=str(tmp_path / "chat"), eval_n=2, eval_every=1, iterations=-1,
+               lr_frac=0.05)  # --rl-tasks gsm8k's defaults, as the flags' check above found them
     tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
-    cfg = nc.Config(**json.load(open(os.path.join(data.latest_checkpoint(root, ("sft",)), "meta.json")))["config"])
-    tasks = train.rl_tasks(train.parse_args(gsm), tok, cfg)
+    cfg = nc.Config(**json.load(open(os.path.join(checkpoint.latest_checkpoint(root, ("sft",)), "meta.json")))["config"])
+    fits = lambda messages: len(data.render_for_completion(tok, messages)) < cfg.sequence_len - 1
+    found = tasks.rl_tasks(["gsm8k"], 0, str(tmp_path / "chat"), fits)
     train_rows = [json.loads(l) for l in open(tmp_path / "chat/gsm8k/main/train-00000-of-00001.jsonl")]
     order = np.random.default_rng(42).permutation(4)
-    steps = [[c for c, _ in train.rl_prompts(tasks, step, 2)] for step in range(3)]  # in order, then round again
+    steps = [[c for c, _ in rl.rl_prompts(found, step, 2)] for step in range(3)]  # in order, then round again
     assert [c[0]["content"] for s in steps for c in s] == [train_rows[i]["question"] for i in [*order, *order[:2]]]
-    reward = tasks["gsm8k"][2]
-    assert reward(steps[0][0], f"#### {evaluate.gsm8k_answer(train_rows[order[0]]['answer'])}") is True
+    reward = found["gsm8k"][2]
+    assert reward(steps[0][0], f"#### {tasks.gsm8k_answer(train_rows[order[0]]['answer'])}") is True
     assert reward(steps[0][0], "#### 1000") is False
-    _, _, losses, info = run_stage(root, "rl", *gsm)
+    _, _, losses, info = run_stage(root, "rl", **gsm)
     assert len(losses) == 2 and np.isfinite(losses).all()  # one epoch: 4 questions / 2 a step
     assert set(info) >= {"pass@k before", "pass@k 1", "pass@k"} and set(info["pass@k"]["gsm8k"]) == {"pass@1", "pass@2"}
     other = data.train_tokenizer(["a different corpus for another tokenizer"] * 50, 280)
     other.save(os.path.join(root, "tokenizer.json"))
     with pytest.raises(ValueError, match="was trained with another tokenizer than .*tokenizer.json"):
-        run_stage(root, "rl", *gsm)
+        run_stage(root, "rl", **gsm)

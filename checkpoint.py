@@ -1,0 +1,417 @@
+"""Checkpoints: ours, nanochat's, and the loaders that give (params, cfg, tokenizer).
+
+- Ours (train.py writes them): a stage's step directories, <out>/<stage>/step_NNNNNN/ with
+  params.msgpack, opt.msgpack (trees of arrays), meta.json (the config, schedule, loader state and
+  each file's CRC-32) and tokenizer.json. A step is written to a temporary directory that is
+  renamed, and whatever it replaces or prunes is renamed away before it is deleted: a failed write
+  or a kill -9 at any moment leaves each step directory complete or absent.
+- nanochat's (PyTorch): model_<step>.pt (a torch.save zip) and meta_<step>.json, with
+  tokenizer/tokenizer.pkl (a pickled tiktoken Encoding), read without torch. A restricted
+  unpickler resolves only the globals that tensors and the tokenizer's state need, so a pickle
+  naming anything else (os.system, ...) is refused before it can run. Storages are raw
+  little-endian fp32, bf16, ... .
+- nanochat's state_dict names and PyTorch's (out, in) layout, to and from our params (the one
+  place the two layouts meet).
+"""
+
+import collections
+import dataclasses
+import glob
+import json
+import os
+import pickle
+import re
+import shutil
+import zipfile
+import zlib
+
+import jax
+import jax.numpy as jnp
+import msgpack
+import numpy as np
+from jax.experimental import multihost_utils
+
+import data
+import nanochat as nc
+
+# ----------------------------------------------------------------------------- trees of arrays
+
+
+def _pack(obj):
+    if hasattr(obj, "dtype") and hasattr(obj, "shape"):  # numpy and jax arrays
+        if not getattr(obj, "is_fully_addressable", True):  # replicated over hosts: our replica
+            obj = obj.addressable_data(0)
+        a = np.asarray(obj, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
+        return msgpack.ExtType(1, msgpack.packb([a.dtype.name, list(a.shape), a.tobytes()]))
+    raise TypeError(f"cannot checkpoint a {type(obj).__name__}")
+
+
+def _unpack(code, payload):
+    dtype, shape, raw = msgpack.unpackb(payload)
+    return np.frombuffer(raw, np.dtype(dtype)).reshape(tuple(shape))
+
+
+def save_tree(path, tree):
+    """Write a nested dict of arrays as msgpack, atomically (temp file, fsync, rename); returns its
+    CRC-32."""
+    tmp, raw = f"{path}.tmp{os.getpid()}", msgpack.packb(tree, default=_pack)
+    with open(tmp, "wb") as f:
+        f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return zlib.crc32(raw)
+
+
+def load_tree(path, crc=None):
+    """A tree written by save_tree, its arrays read-only numpy views; a file that does not unpack,
+    or whose CRC-32 is not `crc`, is a ValueError."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        if crc is not None and zlib.crc32(raw) != crc:
+            raise ValueError(f"CRC-32 {zlib.crc32(raw)}, saved as {crc}")
+        return msgpack.unpackb(raw, ext_hook=_unpack, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:  # flipped bits, a foreign file
+        raise ValueError(f"{path}: damaged ({type(e).__name__}: {e}); use an earlier checkpoint") \
+            from None
+
+# ----------------------------------------------------------------------------- step directories
+
+
+def checkpoint_dirs(root):
+    """The step directories under root (e.g. checkpoints/base), oldest first."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(os.path.join(root, d) for d in names if re.fullmatch(r"step_\d{6}", d))
+
+
+def save_checkpoint(root, step, params, opt_state, meta, keep=3, files=None):
+    """Write root/step_NNNNNN/{params,opt}.msgpack and meta.json (and `files`: name -> writer(path))
+    through a temporary directory, so a step directory is complete or absent; keep the newest
+    `keep`."""
+    final = os.path.join(root, f"step_{step:06d}")
+    tmp = f"{final}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        crc = {"params.msgpack": save_tree(os.path.join(tmp, "params.msgpack"), params)}
+        if opt_state is not None:
+            crc["opt.msgpack"] = save_tree(os.path.join(tmp, "opt.msgpack"), opt_state)
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump({**meta, "crc32": crc}, f, indent=1)
+        for name, write in (files or {}).items():
+            write(os.path.join(tmp, name))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    # Every rename is atomic and whatever is deleted is renamed away first.
+    if os.path.isdir(final):  # saving a step again: set the old one aside only now
+        os.replace(final, f"{final}.old{os.getpid()}")
+    os.replace(tmp, final)
+    for old in checkpoint_dirs(root)[:-keep]:
+        os.replace(old, f"{old}.old{os.getpid()}")
+    leftovers = [p for pattern in ("step_*.old*", "step_*.tmp*")
+                 for p in glob.glob(os.path.join(root, pattern))]
+    for stale in leftovers:  # the steps set aside above, and whatever a killed save left behind
+        shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def gather_states(states):
+    """Every process's loader states, concatenated (a JSON round trip through
+    process_allgather): what a multi-host run's checkpoint records."""
+    if jax.process_count() == 1:
+        return states
+    blob = np.frombuffer(json.dumps(states).encode(), np.uint8)
+    n = int(multihost_utils.process_allgather(np.array([blob.size])).max())
+    padded = np.pad(blob, (0, n - blob.size), constant_values=ord(" "))
+    rows = multihost_utils.process_allgather(padded)
+    return [s for row in rows for s in json.loads(bytes(row).decode())]
+
+
+def load_checkpoint(path, optimizer=True):
+    """(params, opt_state or None, meta) of a step directory written by save_checkpoint."""
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        raise FileNotFoundError(f"{path}: not a checkpoint directory (no meta.json); train one "
+                                "with train.py")
+    with open(os.path.join(path, "meta.json")) as f:
+        try:
+            meta = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path}/meta.json: damaged ({e}); use an earlier "
+                             "checkpoint") from None
+    crc, opt_path = meta.pop("crc32", {}), os.path.join(path, "opt.msgpack")
+    opt_state = None
+    if optimizer and os.path.isfile(opt_path):
+        opt_state = load_tree(opt_path, crc.get("opt.msgpack"))
+    params = load_tree(os.path.join(path, "params.msgpack"), crc.get("params.msgpack"))
+    return params, opt_state, meta
+
+
+def load_newest(root, log=print):
+    """(path, params, opt_state, meta) of the newest step directory under root that loads, or None.
+    A damaged one (saves are atomic, so only the disk or a hand can damage one) is named and
+    skipped."""
+    for path in reversed(checkpoint_dirs(root)):
+        try:
+            return (path, *load_checkpoint(path))
+        except (ValueError, OSError) as e:
+            log(f"skipping {path}: {e}")
+    return None
+
+
+def latest_checkpoint(root="checkpoints", stages=("rl", "sft", "base")):
+    """The newest step directory of the first stage that has one (RL, then SFT, then base)."""
+    for stage in stages:
+        if dirs := checkpoint_dirs(os.path.join(root, stage)):
+            return dirs[-1]
+    return None
+
+
+def find_step(path):
+    """The step directory `path` names: a step directory itself, the newest of a stage folder
+    (checkpoints/base), or of a root's latest stage (checkpoints: RL, then SFT, then base)."""
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return path
+    found = (checkpoint_dirs(path) or [None])[-1] or latest_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"no checkpoint in {path}/: pass a step directory, a stage folder "
+                                "(checkpoints/base) or a root, or train one with `python train.py`")
+    return found
+
+
+def config_from(d, where):
+    """Config(**d) of a checkpoint's meta; a field this version does not know is a one-line error.
+    An "attention" field, a kernel route that older checkpoints recorded, is not the model's."""
+    d = {k: v for k, v in d.items() if k != "attention"}
+    if unknown := sorted(set(d) - {f.name for f in dataclasses.fields(nc.Config)}):
+        raise ValueError(f"{where}: config fields {unknown} are unknown to this version of "
+                         "nanochat.py; read it with the version that wrote it")
+    return nc.Config(**d)
+
+
+def load_stage(out, stage, tok):
+    """(params, cfg) of the newest checkpoint of `stage` under out (train.py's --out), which must
+    have been trained with the tokenizer tok."""
+    path = latest_checkpoint(out, (stage,))
+    if path is None:
+        raise FileNotFoundError(f"no {stage} checkpoint under {out}/{stage}: run `python train.py "
+                                f"--stage {stage}` first")
+    params, _, meta = load_checkpoint(path, optimizer=False)
+    if data.Tokenizer.load(os.path.join(path, meta["tokenizer"])).tokens != tok.tokens:
+        raise ValueError(f"{path} was trained with another tokenizer than {out}/tokenizer.json; "
+                         "start from a checkpoint of this --out, or train its stages again")
+    return params, config_from(meta["config"], os.path.join(path, "meta.json"))
+
+
+def load_model(path="checkpoints"):
+    """(params, cfg, tok) of a checkpoint of ours: see find_step for what `path` may name."""
+    step_dir = find_step(path)
+    params, _, meta = load_checkpoint(step_dir, optimizer=False)
+    cfg = config_from(meta["config"], os.path.join(step_dir, "meta.json"))
+    tok = data.Tokenizer.load(os.path.join(step_dir, meta["tokenizer"]))
+    return jax.tree.map(jnp.asarray, params), cfg, tok
+
+# ------------------------------------------------------------------------- nanochat's state_dict
+
+STACKED = ("h", "value_embeds")  # top-level keys of leaves stacked over layers
+TRANSPOSED = ("h", "lm_head", "smear_gate")  # (in, out) here, (out, in) in PyTorch
+
+
+def nanochat_names(path, cfg):
+    """nanochat's state_dict names of our leaf at `path` (a tuple of keys), one per layer if
+    stacked."""
+    if path[0] == "h":
+        layers = cfg.ve_layers if path[-1] == "ve_gate" else range(cfg.n_layer)
+        return [f"transformer.h.{i}.{path[1]}.{path[2]}.weight" for i in layers]
+    if path[0] == "value_embeds":
+        return [f"value_embeds.{i}.weight" for i in cfg.ve_layers]
+    names = {"wte": "transformer.wte.weight", "lm_head": "lm_head.weight",
+             "smear_gate": "smear_gate.weight"}
+    return [names.get(path[0], path[0])]
+
+
+def to_nanochat_state_dict(params, cfg):
+    """Our params -> nanochat's state_dict, float32 numpy arrays in PyTorch's (out, in) layout."""
+    out = {}
+    for keys, w in jax.tree_util.tree_leaves_with_path(params):
+        path, w = tuple(k.key for k in keys), np.asarray(w, np.float32)
+        for name, a in zip(nanochat_names(path, cfg), w if path[0] in STACKED else [w]):
+            out[name] = a.T if path[0] in TRANSPOSED else a
+    return out
+
+
+def from_nanochat_state_dict(state_dict, cfg):
+    """nanochat's state_dict (numpy arrays, any float dtype) -> our params; the exact inverse."""
+    sd = {k.removeprefix("_orig_mod."): v for k, v in state_dict.items()}  # torch.compile'd
+    shapes = nc.param_shapes(cfg)
+    names = {n for keys, _ in jax.tree_util.tree_leaves_with_path(shapes)
+             for n in nanochat_names(tuple(k.key for k in keys), cfg)}
+    missing, unexpected = sorted(names - set(sd)), sorted(set(sd) - names)
+    if missing or unexpected:
+        raise ValueError(f"state_dict does not match {cfg}: missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}; pass the Config the checkpoint was trained with")
+
+    def leaf(keys, want):
+        path = tuple(k.key for k in keys)
+        rows = [np.asarray(sd[n], np.float32) for n in nanochat_names(path, cfg)]
+        rows = [a.T for a in rows] if path[0] in TRANSPOSED else rows
+        a = np.stack(rows) if path[0] in STACKED else rows[0]
+        if a.shape != want.shape:
+            raise ValueError(f"{'.'.join(path)} has shape {a.shape}, expected {want.shape} for "
+                             f"{cfg}")
+        return jnp.asarray(a)
+    return jax.tree_util.tree_map_with_path(leaf, shapes)
+
+# ---------------------------------------------------------------------------- nanochat's files
+
+
+class _Unpickler(pickle.Unpickler):
+    """Resolves only the globals in `allowed`; anything else is refused before it can be called."""
+
+    def __init__(self, file, path, allowed, storage=None):
+        super().__init__(file)
+        self.path, self.allowed, self.storage = path, allowed, storage
+
+    def find_class(self, module, name):
+        if (module, name) not in self.allowed:
+            raise pickle.UnpicklingError(
+                f"{self.path}: refusing to load {module}.{name}: nanochat's files hold only "
+                "tensors, dicts and tokenizer state, so this one is corrupt or malicious")
+        return self.allowed[module, name]
+
+    def persistent_load(self, pid):
+        storage = isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+        if self.storage is None or not storage:
+            raise pickle.UnpicklingError(f"{self.path}: unexpected persistent id; not a torch "
+                                         "checkpoint")
+        return self.storage(*pid[1:])
+
+
+def _rebuild_tensor(storage, offset, size, stride, *_):
+    """torch._utils._rebuild_tensor_v2 for numpy: a copy of the strided view, bounds-checked."""
+    end = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1 if all(size) else offset
+    if offset < 0 or min(stride, default=0) < 0 or end > storage.size:
+        raise pickle.UnpicklingError("corrupt checkpoint: a tensor runs past its storage")
+    strides = [s * storage.itemsize for s in stride]
+    return np.array(np.lib.stride_tricks.as_strided(storage[offset:], size, strides))
+
+
+STORAGES = {name: np.dtype(dt).newbyteorder("<") for name, dt in (
+    ("FloatStorage", np.float32), ("BFloat16Storage", jnp.bfloat16), ("HalfStorage", np.float16),
+    ("DoubleStorage", np.float64), ("IntStorage", np.int32), ("LongStorage", np.int64))}
+TORCH_GLOBALS = {("collections", "OrderedDict"): collections.OrderedDict,
+                 ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+                 **{("torch", name): dtype for name, dtype in STORAGES.items()}}
+
+
+def read_torch_state_dict(path):
+    """A `torch.save`d state_dict (zip format) as {name: numpy array}, without torch and without
+    running code; a damaged or foreign file is a ValueError naming it."""
+    try:
+        return _read_torch_zip(path)
+    except (zipfile.BadZipFile, KeyError, EOFError, pickle.UnpicklingError, ValueError) as e:
+        said = str(e)  # our own errors name the file already
+        if not said.startswith(f"{path}: "):
+            said = f"{path}: a damaged torch checkpoint ({type(e).__name__}: {said})"
+        raise ValueError(said) from None
+
+
+def _read_torch_zip(path):
+    with zipfile.ZipFile(path) as z:
+        pkl = next((n for n in z.namelist() if n.endswith("/data.pkl")), None)
+        if pkl is None:
+            raise ValueError(f"{path}: not a torch zip checkpoint (no data.pkl); re-save it with "
+                             "torch >= 1.6")
+        prefix = pkl[:-len("data.pkl")]
+        if prefix + "byteorder" in z.namelist() and z.read(prefix + "byteorder") != b"little":
+            raise ValueError(f"{path}: a big-endian checkpoint; convert it on a little-endian "
+                             "machine")
+
+        def storage(dtype, key, location, numel):
+            if not isinstance(dtype, np.dtype):
+                raise pickle.UnpicklingError(f"{path}: a storage of unknown type")
+            raw = z.read(f"{prefix}data/{key}")
+            if len(raw) < numel * dtype.itemsize:
+                raise pickle.UnpicklingError(f"{path}: storage {key} is shorter than its {numel} "
+                                             "elements")
+            return np.frombuffer(raw, dtype, count=numel)
+
+        with z.open(pkl) as f:
+            sd = _Unpickler(f, path, TORCH_GLOBALS, storage).load()
+    if not isinstance(sd, dict) or not all(isinstance(v, np.ndarray) for v in sd.values()):
+        raise ValueError(f"{path}: not a state_dict of tensors")
+    return dict(sd)
+
+
+class _EncodingState:
+    """Stands in for tiktoken.core.Encoding while unpickling: keeps the state dict, runs nothing."""
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+def load_nanochat_tokenizer(path):
+    """nanochat's tokenizer.pkl (a pickled tiktoken Encoding) as a data.Tokenizer, read without
+    unpickling code."""
+    with open(path, "rb") as f:
+        state = _Unpickler(f, path, {("tiktoken.core", "Encoding"): _EncodingState}).load()
+    st = getattr(state, "state", None)
+    if not isinstance(st, dict) or not all(isinstance(st.get(k), dict)
+                                           for k in ("mergeable_ranks", "special_tokens")):
+        raise ValueError(f"{path}: not a pickled tiktoken Encoding")
+    ranks, specials = st["mergeable_ranks"], st["special_tokens"]
+    tokens = sorted(ranks, key=ranks.get)
+    dense = [ranks[t] for t in tokens] == list(range(len(tokens)))
+    if not dense or set(specials) != set(data.SPECIAL_TOKENS):
+        raise ValueError(f"{path}: not a nanochat tokenizer (ranks 0..N-1 and nanochat's 9 special "
+                         "tokens)")
+    tok = data.Tokenizer(tokens, st["pat_str"], sorted(specials, key=specials.get))
+    if tok.special != specials:
+        raise ValueError(f"{path}: the special tokens must take the ids right after the merges, "
+                         "as nanochat's do")
+    return tok
+
+
+def nanochat_steps(d):
+    """The steps of the model_<step>.pt files in a directory, in order."""
+    files = os.listdir(d) if os.path.isdir(d) else []
+    return sorted(int(m[1]) for f in files if (m := re.fullmatch(r"model_(\d+)\.pt", f)))
+
+
+def load_nanochat(path, step=None):
+    """(params, cfg, tok) of a PyTorch nanochat run: a directory of model_<step>.pt files, or its
+    NANOCHAT_BASE_DIR (then nanochat's pick: the largest d<N> of the first source that has one)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no such directory; pass a nanochat checkpoint directory")
+    if not nanochat_steps(path):
+        def depth(d):
+            return int(m[1]) if (m := re.fullmatch(r"d(\d+)", os.path.basename(d))) else -1
+        for source in ("chatsft", "chatrl", "base"):
+            pattern = os.path.join(path, f"{source}_checkpoints", "*")
+            if tags := [d for d in glob.glob(pattern) if nanochat_steps(d)]:
+                path = max(tags, key=depth)
+                break
+        else:
+            raise FileNotFoundError(f"{path}: no model_<step>.pt here nor in "
+                                    "{chatsft,chatrl,base}_checkpoints/*/")
+    step = nanochat_steps(path)[-1] if step is None else step
+    with open(os.path.join(path, f"meta_{step:06d}.json")) as f:
+        config = {"window_pattern": "L", **json.load(f)["model_config"]}  # nanochat's patch
+    fields = [f.name for f in dataclasses.fields(nc.Config) if f.name in config]
+    cfg = nc.Config(**{name: config[name] for name in fields})
+    sd = read_torch_state_dict(os.path.join(path, f"model_{step:06d}.pt"))
+    sd = {k.removeprefix("_orig_mod."): v for k, v in sd.items()}  # saved from torch.compile
+    sd.setdefault("resid_lambdas", np.ones(cfg.n_layer, np.float32))  # more of build_model's
+    sd.setdefault("x0_lambdas", np.zeros(cfg.n_layer, np.float32))  # patches
+    params = from_nanochat_state_dict(sd, cfg)
+    found = [p for up in ("", "..", "../..", "../../..")
+             if os.path.isfile(p := os.path.join(path, up, "tokenizer", "tokenizer.pkl"))]
+    if not found:
+        raise FileNotFoundError(f"{path}: no tokenizer/tokenizer.pkl here or in the 3 directories "
+                                "above")
+    tok = load_nanochat_tokenizer(found[0])
+    if tok.n_vocab != cfg.vocab_size:
+        raise ValueError(f"{found[0]}: {tok.n_vocab} tokens, but the model has vocab_size "
+                         f"{cfg.vocab_size}")
+    return params, cfg, tok
