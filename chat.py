@@ -553,9 +553,7 @@ def main(argv=None):
     too_few = args.max_tokens is not None and args.max_tokens < 1
     if args.temperature < 0 or not 0 <= args.top_k <= nc.TOP_K_MAX or too_few:
         sys.exit(f"error: -t must be 0 or more, -k from 0 to {nc.TOP_K_MAX}, -m 1 or more")
-    if args.compile_cache:  # compiled prefill and decode steps serve the next chat too
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    kernels.use_compile_cache(args.compile_cache)  # compiled prefill and decode serve the next chat
     sys.stdout.reconfigure(errors="replace")  # a terminal that cannot show a character: '?'
     try:
         if args.nanochat_checkpoint:

@@ -131,9 +131,15 @@ def _route_attention(name):
 
 
 def init_params(cfg, key):
-    """nanochat.init_params compiled at LLVM's -O1, which halves its compile on a CPU, to the same
-    bits (it runs once)."""
-    return nc.init_params.lower(cfg, key).compile({"xla_backend_optimization_level": 1})(key)
+    """nanochat.init_params compiled at LLVM's -O1: it runs once, so a cheaper compile pays, and
+    the bits are the same."""
+    return _compiled_init(cfg)(key)
+
+
+@functools.cache  # one compile a config, whatever the key
+def _compiled_init(cfg):
+    lowered = nc.init_params.lower(cfg, jax.random.key(0))
+    return lowered.compile({"xla_backend_optimization_level": 1})
 
 
 def huge_pages_offered():
@@ -147,6 +153,14 @@ def huge_pages_offered():
     return False
 
 
+def use_compile_cache(path):
+    """Keep every compiled program in a persistent cache at path ('' for none): a second run of
+    the same shapes skips XLA's compiles."""
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
 def tune_process(compile_cache, restart=False):
     """The persistent XLA compilation cache ('' for none), and glibc malloc set for XLA's CPU
     buffers. A step's temporaries are one large block that malloc would map afresh every step, for
@@ -154,9 +168,7 @@ def tune_process(compile_cache, restart=False):
     tunable) a fault is 2 MiB, not 4 KiB. Tunables are read when a process starts, so with restart
     (a script's main) the process starts over once with the tunable set. Without huge pages malloc
     keeps one heap that never shrinks instead. Each compile's freed memory is given back."""
-    if compile_cache:
-        jax.config.update("jax_compilation_cache_dir", compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    use_compile_cache(compile_cache)
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc (macOS, musl): nothing to tune

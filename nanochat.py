@@ -263,8 +263,8 @@ def block(layer, x, x0, ve, cos, sin, window, attn=causal_attention, cache=None,
 
 def unstack(params, cfg):
     """The params with the stacked weights split into `layers`, one dict per layer as `block` takes
-    it. Inside jit each slice is a copy: nothing beside a training step, but 4x a decode step, so
-    `generate` unstacks outside jit."""
+    it. Inside jit each slice is a copy, small beside a training step but large beside a decode
+    step, so `generate` unstacks once, outside jit."""
     keys = ("h", "value_embeds", "resid_lambdas", "x0_lambdas")
     s = jax.tree.map(list, {k: params[k] for k in keys})  # list(a): every slice in one op
     h, layers = s["h"], []

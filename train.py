@@ -475,8 +475,7 @@ def main(argv=None):
     t, results = time.perf_counter(), {}
     tok = data.tokenizer_for(args.out, args.data, args.vocab_size, args.tokenizer_max_chars,
                              retrain=args.stage == "tokenizer", write=jax.process_index() == 0)
-    # the evaluations' data is read up front: bad input fails before any training
-    graded = args.questions and args.eval_tasks > 0
+    graded = args.questions and args.eval_tasks > 0  # the evaluations' data first: bad input fails
     questions = tasks.load_questions(args.questions) if graded else ()
     bundle = evaluate.load_bundle(args.eval_bundle, args.eval_max) if args.eval_bundle else None
     chat_tasks = tasks.load_chat_tasks(args.chat_data, args.eval_max) if args.chat_data else {}
@@ -500,8 +499,9 @@ def main(argv=None):
                                 args.rl_eval_every)
         optim = {k: getattr(args, k) for k in OPTIM}
         params, cfg, losses, info = run_stage(
-            name, stage, tok, args.out, args.device_batch_size, optim, evals, args.resume,
-            args.keep, args.save_every, args.debug, args.data_shards, args.attention, vars(args))
+            name, stage, tok, args.out, args.device_batch_size, optim, evals, resume=args.resume,
+            keep=args.keep, save_every=args.save_every, debug=args.debug,
+            data_shards=args.data_shards, attention=args.attention, record=vars(args))
         results[name] = report.evaluate_stage(name, params, cfg, tok, losses, info, args.out,
                                               argv or sys.argv[1:], args.eval_tasks, questions,
                                               (args.eval_bundle, bundle),
