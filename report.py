@@ -113,7 +113,7 @@ def _stage_lines(stage, r):
     """A stage's section of report.md: the command, its evaluations' tables, pass@k, samples."""
     loss = "" if r.get("final_loss") is None else f", final loss {r['final_loss']:.4f}"
     lines = [f"\n## {stage}\n",
-             f"`python train.py {' '.join(r['argv'])}`: {_duration(60 * r['minutes'])} in "
+             f"`{' '.join(['python train.py', *r['argv']])}`: {_duration(60 * r['minutes'])} in "
              f"all{loss}"]
     if "core" in r:
         lines += [f"\nCORE on `{r['core']['data']}`:\n", "| task | accuracy | centred |",
