@@ -1,14 +1,16 @@
 """Tests for nanochat-jax, CPU-only and offline.
 
-    python -m pytest -q -m "not slow" test_nanochat.py   # the quick tier, between changes
-    python -m pytest -q test_nanochat.py                 # everything, as CI runs it
+    python -m pytest -q -n 2 -m "not slow" test_nanochat.py  # the quick tier, between changes
+    python -m pytest -q test_nanochat.py                      # everything, as CI runs it
 
-The slow tests (several processes, a browser, the whole pipeline, server soaks, sweeps) carry the
-`slow` marker. Golden numbers in testdata/ come from the real PyTorch nanochat; testdata/README.md
-says how they were made and which tolerances their fp32-vs-fp64 reruns justify.
+The slow tests (several processes, a browser, the whole pipeline, server soaks, sweeps, and
+programs compiled for one test alone) carry the `slow` marker. Golden numbers in testdata/ come
+from the real PyTorch nanochat; testdata/README.md says how they were made and which tolerances
+their fp32-vs-fp64 reruns justify.
 """
 
 import ast
+import atexit
 import collections
 import dataclasses
 import functools
@@ -29,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -56,10 +59,20 @@ import scaling_fits
 import tasks
 import train
 
+# The processes the tests start (train.py, chat.py, sweep workers) share one XLA compilation cache,
+# fresh each session: a program one of them compiled, such as the same step of the same tiny model,
+# is read by the next instead of compiled again. This process keeps none of its own (jax read the
+# variable at import): its tests count compiles.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="nanochat-test-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
 TESTDATA = pathlib.Path(__file__).parent / "testdata"
-GOLDEN_CFG = nc.Config(sequence_len=512, vocab_size=300, n_layer=4, n_head=2, n_kv_head=1, n_embd=64,
+GOLDEN_CFG = nc.Config(sequence_len=512, vocab_size=300, n_layer=4, n_head=2, n_kv_head=1,
+                       n_embd=64,
                        window_pattern="SL")
-TINY = nc.Config(sequence_len=64, vocab_size=100, n_layer=3, n_head=4, n_kv_head=2, n_embd=32, window_pattern="SL")
+TINY = nc.Config(sequence_len=64, vocab_size=100, n_layer=3, n_head=4, n_kv_head=2, n_embd=32,
+                 window_pattern="SL")
 forward = jax.jit(nc.forward, static_argnames="cfg")
 loss_fn = jax.jit(nc.loss_fn, static_argnames=("cfg", "reduction"))
 value_and_grad = jax.jit(jax.value_and_grad(nc.loss_fn), static_argnames="cfg")
@@ -85,7 +98,7 @@ def assert_matches_golden(params, golden, prefix, atol):
         np.testing.assert_allclose(sd[k], golden[f"{prefix}/{k}"], rtol=0, atol=atol, err_msg=k)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The model against PyTorch nanochat
 
 def test_golden_logits_and_loss(golden):
@@ -102,8 +115,10 @@ def test_golden_logits_and_loss(golden):
 
 @pytest.mark.parametrize("batch", ["", "2"])
 def test_golden_gradients(golden, batch):
-    params = golden_tree(golden, "after1" if batch else "param")  # grad2 was taken at nanochat's after1
-    loss, grads = value_and_grad(params, golden["tokens" + batch], golden["targets" + batch], GOLDEN_CFG)
+    # grad2 was taken at nanochat's after1
+    params = golden_tree(golden, "after1" if batch else "param")
+    loss, grads = value_and_grad(params, golden["tokens" + batch], golden["targets" + batch],
+                                 GOLDEN_CFG)
     np.testing.assert_allclose(loss, golden["loss" + batch], rtol=0, atol=1e-5)
     sd = checkpoint.to_nanochat_state_dict(grads, GOLDEN_CFG)
     for k, g in sd.items():
@@ -124,12 +139,16 @@ def test_golden_structure(golden):
 
 
 @pytest.mark.parametrize("depth, width, heads, groups, flops", [
-    # nanochat's own numbers at vocab 32768, head_dim 128, T 2048, "SSSL" (nanochat_spec.md section 1.7)
-    (12, 768, 6, dict(wte=25.17, value_embeds=150.99, lm_head=25.17, transformer_matrices=84.94, total=286.26),
+    # nanochat's own numbers at vocab 32768, head_dim 128, T 2048, "SSSL" (nanochat_spec.md section
+    # 1.7)
+    (12, 768, 6, dict(wte=25.17, value_embeds=150.99, lm_head=25.17, transformer_matrices=84.94,
+                      total=286.26),
      7.597e8),
-    (20, 1280, 10, dict(wte=41.94, value_embeds=419.43, lm_head=41.94, transformer_matrices=393.22, total=896.53),
+    (20, 1280, 10, dict(wte=41.94, value_embeds=419.43, lm_head=41.94, transformer_matrices=393.22,
+                        total=896.53),
      2.886e9),
-    (26, 1664, 13, dict(wte=54.53, value_embeds=708.84, lm_head=54.53, transformer_matrices=863.90, total=1681.79),
+    (26, 1664, 13, dict(wte=54.53, value_embeds=708.84, lm_head=54.53, transformer_matrices=863.90,
+                        total=1681.79),
      5.991e9),
 ])
 def test_depth_dial_matches_nanochat(depth, width, heads, groups, flops):
@@ -163,7 +182,7 @@ def test_config_errors(kwargs, match):
         nc.Config(**kwargs)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Model invariants
 
 @pytest.fixture(scope="session")
@@ -177,10 +196,12 @@ def test_init_follows_nanochat(tiny_params):
     assert abs(float(p["wte"].std()) - 0.8) < 0.03 and abs(float(p["wte"].mean())) < 0.05
     assert abs(float(p["lm_head"].std()) - 0.001) < 1e-4
 
-    def uniform(w, lo, hi):  # U(lo, hi): inside the bounds and reaching near both (a wrong scale fails)
+    # U(lo, hi): inside the bounds and reaching near both (a wrong scale fails)
+    def uniform(w, lo, hi):
         return lo <= float(w.min()) < lo + 0.25 * (hi - lo) and hi - 0.25 * (hi - lo) < float(w.max()) <= hi
 
-    for w in (p["h"]["attn"]["c_q"], p["h"]["attn"]["c_k"], p["h"]["attn"]["c_v"], p["value_embeds"]):
+    for w in (p["h"]["attn"]["c_q"], p["h"]["attn"]["c_k"], p["h"]["attn"]["c_v"],
+              p["value_embeds"]):
         assert uniform(w, -s, s)
     assert uniform(p["h"]["mlp"]["c_fc"], -0.4 * s, 0.4 * s)
     assert uniform(p["h"]["attn"]["ve_gate"], 0, 0.02) and uniform(p["smear_gate"], 0, 0.02)
@@ -191,7 +212,8 @@ def test_init_follows_nanochat(tiny_params):
     again = nc.init_params(TINY, jax.random.key(0))
     other = nc.init_params(TINY, jax.random.key(1))
     fast = kernels.init_params(TINY, jax.random.key(0))  # compiled at LLVM -O1
-    nested = jax.jit(nc.init_params, static_argnames="cfg")(TINY, jax.random.key(0))  # it composes: e.g. out_shardings
+    # it composes: e.g. out_shardings
+    nested = jax.jit(nc.init_params, static_argnames="cfg")(TINY, jax.random.key(0))
     for same in (again, fast, nested):
         assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, tiny_params, same)))
     assert not jnp.array_equal(tiny_params["wte"], other["wte"])
@@ -202,7 +224,8 @@ def perturbed(params, key):
     """Params with every path alive (nanochat's init zeroes the projections and the smear)."""
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(key, len(leaves))
-    return jax.tree.unflatten(treedef, [w + 0.1 * jax.random.normal(k, w.shape) for w, k in zip(leaves, keys)])
+    return jax.tree.unflatten(treedef,
+                              [w + 0.1 * jax.random.normal(k, w.shape) for w, k in zip(leaves, keys)])
 
 
 def test_causality(tiny_params):
@@ -214,11 +237,13 @@ def test_causality(tiny_params):
     assert float(jnp.abs(a[:, 30:] - b[:, 30:]).max()) > 1e-3
 
 
-@pytest.mark.parametrize("T, window, dtype", [(300, 300, "float32"), (300, 100, "float32"), (256, 64, "bfloat16"),
-                                             (100, 100, "float32"), (128, 40, "float32")])  # 64-query blocks
+@pytest.mark.parametrize("T, window, dtype", [(300, 300, "float32"), (300, 100, "float32"),
+                                              (256, 64, "bfloat16"),
+                                             # 64-query blocks
+                                             (100, 100, "float32"), (128, 40, "float32")])
 def test_fast_attention_equals_plain(T, window, dtype):
-    """kernels.attend_cpu (no max pass) and its query blocks (fully masked key blocks skipped) against the plain
-    attend, and the model's plain causal_attention too."""
+    """kernels.attend_cpu (no max pass) and its query blocks (fully masked key blocks skipped)
+    against the plain attend, and the model's plain causal_attention too."""
     keys = jax.random.split(jax.random.key(12), 3)
     q, k = (nc.rms_norm(jax.random.normal(key, (2, T, h, 16))) * nc.QK_SCALE for key, h in zip(keys, (4, 2)))
     q, k, v = (a.astype(dtype) for a in (q, k, jax.random.normal(keys[2], (2, T, 2, 16))))
@@ -227,7 +252,8 @@ def test_fast_attention_equals_plain(T, window, dtype):
     def outputs(q, k, v):
         pos = jnp.arange(T)
         fast = (kernels.attend_cpu(q, k, v, nc.attention_mask(pos, pos, window)),
-                kernels.blocked_attention(q, k, v, window), kernels.attention("cpu")(q, k, v, window),
+                kernels.blocked_attention(q, k, v, window),
+                kernels.attention("cpu")(q, k, v, window),
                 nc.causal_attention(q, k, v, window))
         full = nc.attend(q, k, v, nc.attention_mask(pos, pos, T))
         return nc.attend(q, k, v, nc.attention_mask(pos, pos, window)), fast, full
@@ -236,15 +262,17 @@ def test_fast_attention_equals_plain(T, window, dtype):
     plain = plain.astype(jnp.float32)
     for fast in fast_outputs:
         assert fast.dtype == q.dtype
-        np.testing.assert_allclose(fast.astype(jnp.float32), plain, rtol=0, atol=1e-5 if dtype == "float32" else 2e-2)
+        np.testing.assert_allclose(fast.astype(jnp.float32), plain, rtol=0,
+                                   atol=1e-5 if dtype == "float32" else 2e-2)
     if window < T:  # the window binds: full causal attention differs
         assert np.abs(plain - full.astype(jnp.float32)).max() > 0.1
 
 
-@functools.partial(jax.jit, static_argnames=("route", "window"))  # op by op: some 190 compiles a route
+# op by op: some 190 compiles a route
+@functools.partial(jax.jit, static_argnames=("route", "window"))
 def attention_loss_and_grads(q, k, v, w, route, window):
-    """sum(attention * w) and its gradients in q, k, v, through a route of kernels.ROUTES (None: the plain
-    attend)."""
+    """sum(attention * w) and its gradients in q, k, v, through a route of kernels.ROUTES (None: the
+    plain attend)."""
     pos = jnp.arange(q.shape[1])
     if route is None:
         attn = lambda q, k, v: nc.attend(q, k, v, nc.attention_mask(pos, pos, window))
@@ -255,13 +283,15 @@ def attention_loss_and_grads(q, k, v, w, route, window):
 
 @pytest.mark.parametrize("route", ["cpu", "xla", "plain", "splash"])
 def test_every_attention_route_equals_plain(route):
-    """Each kernel kernels.attention gives (the library's XLA path and TPU's splash kernel, interpreted, included)
-    has the plain attend's outputs and gradients, with a binding window and GQA (4 query heads on 2 kv heads)."""
+    """Each kernel kernels.attention gives (the library's XLA path and TPU's splash kernel,
+    interpreted, included) has the plain attend's outputs and gradients, with a binding window and
+    GQA (4 query heads on 2 kv heads)."""
     keys = jax.random.split(jax.random.key(13), 4)
     q, k, v = (jax.random.normal(key, (2, 256, h, 128)) for key, h in zip(keys, (4, 2, 2)))
     w = jax.random.normal(keys[3], (2, 256, 4, 128))
     for window in (100, 256):
-        want = attention_loss_and_grads(q, k, v, w, None, window)  # compiled once for the four routes
+        # compiled once for the four routes
+        want = attention_loss_and_grads(q, k, v, w, None, window)
         got = attention_loss_and_grads(q, k, v, w, route, window)
         np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
         for g, h in zip(got[1], want[1]):
@@ -269,24 +299,29 @@ def test_every_attention_route_equals_plain(route):
 
 
 def test_cached_attention_of_every_route_equals_plain():
-    """A query chunk over a KV cache (prefill, decode: pos given) takes attend_cpu on a CPU: the plain numbers."""
+    """A query chunk over a KV cache (prefill, decode: pos given) takes attend_cpu on a CPU: the
+    plain numbers."""
     keys = jax.random.split(jax.random.key(14), 3)
     q, k, v = (jax.random.normal(key, (2, T, h, 32)) for key, T, h in zip(keys, (5, 40, 40), (4, 2, 2)))
     for window in (8, 64):
         want = nc.causal_attention(q, k, v, window, jnp.int32(20))
         for route in kernels.ROUTES:
-            np.testing.assert_allclose(kernels.attention(route)(q, k, v, window, jnp.int32(20)), want, atol=1e-5)
+            np.testing.assert_allclose(kernels.attention(route)(q, k, v, window, jnp.int32(20)),
+                                       want, atol=1e-5)
 
 
 def test_model_names_no_backend():
-    """nanochat.py is the math: no backend, kernel or mesh name; kernels.py chooses them, outside the model."""
+    """nanochat.py is the math: no backend, kernel or mesh name; kernels.py chooses them, outside
+    the model."""
     source = (pathlib.Path(__file__).parent / "nanochat.py").read_text().lower()
-    for name in ("cpu", "gpu", "tpu", "cudnn", "splash", "pallas", "mesh", "shard_map", "default_backend"):
+    for name in ("cpu", "gpu", "tpu", "cudnn", "splash", "pallas", "mesh", "shard_map",
+                 "default_backend"):
         assert not re.search(rf"\b{name}\b", source), name
     params = perturbed(nc.init_params(TINY, jax.random.key(0)), jax.random.key(5))
     tokens = jax.random.randint(jax.random.key(6), (2, 64), 0, TINY.vocab_size)
     fast = jax.jit(nc.forward, static_argnames=("cfg", "attn"))(params, tokens, TINY, kernels.attention())
-    np.testing.assert_allclose(fast, forward(params, tokens, TINY), rtol=0, atol=2e-5)  # the same model
+    # the same model
+    np.testing.assert_allclose(fast, forward(params, tokens, TINY), rtol=0, atol=2e-5)
 
 
 def test_attention_route_is_picked_by_backend_and_shape():
@@ -297,7 +332,8 @@ def test_attention_route_is_picked_by_backend_and_shape():
     assert route("xla", "gpu", "bfloat16") == "xla"  # forced
     with pytest.raises(ValueError, match="attention route 'flash' must be one of"):
         kernels.attention("flash")
-    assert kernels.attention() is kernels.attention("auto")  # one function a route: jit compiles it once
+    # one function a route: jit compiles it once
+    assert kernels.attention() is kernels.attention("auto")
 
 
 def test_sliding_window_limits_context():
@@ -310,33 +346,25 @@ def test_sliding_window_limits_context():
     assert np.flatnonzero(decode[0]).tolist() == list(range(72, 201))
 
 
-@pytest.mark.slow  # op by op: every primitive of the loss compiled alone
-def test_jit_equals_no_jit(tiny_params):
-    params = perturbed(tiny_params, jax.random.key(3))
-    tokens = jax.random.randint(jax.random.key(4), (1, 12), 0, TINY.vocab_size)
-    targets = jnp.roll(tokens, -1, axis=1).at[:, -1].set(-1)
-    jitted = loss_fn(params, tokens, targets, TINY, reduction="none")
-    with jax.disable_jit():  # op by op, as train.py --debug runs it
-        eager = nc.loss_fn(params, tokens, targets, TINY, reduction="none")
-    np.testing.assert_allclose(jitted, eager, rtol=1e-5, atol=1e-6)
-    assert float(jitted.sum()) > 0
-
-
+@pytest.mark.slow  # the golden model compiled once more, in bfloat16
 def test_bf16_close_to_fp32(golden):
     params = golden_tree(golden, "param")
     bf16 = nc.Config(**{**GOLDEN_CFG.__dict__, "compute_dtype": "bfloat16"})
     logits = forward(params, golden["tokens"], bf16)
     assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
-    assert 1e-3 < float(jnp.abs(logits - golden["logits"]).max()) < 0.1  # logits reach 1.85; fp32 is off by 1e-6
+    # logits reach 1.85; fp32 is off by 1e-6
+    assert 1e-3 < float(jnp.abs(logits - golden["logits"]).max()) < 0.1
     # the matmuls really ran in bf16 (traced, not run: the dtype is the program's, not the numbers')
     assert jax.eval_shape(lambda p, t: nc.hidden(p, t, bf16), params, golden["tokens"]).dtype == jnp.bfloat16
     x = jax.random.normal(jax.random.key(0), (4, 64)).astype(jnp.bfloat16) * 100
     ref = np.asarray(x, np.float64) / np.sqrt((np.asarray(x, np.float64) ** 2).mean(-1, keepdims=True))
-    np.testing.assert_allclose(np.asarray(nc.rms_norm(x), np.float64), ref, rtol=2**-8)  # fp32 statistics
+    # fp32 statistics
+    np.testing.assert_allclose(np.asarray(nc.rms_norm(x), np.float64), ref, rtol=2**-8)
     loss, grads = value_and_grad(params, golden["tokens"], golden["targets"], bf16)
     assert abs(float(loss) - float(golden["loss"])) < 0.01
     chex.assert_tree_all_finite(grads)
-    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))  # fp32 masters get fp32 grads
+    # fp32 masters get fp32 grads
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
 
 
 def test_state_dict_round_trip(tiny_params):
@@ -352,12 +380,14 @@ def test_state_dict_round_trip(tiny_params):
 def test_state_dict_errors(tiny_params):
     sd = checkpoint.to_nanochat_state_dict(tiny_params, TINY)
     with pytest.raises(ValueError, match="missing .*lm_head"):
-        checkpoint.from_nanochat_state_dict({k: v for k, v in sd.items() if k != "lm_head.weight"}, TINY)
+        checkpoint.from_nanochat_state_dict({k: v for k, v in sd.items() if k != "lm_head.weight"},
+                                            TINY)
     with pytest.raises(ValueError, match="shape"):
-        checkpoint.from_nanochat_state_dict({**sd, "transformer.wte.weight": np.zeros((64, 32))}, TINY)
+        checkpoint.from_nanochat_state_dict({**sd, "transformer.wte.weight": np.zeros((64, 32))},
+                                            TINY)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # MuonAdamW against PyTorch nanochat (fed nanochat's own gradients: see the golden README's warning)
 
 def nanochat_update(grads, state, params, **schedule):
@@ -373,7 +403,8 @@ jit_update = jax.jit(nanochat_update)  # one compile for both golden tests (weig
 
 
 def test_golden_optimizer_two_steps(golden):
-    step = lambda grads, state, params: jit_update(grads, state, params, weight_decay=0.0)  # nanochat's default
+    # nanochat's default
+    step = lambda grads, state, params: jit_update(grads, state, params, weight_decay=0.0)
     params = golden_tree(golden, "param")
     params, state = step(golden_tree(golden, "grad"), init_opt(params), params)
     assert_matches_golden(params, golden, "after1", atol=1e-5)
@@ -388,11 +419,13 @@ def test_golden_optimizer_cautious_weight_decay(golden):
     assert_matches_golden(new, golden, "after1_wd", atol=1e-5)
 
 
+@pytest.mark.slow  # the optimizer update compiled alone, outside the train step
 def test_schedules_do_not_recompile(tiny_params):
     @jax.jit
     @chex.assert_max_traces(n=1)
     def step(grads, state, params, lr_mult, momentum, weight_decay):
-        return nanochat_update(grads, state, params, lr_mult=lr_mult, momentum=momentum, weight_decay=weight_decay)
+        return nanochat_update(grads, state, params, lr_mult=lr_mult, momentum=momentum,
+                               weight_decay=weight_decay)
 
     params, state = tiny_params, init_opt(tiny_params)
     grads = perturbed(jax.tree.map(jnp.zeros_like, tiny_params), jax.random.key(5))
@@ -402,14 +435,16 @@ def test_schedules_do_not_recompile(tiny_params):
 
 
 def test_muon_trains_a_model_that_is_not_the_gpt():
-    """muon.py knows no model: a 2-layer MLP regression, its matrices under Muon and its biases under AdamW."""
+    """muon.py knows no model: a 2-layer MLP regression, its matrices under Muon and its biases
+    under AdamW."""
     kx, k1, k2, kt = jax.random.split(jax.random.key(11), 4)
     x = jax.random.normal(kx, (256, 16))
     y = jnp.tanh(x @ jax.random.normal(kt, (16, 4)))
     params = {"w1": jax.random.normal(k1, (16, 64)) / 4, "b1": jnp.zeros(64),
               "w2": jax.random.normal(k2, (64, 4)) / 8, "b2": jnp.zeros(4)}
     labels = {"w1": "matrices", "w2": "matrices", "b1": "biases", "b2": "biases"}
-    groups = {"matrices": dict(kind="muon", lr=0.02, momentum=0.95, weight_decay=0.0, beta2=0.9, dtype="float32"),
+    groups = {"matrices": dict(kind="muon", lr=0.02, momentum=0.95, weight_decay=0.0, beta2=0.9,
+                               dtype="float32"),
               "biases": dict(kind="adamw", lr=0.01, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)}
     loss = lambda p: jnp.mean((jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"] - y) ** 2)
 
@@ -419,7 +454,8 @@ def test_muon_trains_a_model_that_is_not_the_gpt():
         return *muon.update(grads, state, params, labels, groups), l
 
     state = muon.init(params, labels, groups)
-    assert state["var"]["w1"].shape == (1, 64) and state["var"]["w2"].shape == (64, 1)  # factored, 2-D leaves
+    # factored, 2-D leaves
+    assert state["var"]["w1"].shape == (1, 64) and state["var"]["w2"].shape == (64, 1)
     assert state["var"]["b1"].shape == (64,)
     losses = []
     for _ in range(100):
@@ -434,7 +470,8 @@ IMPORTS = {  # each module of ours: the modules of ours it imports (nanochat.py 
     "evaluate": {"checkpoint", "data", "kernels", "nanochat", "tasks"},
     "report": {"data", "evaluate", "nanochat"},
     "rl": {"checkpoint", "data", "evaluate", "kernels", "nanochat", "tasks"},
-    "train": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "report", "rl", "tasks"},
+    "train": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "report", "rl",
+              "tasks"},
     "chat": {"checkpoint", "data", "kernels", "nanochat"},
     "bench": {"data", "kernels", "muon", "nanochat", "report", "train"},
     "scaling_fits": set(),
@@ -444,9 +481,9 @@ IMPORTS = {  # each module of ours: the modules of ours it imports (nanochat.py 
 
 
 def test_imports_form_a_dag_without_private_names():
-    """Every module's imports of ours are the ones above (a DAG: the model and optimizer at the bottom, data.py without
-    jax, tasks and checkpoints on the model and data, the programs above them, the tools on top), and no module uses
-    another's private (_name) functions."""
+    """Every module's imports of ours are the ones above (a DAG: the model and optimizer at the
+    bottom, data.py without jax, tasks and checkpoints on the model and data, the programs above
+    them, the tools on top), and no module uses another's private (_name) functions."""
     root = pathlib.Path(__file__).parent
     assert {p.stem for p in root.glob("*.py")} - {"test_nanochat"} == set(IMPORTS)
     for name, want in IMPORTS.items():
@@ -472,19 +509,22 @@ def test_imports_form_a_dag_without_private_names():
 
 @pytest.mark.slow  # the snippets run op by op: some 300 compiles (each piece has a quick test too)
 def test_readme_snippets_run():
-    """README's "Using the pieces": block, attention, Muon on another model, the train step and CORE, each alone."""
+    """README's "Using the pieces": block, attention, Muon on another model, the train step and
+    CORE, each alone."""
     readme = (pathlib.Path(__file__).parent / "README.md").read_text()
     start = readme.index("## Using the pieces")
     end = readme.find("\n## ", start)  # the next section, if any
     section = readme[start:end if end > 0 else None]
     snippets = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(snippets) == 5 and all("assert " in s for s in snippets)  # each checks its own result
+    # each checks its own result
+    assert len(snippets) == 5 and all("assert " in s for s in snippets)
     for code in snippets:
         exec(compile(code, "README.md", "exec"), {})
 
 
 def test_polar_express_orthogonalizes():
-    polar = jax.jit(muon.polar_express)  # as the step runs it; the SVDs in numpy (op by op: 40 compiles)
+    # as the step runs it; the SVDs in numpy (op by op: 40 compiles)
+    polar = jax.jit(muon.polar_express)
     x = jax.random.normal(jax.random.key(6), (3, 64, 160))
     for m in (x, x.mT, x[:, :, :64]):  # wide, tall, square
         u = np.asarray(polar(m), np.float64)
@@ -531,12 +571,19 @@ def test_optimizer_groups_follow_nanochat(tiny_params, monkeypatch):
     monkeypatch.setattr(muon, "muon_step", lambda p, *a: calls.append(p.shape) or step(p, *a))
     jax.eval_shape(nanochat_update, tiny_params, state, tiny_params)
     shapes = {w.shape[1:] for w in jax.tree.leaves(tiny_params["h"])}
-    assert len(calls) == len(shapes) == 5  # one batched Polar Express per shape, nanochat's shape groups
-    assert sorted(calls) == sorted([(6, 32, 32), (6, 32, 16), (3, 32, 128), (3, 128, 32), (2, 12, 2)])  # (K, in, out)
-    assert state["var"]["h"]["attn"]["c_q"].shape == (3, 1, 32)  # out >= in: one moment per output unit
-    assert state["var"]["h"]["mlp"]["c_proj"].shape == (3, 128, 1)  # more inputs than outputs: per input
-    assert state["var"]["h"]["attn"]["ve_gate"].shape == (2, 12, 1)  # Muon even for the tiny (12, 2) ve_gate
-    assert state["var"]["value_embeds"].shape == tiny_params["value_embeds"].shape  # AdamW, though 3-D
+    # one batched Polar Express per shape, nanochat's shape groups
+    assert len(calls) == len(shapes) == 5
+    # (K, in, out)
+    assert sorted(calls) == sorted([(6, 32, 32), (6, 32, 16), (3, 32, 128), (3, 128, 32),
+                                    (2, 12, 2)])
+    # out >= in: one moment per output unit
+    assert state["var"]["h"]["attn"]["c_q"].shape == (3, 1, 32)
+    # more inputs than outputs: per input
+    assert state["var"]["h"]["mlp"]["c_proj"].shape == (3, 128, 1)
+    # Muon even for the tiny (12, 2) ve_gate
+    assert state["var"]["h"]["attn"]["ve_gate"].shape == (2, 12, 1)
+    # AdamW, though 3-D
+    assert state["var"]["value_embeds"].shape == tiny_params["value_embeds"].shape
     labels, groups = nc.param_groups(tiny_params, embedding_lr=0.3, scalar_lr=0.4, lr_mult=0.5)
     assert labels["h"]["mlp"]["c_fc"] == "h" and labels["backout_lambda"] == labels["smear_gate"] == "smear"
     scale = (32 / 768) ** -0.5
@@ -545,11 +592,12 @@ def test_optimizer_groups_follow_nanochat(tiny_params, monkeypatch):
     assert groups["smear"]["lr"] == pytest.approx(0.2 * 0.5) and groups["h"]["lr"] == pytest.approx(0.02 * 0.5)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # train.py: schedules, the step, checkpoints, exact resume, devices and processes
 
 TRAIN_ARGS = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "16", "--max-seq-len", "32",
-              "--device-batch-size", "4", "--total-batch-size", "256", "--vocab-size", "300", "--warmup-steps", "2",
+              "--device-batch-size", "4", "--total-batch-size", "256", "--vocab-size", "300",
+              "--warmup-steps", "2",
               "--eval-every", "0", "--sample-every", "0", "--compile-cache", ""]
 
 
@@ -572,21 +620,27 @@ def fresh_root(train_root, tmp_path):
 
 
 def run_base(root, iterations, seed=0, model=None, optim=None, evals=None, **kwargs):
-    """train.run_stage on a fresh tiny base model, wired as train.main wires TRAIN_ARGS, through the values API:
-    (params, cfg, losses, info). kwargs: run_stage's (resume, save_every, debug, ...)."""
+    """train.run_stage on a fresh tiny base model, wired as train.main wires TRAIN_ARGS, through the
+    values API: (params, cfg, losses, info). kwargs: run_stage's (resume, save_every, debug, ...).
+    """
     tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
     cfg = train.model_config(tok.n_vocab, **{**TINY_MODEL, **(model or {})})
-    stage = train.base_stage(cfg, data.corpus(None, "train", seed=seed), jax.random.key(seed), iterations)
+    stage = train.base_stage(cfg, data.corpus(None, "train", seed=seed), jax.random.key(seed),
+                             iterations)
     evals = {"eval_every": 0, "sample_every": 0, **(evals or {})}
-    return train.run_stage("base", stage, tok, root, 4, {**TINY_OPTIM, **(optim or {})}, evals, **kwargs)
+    return train.run_stage("base", stage, tok, root, 4, {**TINY_OPTIM, **(optim or {})}, evals,
+                           **kwargs)
 
 
 def test_schedules_follow_nanochat():
-    s = dict(num_iterations=100, warmup_steps=10, warmdown_ratio=0.65, final_lr_frac=0.05, momentum_start=0.85,
+    s = dict(num_iterations=100, warmup_steps=10, warmdown_ratio=0.65, final_lr_frac=0.05,
+             momentum_start=0.85,
              momentum=0.97, momentum_end=0.90, momentum_warmup=20, weight_decay=0.2)
-    at = lambda i: np.array(train.schedules(jnp.int32(i), s), np.float64)  # (lr multiplier, momentum, wd)
+    # (lr multiplier, momentum, wd)
+    at = lambda i: np.array(train.schedules(jnp.int32(i), s), np.float64)
     expect = {0: (0.1, 0.85, 0.2), 9: (1.0, 0.904, 0.2 * 0.5 * (1 + np.cos(np.pi * 0.09))),
-              10: (1.0, 0.91, None), 20: (1.0, 0.97, None), 35: (1.0, 0.97, None),  # warmdown: round(0.65 * 100)
+              # warmdown: round(0.65 * 100)
+              10: (1.0, 0.91, None), 20: (1.0, 0.97, None), 35: (1.0, 0.97, None),
               68: (32 / 65 + 33 / 65 * 0.05, 0.97 - 0.07 * 33 / 65, None), 50: (None, None, 0.1),
               100: (0.05, 0.90, 0.0)}
     for i, want in expect.items():
@@ -603,12 +657,14 @@ def test_schedules_follow_nanochat():
 ])
 def test_horizon_follows_nanochat(depth, tokens, batch, iters, lr_scale, wd):
     cfg = nc.config_for_depth(depth, 32768)
-    steps, b, scale, weight_decay = train.horizon(cfg, 32, -1, total_batch_size=-1, batch_lr_scale=-1)
+    steps, b, scale, weight_decay = train.horizon(cfg, 32, -1, total_batch_size=-1,
+                                                  batch_lr_scale=-1)
     assert (steps, b) == (iters, batch) and float(f"{steps * b:.4g}") == pytest.approx(tokens, rel=2e-3)
     assert scale == pytest.approx(lr_scale, abs=1e-4) and weight_decay == pytest.approx(wd, rel=1e-2)
     flops = train.horizon(cfg, 32, -1, total_batch_size=-1, target_flops=1e18)[0]
     assert flops == round(1e18 / (nc.estimate_flops(cfg) * batch))
-    assert train.horizon(cfg, 32, 7, total_batch_size=-1, target_flops=1e18)[0] == 7  # --num-iterations wins
+    # --num-iterations wins
+    assert train.horizon(cfg, 32, 7, total_batch_size=-1, target_flops=1e18)[0] == 7
 
 
 def test_bits_per_byte(tiny_params):
@@ -616,7 +672,8 @@ def test_bits_per_byte(tiny_params):
     x = np.asarray(jax.random.randint(jax.random.key(12), (2, 16), 0, TINY.vocab_size))
     y = np.roll(x, -1, axis=1)
     y[0, 3] = -1
-    token_bytes = np.arange(TINY.vocab_size) % 4  # ids with 0 bytes (specials) count neither nats nor bytes
+    # ids with 0 bytes (specials) count neither nats nor bytes
+    token_bytes = np.arange(TINY.vocab_size) % 4
     nats = np.asarray(loss_fn(params, x, y, TINY, reduction="none"))
     nb = np.where(y >= 0, token_bytes[np.maximum(y, 0)], 0)
     want = (nats * (nb > 0)).sum() / (np.log(2) * nb.sum())
@@ -626,8 +683,10 @@ def test_bits_per_byte(tiny_params):
 
 def test_task_evaluation_scores_exact_matches(monkeypatch):
     btok = data.byte_tokenizer()
-    cfg = nc.Config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=1, n_kv_head=1, n_embd=32)
-    answers = {}  # a stand-in model that knows every reference answer of two tasks and none of the others
+    cfg = nc.Config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=1, n_kv_head=1,
+                    n_embd=32)
+    # a stand-in model that knows every reference answer of two tasks and none of the others
+    answers = {}
 
     def oracle(params, cfg, prompt, **kw):
         ref = answers.get(tuple(prompt), [])
@@ -642,18 +701,22 @@ def test_task_evaluation_scores_exact_matches(monkeypatch):
                 answers[tuple(prompt)] = [t for t, m in zip(ids[len(prompt):], mask[len(prompt):]) if m][:-1]
     monkeypatch.setattr(nc, "generate", oracle)
     acc, _ = evaluate.evaluate_tasks(None, cfg, btok, n=5)
-    assert acc == {"identity": 1.0, "arithmetic": 1.0, "counting": 0.0, "spelling": 0.0, "docstring": 0.0}
+    assert acc == {"identity": 1.0, "arithmetic": 1.0, "counting": 0.0, "spelling": 0.0,
+                   "docstring": 0.0}
 
 
 def test_step_never_recompiles(tiny_params):
-    """train.jit_train_step itself: after its first call, new steps (so new schedule values) compile nothing.
-    Its (2, 2, 16) batch is the next two tests' too, which then compile no step of their own."""
-    s = dict(num_iterations=10, warmup_steps=2, warmdown_ratio=0.5, final_lr_frac=0.0, momentum_start=0.85,
+    """train.jit_train_step itself: after its first call, new steps (so new schedule values) compile
+    nothing. Its (2, 2, 16) batch is the next two tests' too, which then compile no step of their
+    own."""
+    s = dict(num_iterations=10, warmup_steps=2, warmdown_ratio=0.5, final_lr_frac=0.0,
+             momentum_start=0.85,
              momentum=0.95, momentum_end=0.9, momentum_warmup=3, weight_decay=0.1)
     lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
     params = jax.tree.map(jnp.copy, tiny_params)  # the step donates them
     opt = init_opt(params)
-    x = jax.random.randint(jax.random.key(8), (2, 2, 16), 0, TINY.vocab_size)  # 2 micro-batches of 2 x 16
+    # 2 micro-batches of 2 x 16
+    x = jax.random.randint(jax.random.key(8), (2, 2, 16), 0, TINY.vocab_size)
     y = jnp.roll(x, -1, axis=2)
     losses, compiles = [], []
     listen = lambda event, *_, **__: compiles.append(event) if event.endswith("backend_compile_duration") else None
@@ -671,16 +734,19 @@ def test_step_never_recompiles(tiny_params):
     assert losses[-1] < losses[0]  # the same batch: loss must fall
 
 
+@pytest.mark.slow  # two train steps compiled for batch shapes of their own
 def test_grad_accumulation_equals_big_batch(tiny_params):
     x = jax.random.randint(jax.random.key(9), (4, 16), 0, TINY.vocab_size)
     y = jnp.roll(x, -1, axis=1)
-    s = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0, momentum_start=0.95,
+    s = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0,
+             momentum_start=0.95,
              momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
     lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
     p = perturbed(tiny_params, jax.random.key(10))
     one, _, m1 = train.jit_train_step(p, init_opt(p), (x[None], y[None]), 0, s, lrs, cfg=TINY)
     p = perturbed(tiny_params, jax.random.key(10))
-    two, _, m2 = train.jit_train_step(p, init_opt(p), (x.reshape(2, 2, 16), y.reshape(2, 2, 16)), 0, s, lrs,
+    two, _, m2 = train.jit_train_step(p, init_opt(p), (x.reshape(2, 2, 16), y.reshape(2, 2, 16)), 0,
+                                      s, lrs,
                                       cfg=TINY)
     np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
     chex.assert_trees_all_close(one, two, atol=2e-5)
@@ -689,12 +755,14 @@ def test_grad_accumulation_equals_big_batch(tiny_params):
 def test_step_donates_params_and_opt_state(tiny_params):
     p = jax.tree.map(jnp.copy, tiny_params)
     opt = jax.device_put(init_opt(p))  # host zeros on the device, as train.py puts them
-    s = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0, momentum_start=0.95,
+    s = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0,
+             momentum_start=0.95,
              momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
     lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
     x = jnp.zeros((2, 2, 16), jnp.int32)  # the shape the step was compiled for above
     train.jit_train_step(p, opt, (x, x), 0, s, lrs, cfg=TINY)
-    assert all(a.is_deleted() for a in jax.tree.leaves((p, opt)))  # updated in place: no second copy in memory
+    # updated in place: no second copy in memory
+    assert all(a.is_deleted() for a in jax.tree.leaves((p, opt)))
 
 
 def test_tune_process_turns_on_the_compile_cache():
@@ -710,17 +778,21 @@ def test_tune_process_turns_on_the_compile_cache():
 
 
 def test_tune_process_restarts_a_script_onto_huge_pages():
-    """Where the kernel offers transparent huge pages and glibc reads the hugetlb tunable (2.35+), a script's
-    tune_process starts it over once with the tunable set, and malloc's large blocks then lie on huge pages."""
+    """Where the kernel offers transparent huge pages and glibc reads the hugetlb tunable (2.35+), a
+    script's tune_process starts it over once with the tunable set, and malloc's large blocks then
+    lie on huge pages."""
     code = ("import os, numpy as np, kernels; print('start', os.getpid()); kernels.tune_process('', restart=True); "
             "x = np.ones(2**25, np.float32); "  # 128 MiB: one block that malloc maps
             "huge = [int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')]; "
             "print('tunables', os.environ.get('GLIBC_TUNABLES'), 'huge_kb', huge[0])")
-    r = subprocess.run([sys.executable, "-c", code], cwd=pathlib.Path(__file__).parent, capture_output=True,
-                       text=True, check=True, env={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"})
+    r = subprocess.run([sys.executable, "-c", code], cwd=pathlib.Path(__file__).parent,
+                       capture_output=True,
+                       text=True, check=True,
+                       env={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"})
     lines = r.stdout.splitlines()
     if kernels.huge_pages_offered():
-        assert lines[0] == lines[1] and lines[0].startswith("start")  # the same process, started over once
+        # the same process, started over once
+        assert lines[0] == lines[1] and lines[0].startswith("start")
         tunables, huge_kb = lines[2].split()[1], int(lines[2].split()[3])
         assert tunables == kernels.HUGE_PAGES and huge_kb >= 2048
     else:
@@ -730,7 +802,8 @@ def test_tune_process_restarts_a_script_onto_huge_pages():
 def test_checkpoint_round_trip_and_atomic(tmp_path, tiny_params):
     opt = init_opt(tiny_params)
     for step in (1, 2, 3, 4):
-        path = checkpoint.save_checkpoint(str(tmp_path), step, tiny_params, opt, {"step": step}, keep=2)
+        path = checkpoint.save_checkpoint(str(tmp_path), step, tiny_params, opt, {"step": step},
+                                          keep=2)
     assert [os.path.basename(d) for d in checkpoint.checkpoint_dirs(str(tmp_path))] == ["step_000003", "step_000004"]
     params, opt2, meta = checkpoint.load_checkpoint(path)
     assert meta == {"step": 4} and all(jax.tree.leaves(jax.tree.map(np.array_equal, params, tiny_params)))
@@ -738,10 +811,13 @@ def test_checkpoint_round_trip_and_atomic(tmp_path, tiny_params):
     # a write that dies midway leaves the previous checkpoint intact
     with pytest.raises(TypeError):
         checkpoint.save_checkpoint(str(tmp_path), 5, {"bad": object()}, None, {})
-    assert sorted(os.listdir(tmp_path)) == ["step_000003", "step_000004"]  # no half-written step 5 left
+    # no half-written step 5 left
+    assert sorted(os.listdir(tmp_path)) == ["step_000003", "step_000004"]
     unwritable = lambda p: open(os.path.join(p, "no_such_dir", "tokenizer.json"), "w")
-    with pytest.raises(FileNotFoundError):  # nor when an extra file (train.py's tokenizer.json) fails
-        checkpoint.save_checkpoint(str(tmp_path), 5, tiny_params, None, {}, files={"tokenizer.json": unwritable})
+    # nor when an extra file (train.py's tokenizer.json) fails
+    with pytest.raises(FileNotFoundError):
+        checkpoint.save_checkpoint(str(tmp_path), 5, tiny_params, None, {},
+                                   files={"tokenizer.json": unwritable})
     assert sorted(os.listdir(tmp_path)) == ["step_000003", "step_000004"]
     assert checkpoint.latest_checkpoint(str(tmp_path), ("",)) == path and checkpoint.load_checkpoint(path)[2] == {"step": 4}
     with pytest.raises(FileNotFoundError, match="not a checkpoint"):
@@ -749,19 +825,22 @@ def test_checkpoint_round_trip_and_atomic(tmp_path, tiny_params):
 
 
 def test_a_checkpoint_is_found_from_a_step_a_stage_or_a_root(tmp_path, tiny_params):
-    """checkpoint.load_model (chat.py's and evaluate.py's --checkpoint) takes a step directory, a stage folder
-    (its newest step) or a root (the newest step of its last stage: RL, then SFT, then base)."""
+    """checkpoint.load_model (chat.py's and evaluate.py's --checkpoint) takes a step directory, a
+    stage folder (its newest step) or a root (the newest step of its last stage: RL, then SFT, then
+    base)."""
     tok, root = data.byte_tokenizer(), tmp_path / "checkpoints"
     meta = {"config": dataclasses.asdict(TINY), "tokenizer": "tokenizer.json"}
     for stage, step in (("base", 5), ("base", 9), ("sft", 3)):
         scaled = jax.tree.map(lambda w: w * step, tiny_params)  # each step's weights tell it apart
-        checkpoint.save_checkpoint(str(root / stage), step, scaled, None, meta, files={"tokenizer.json": tok.save})
+        checkpoint.save_checkpoint(str(root / stage), step, scaled, None, meta,
+                                   files={"tokenizer.json": tok.save})
     for where, step in ((root / "base" / "step_000005", 5), (root / "base", 9), (root, 3)):
         assert checkpoint.find_step(str(where)).endswith(f"step_{step:06d}")
         params, cfg, loaded = checkpoint.load_model(str(where))
         np.testing.assert_array_equal(params["wte"], tiny_params["wte"] * step)
         assert cfg == TINY and loaded.tokens == tok.tokens
-    with pytest.raises(FileNotFoundError, match=r"no checkpoint in .*empty/: pass a step directory, a stage folder"):
+    with pytest.raises(FileNotFoundError,
+                       match=r"no checkpoint in .*empty/: pass a step directory, a stage folder"):
         checkpoint.load_model(str(tmp_path / "empty"))
 
 
@@ -775,9 +854,11 @@ def test_resume_is_bit_identical(train_root, tmp_path):
     assert rest == full[3:]
     a = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(full_root))[0]
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, a, jax.device_get(params))))
-    with pytest.raises(ValueError, match=r"step_000006 holds Config\(.*n_layer=2.*but these flags make .*n_layer=3"):
+    with pytest.raises(ValueError,
+                       match=r"step_000006 holds Config\(.*n_layer=2.*but these flags make .*n_layer=3"):
         run_base(cut_root, 6, model=dict(depth=3), resume=True)  # the weights would not fit
-    files = ["meta.json", "opt.msgpack", "params.msgpack", "tokenizer.json"]  # the tokenizer inside the atomic write
+    # the tokenizer inside the atomic write
+    files = ["meta.json", "opt.msgpack", "params.msgpack", "tokenizer.json"]
     assert sorted(os.listdir(checkpoint.latest_checkpoint(full_root))) == files
     assert full[-1] < full[0]
 
@@ -785,15 +866,19 @@ def test_resume_is_bit_identical(train_root, tmp_path):
 @pytest.mark.slow  # a whole step op by op: some 600 compiles, half a minute on 2 cores
 def test_debug_runs_the_same_step_unjitted(train_root, tmp_path, monkeypatch):
     _, _, jitted, _ = run_base(fresh_root(train_root, tmp_path / "a"), 1)
-    monkeypatch.setattr(train, "jit_train_step", lambda *a, **k: pytest.fail("--debug took the jitted step"))
+    monkeypatch.setattr(train, "jit_train_step", lambda *a,
+                        **k: pytest.fail("--debug took the jitted step"))
     eager_step, jit_off = train.train_step, []
-    monkeypatch.setattr(train, "train_step", lambda *a, **k: jit_off.append(jax.config.jax_disable_jit)
+    monkeypatch.setattr(train, "train_step", lambda *a,
+                        **k: jit_off.append(jax.config.jax_disable_jit)
                         or eager_step(*a, **k))
     _, _, eager, _ = run_base(fresh_root(train_root, tmp_path / "b"), 1, debug=True)
     assert jit_off == [True]
     np.testing.assert_allclose(eager, jitted, rtol=1e-5)
-    loss_fn = nc.loss_fn  # a NaN inside the model stops at the op that made it, not at the end of the step
-    monkeypatch.setattr(nc, "loss_fn", lambda p, *a, **k: loss_fn({**p, "wte": p["wte"] * jnp.nan}, *a, **k))
+    # a NaN inside the model stops at the op that made it, not at the end of the step
+    loss_fn = nc.loss_fn
+    monkeypatch.setattr(nc, "loss_fn", lambda p, *a,
+                        **k: loss_fn({**p, "wte": p["wte"] * jnp.nan}, *a, **k))
     with pytest.raises(FloatingPointError, match="nan"):
         run_base(fresh_root(train_root, tmp_path / "c"), 1, debug=True)
 
@@ -807,15 +892,19 @@ def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch
         return params, opt, {**m, "finite": m["finite"] & (a[3] < 3)}  # step 3 "diverges"
 
     monkeypatch.setattr(train, "jit_train_step", failing)
-    with pytest.raises(FloatingPointError, match="step 3: .*not finite; the last good checkpoint is .*step_000002"):
+    with pytest.raises(FloatingPointError,
+                       match="step 3: .*not finite; the last good checkpoint is .*step_000002"):
         run_base(fresh_root(train_root, tmp_path / "nan"), 6, save_every=2)
-    with pytest.raises(FloatingPointError, match="step 3: .*not finite; no checkpoint was saved yet .*--save-every N"):
+    with pytest.raises(FloatingPointError,
+                       match="step 3: .*not finite; no checkpoint was saved yet .*--save-every N"):
         run_base(fresh_root(train_root, tmp_path / "nan0"), 6)
 
-    def ctrl_c(*a, **k):  # Ctrl-C the moment a step's update is done, before the loop has counted the step
+    # Ctrl-C the moment a step's update is done, before the loop has counted the step
+    def ctrl_c(*a, **k):
         out = real(*a, **k)
         for _ in range(presses.get(a[3], 0)):
-            signal.raise_signal(signal.SIGINT)  # handled before it returns (os.kill may land on an XLA thread)
+            # handled before it returns (os.kill may land on an XLA thread)
+            signal.raise_signal(signal.SIGINT)
         return out
 
     root = fresh_root(train_root, tmp_path / "cut")
@@ -824,8 +913,10 @@ def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch
     with pytest.raises(KeyboardInterrupt):
         run_base(root, 6)
     assert checkpoint.latest_checkpoint(root) is None and signal.getsignal(signal.SIGINT) is handler
-    presses = {3: 1}  # once: the run stops where params, step and data position agree, and saves there
-    with pytest.raises(KeyboardInterrupt, match="interrupted: saved .*step_000004; continue with --resume"):
+    # once: the run stops where params, step and data position agree, and saves there
+    presses = {3: 1}
+    with pytest.raises(KeyboardInterrupt,
+                       match="interrupted: saved .*step_000004; continue with --resume"):
         run_base(root, 6)
     assert checkpoint.latest_checkpoint(root).endswith("step_000004") and signal.getsignal(signal.SIGINT) is handler
     monkeypatch.setattr(train, "jit_train_step", real)
@@ -833,48 +924,63 @@ def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch
     assert rest == full[4:]  # no batch trained twice or skipped
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # RL
 
-CONST = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0, momentum_start=0.95,
+CONST = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0,
+             momentum_start=0.95,
              momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
 LRS = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
 
 
+@pytest.mark.slow  # RL's loss, its gradient and a step compiled for RL's weighted batch alone
 def test_rl_loss_and_advantages_by_hand(tiny_params):
-    groups = [([[5, 6, 7, 8], [5, 6, 9]], [[0, 0, 1, 1], [0, 0, 1]], [1.0, 0.0]),  # prompt 5 6; 7 8 and 9 sampled
-              ([[3, 4, 2, 2], [3, 4, 1, 0]], [[0, 1, 0, 1], [0, 1, 1, 1]], [1.0, 1.0])]  # 2 at index 2: tool output
+    # prompt 5 6; 7 8 and 9 sampled
+    groups = [([[5, 6, 7, 8], [5, 6, 9]], [[0, 0, 1, 1], [0, 0, 1]], [1.0, 0.0]),
+              # 2 at index 2: tool output
+              ([[3, 4, 2, 2], [3, 4, 1, 0]], [[0, 1, 0, 1], [0, 1, 1, 1]], [1.0, 1.0])]
     x, y, w = rl.rl_batch(groups, T=5)
-    np.testing.assert_array_equal(w[:, :, 0], [[0.5, -0.5], [0, 0]])  # r - mean(r) of the group, no std division
+    # r - mean(r) of the group, no std division
+    np.testing.assert_array_equal(w[:, :, 0], [[0.5, -0.5], [0, 0]])
     assert (w == w[:, :, :1]).all()
     np.testing.assert_array_equal(x[0], [[5, 6, 7, 0, 0], [5, 6, 0, 0, 0]])
     np.testing.assert_array_equal(y[0], [[-1, 7, 8, -1, -1], [-1, 9, -1, -1, -1]])
     np.testing.assert_array_equal(y[1], [[4, -1, 2, -1, -1], [4, 1, 0, -1, -1]])
     params = perturbed(tiny_params, jax.random.key(3))
-    # jitted: op by op, the backward pass alone compiled some 400 XLA programs (half a minute on 2 cores)
+    # jitted: op by op, the backward pass alone compiled some 400 XLA programs (half a minute on 2
+    # cores)
     loss_and_grads = jax.jit(jax.value_and_grad(train.weighted_loss), static_argnames="cfg")
     for i in range(2):  # -sum(logp * adv) / valid tokens, per prompt (a micro-batch of the step)
-        logp = np.asarray(jax.nn.log_softmax(forward(params, jnp.asarray(x[i]), TINY), -1), np.float64)
+        logp = np.asarray(jax.nn.log_softmax(forward(params, jnp.asarray(x[i]), TINY), -1),
+                          np.float64)
         valid = [(j, t) for j in range(2) for t in range(5) if y[i, j, t] >= 0]
         by_hand = -sum(logp[j, t, y[i, j, t]] * w[i, j, t] for j, t in valid) / len(valid)
         loss, grads = loss_and_grads(params, TINY, x[i], y[i], w[i])
         np.testing.assert_allclose(loss, by_hand, rtol=1e-5, atol=1e-7)
-    assert all((np.asarray(g) == 0).all() for g in jax.tree.leaves(grads))  # all rewards equal: no signal, no NaN
+    # all rewards equal: no signal, no NaN
+    assert all((np.asarray(g) == 0).all() for g in jax.tree.leaves(grads))
     p = jax.tree.map(jnp.copy, params)
     new, _, m = train.jit_train_step(p, init_opt(p), (x[1:], y[1:], w[1:]), 0, CONST, LRS, cfg=TINY)
     assert bool(m["finite"]) and float(m["loss"]) == 0.0
-    chex.assert_trees_all_equal(new["h"], params["h"])  # Muon (no weight decay here) moves nothing; AdamW only
-    assert all(np.isfinite(a).all() for a in jax.tree.leaves(new))  # applies nanochat's fixed weight decays
+    # Muon (no weight decay here) moves nothing; AdamW only
+    chex.assert_trees_all_equal(new["h"], params["h"])
+    # applies nanochat's fixed weight decays
+    assert all(np.isfinite(a).all() for a in jax.tree.leaves(new))
     with pytest.raises(FloatingPointError, match="not all finite"):
         rl.rl_batch([([[1, 2]], [[0, 1]], [float("nan")])], T=4)
 
 
-@pytest.mark.slow  # a training run: 70 steps and 14 rounds of sampling (RL's math is checked just above)
+# a training run: 70 steps and 14 rounds of sampling (RL's math is checked just above)
+@pytest.mark.slow
 def test_rl_raises_the_reward_of_a_tiny_task(btok):
-    """SFT teaches "yes" and "no" equally to one question; RL rewarding "yes" makes the model say it."""
-    cfg = nc.Config(sequence_len=32, vocab_size=btok.n_vocab, n_layer=1, n_head=2, n_kv_head=2, n_embd=32)
-    ask = lambda answer: [{"role": "user", "content": "yes?"}, {"role": "assistant", "content": answer}]
-    # SFT in RL's shapes, (1, 16, 32) and weights, all 1 (the plain mean loss): one step compiles for both
+    """SFT teaches "yes" and "no" equally to one question; RL rewarding "yes" makes the model say
+    it."""
+    cfg = nc.Config(sequence_len=32, vocab_size=btok.n_vocab, n_layer=1, n_head=2, n_kv_head=2,
+                    n_embd=32)
+    ask = lambda answer: [{"role": "user", "content": "yes?"},
+                          {"role": "assistant", "content": answer}]
+    # SFT in RL's shapes, (1, 16, 32) and weights, all 1 (the plain mean loss): one step compiles
+    # for both
     rows = [data.render_conversation(btok, ask(a)) for a in ("yes", "no") * 8]
     pad = lambda ids, fill: ids + [fill] * (cfg.sequence_len - len(ids))
     x = np.array([pad(ids[:-1], 0) for ids, _ in rows], np.int32)[None]
@@ -882,10 +988,12 @@ def test_rl_raises_the_reward_of_a_tiny_task(btok):
     params = nc.init_params(cfg, jax.random.key(0))
     opt = init_opt(params)
     for i in range(60):
-        params, opt, _ = train.jit_train_step(params, opt, (x, y, np.ones(x.shape, np.float32)), i, CONST, LRS,
+        params, opt, _ = train.jit_train_step(params, opt, (x, y, np.ones(x.shape, np.float32)), i,
+                                              CONST, LRS,
                                               cfg=cfg)
 
-    def reward(params, seed):  # over 64 samples, drawn 16 at a time as RL draws them: one sampler compiles
+    # over 64 samples, drawn 16 at a time as RL draws them: one sampler compiles
+    def reward(params, seed):
         keys = [jax.random.fold_in(jax.random.key(seed), j) for j in range(4)]
         return np.mean([rl.rollout(params, cfg, btok, ask("yes"), key, 16, 8)[2] for key in keys])
 
@@ -895,7 +1003,8 @@ def test_rl_raises_the_reward_of_a_tiny_task(btok):
     for i in range(10):
         groups = [rl.rollout(params, cfg, btok, ask("yes"), jax.random.key(i), 16, 8)]
         batch = rl.rl_batch(groups, cfg.sequence_len)
-        params, opt, m = train.jit_train_step(params, opt, batch, i, CONST, {k: v * 0.3 for k, v in LRS.items()},
+        params, opt, m = train.jit_train_step(params, opt, batch, i, CONST,
+                                              {k: v * 0.3 for k, v in LRS.items()},
                                               cfg=cfg)
     assert reward(params, 100) > before + 0.3
 
@@ -904,8 +1013,8 @@ RL_TINY = dict(prompts=2, samples=2, max_tokens=8, eval_n=0, iterations=4)
 
 
 def run_stage(root, name, iterations=None, resume=False, **stage_kwargs):
-    """A tiny base (T 128), SFT or RL stage through train.run_stage, as train.main wires it. stage_kwargs: the
-    stage's (rl.rl_stage's for RL, on top of RL_TINY)."""
+    """A tiny base (T 128), SFT or RL stage through train.run_stage, as train.main wires it.
+    stage_kwargs: the stage's (rl.rl_stage's for RL, on top of RL_TINY)."""
     tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
     if name == "base":
         cfg = train.model_config(tok.n_vocab, **{**TINY_MODEL, "max_seq_len": 128})
@@ -923,7 +1032,8 @@ def run_stage(root, name, iterations=None, resume=False, **stage_kwargs):
 @pytest.mark.slow  # base, SFT and RL stages: the pipeline
 def test_rl_stage_resumes_exactly_and_saves_on_ctrl_c(train_root, tmp_path, monkeypatch):
     root = fresh_root(train_root, tmp_path / "full")
-    with pytest.raises(FileNotFoundError, match="no sft checkpoint under .*: run `python train.py --stage sft` first"):
+    with pytest.raises(FileNotFoundError,
+                       match="no sft checkpoint under .*: run `python train.py --stage sft` first"):
         run_stage(root, "rl")
     with pytest.raises(SystemExit):  # argparse names the tasks there are
         train.parse_args(["--rl-tasks", "poetry"])
@@ -943,57 +1053,60 @@ def test_rl_stage_resumes_exactly_and_saves_on_ctrl_c(train_root, tmp_path, monk
         return real(*a, **k)
 
     monkeypatch.setattr(rl, "rollout", ctrl_c)
-    with pytest.raises(KeyboardInterrupt, match="interrupted: saved .*rl.step_000003; continue with --resume"):
+    with pytest.raises(KeyboardInterrupt,
+                       match="interrupted: saved .*rl.step_000003; continue with --resume"):
         run_stage(str(cut), "rl")  # the step in flight finishes, then the run saves and stops
     monkeypatch.setattr(rl, "rollout", real)
     resumed, _, rest, _ = run_stage(str(cut), "rl", resume=True)
     assert rest == full[3:]  # the same prompts and samples: the key is threaded from (seed, step)
-    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(resumed), jax.device_get(params))))
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(resumed),
+                                            jax.device_get(params))))
 
 
 def run_cli(root, *extra, env=None):
-    cmd = [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS, "--num-iterations", "3", *extra]
-    r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True, timeout=300,
+    cmd = [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS,
+           "--num-iterations", "3", *extra]
+    r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
+                       timeout=300,
                        env={**os.environ, **(env or {})})
     assert r.returncode == 0, r.stderr[-3000:]
     with open(os.path.join(root, "base", "metrics.jsonl")) as f:
         return [json.loads(line)["loss"] for line in f if '"loss"' in line], r.stdout
 
 
-@pytest.mark.slow  # two train.py processes
+@pytest.mark.slow  # three train.py processes
 def test_four_devices_equal_one(train_root, tmp_path):
-    one, out1 = run_cli(fresh_root(train_root, tmp_path / "one"), "--device-batch-size", "2")
-    four, out4 = run_cli(fresh_root(train_root, tmp_path / "four"), "--device-batch-size", "2",
-                         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
-    # one device accumulates 4 micro-batches of 2 rows; four devices take 2 rows each of one micro-batch of 8
-    assert "(4 x 2 x 32), 1 devices, attention cpu" in out1 and "(1 x 8 x 32), 4 devices, attention cpu" in out4
-    np.testing.assert_allclose(four, one, rtol=1e-5)
-
-
-@pytest.mark.slow  # two train.py processes
-def test_splash_attention_on_four_devices_equals_one(train_root, tmp_path):
-    """TPU's splash-attention route (interpreted here), run per device through shard_map on a 4-device mesh, trains
-    to the losses of the CPU route on one device; the startup line names the route."""
+    """Data parallel on a 4-device mesh trains to the losses of one device, through the CPU route
+    and through TPU's splash-attention route (interpreted here, run per device by shard_map); the
+    startup line names the route."""
     args = ("--max-seq-len", "128", "--device-batch-size", "2", "--total-batch-size", "1024")
     one, out1 = run_cli(fresh_root(train_root, tmp_path / "one"), *args)
-    four, out4 = run_cli(fresh_root(train_root, tmp_path / "four"), *args, "--attention", "splash",
-                         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
-    assert "1 devices, attention cpu," in out1 and "4 devices, attention splash," in out4
-    np.testing.assert_allclose(four, one, rtol=1e-5)
+    # one device accumulates 4 micro-batches of 2 rows; four devices take 2 rows each of one
+    # micro-batch of 8
+    assert "(4 x 2 x 128), 1 devices, attention cpu," in out1
+    for route in ("cpu", "splash"):
+        four, out4 = run_cli(fresh_root(train_root, tmp_path / route), *args, "--attention", route,
+                             env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+        assert f"(1 x 8 x 128), 4 devices, attention {route}," in out4
+        np.testing.assert_allclose(four, one, rtol=1e-5)
 
 
 def two_process_cmd(root, iterations):
-    """train.py's command line for process i (append --process-id i) of a two-process run on a free local port."""
+    """train.py's command line for process i (append --process-id i) of a two-process run on a free
+    local port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS, "--num-iterations",
-            str(iterations), "--device-batch-size", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    return [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS,
+            "--num-iterations",
+            str(iterations), "--device-batch-size", "4", "--coordinator", f"127.0.0.1:{port}",
+            "--num-processes", "2"]
 
 
 @pytest.mark.slow  # three train.py processes
 def test_two_processes_equal_one(train_root, tmp_path):
-    one, _ = run_cli(fresh_root(train_root, tmp_path / "one"), "--device-batch-size", "8", "--data-shards", "2")
+    one, _ = run_cli(fresh_root(train_root, tmp_path / "one"), "--device-batch-size", "8",
+                     "--data-shards", "2")
     root = fresh_root(train_root, tmp_path / "two")
     cmd = two_process_cmd(root, 3)
     procs = [subprocess.Popen(cmd + ["--process-id", str(i)], cwd=pathlib.Path(__file__).parent,
@@ -1008,18 +1121,22 @@ def test_two_processes_equal_one(train_root, tmp_path):
 
 @pytest.mark.slow  # three train.py processes
 def test_two_processes_agree_on_ctrl_c(train_root, tmp_path):
-    """Ctrl-C on one process of a two-process run stops both at the same step with one checkpoint (unless they agree,
-    it saves while the other steps, both stuck in mismatched collectives); --resume trains the rest."""
+    """Ctrl-C on one process of a two-process run stops both at the same step with one checkpoint
+    (unless they agree, it saves while the other steps, both stuck in mismatched collectives);
+    --resume trains the rest."""
     root = fresh_root(train_root, tmp_path / "two")
     cmd = two_process_cmd(root, 200)
-    logs, procs = [tmp_path / f"process{i}.log" for i in range(2)], []  # files, not pipes: none blocks when full
+    # files, not pipes: none blocks when full
+    logs, procs = [tmp_path / f"process{i}.log" for i in range(2)], []
     for i, log in enumerate(logs):
         with log.open("w") as f:
-            procs.append(subprocess.Popen(cmd + ["--process-id", str(i)], cwd=pathlib.Path(__file__).parent, stdout=f,
+            procs.append(subprocess.Popen(cmd + ["--process-id", str(i)],
+                                          cwd=pathlib.Path(__file__).parent, stdout=f,
                                           stderr=subprocess.STDOUT))
     try:
         deadline = time.time() + 300
-        while not re.search(r"^step +1/200", logs[0].read_text(), re.M):  # both processes are in the loop
+        # both processes are in the loop
+        while not re.search(r"^step +1/200", logs[0].read_text(), re.M):
             assert procs[0].poll() is None and time.time() < deadline, logs[0].read_text()[-2000:]
             time.sleep(0.1)
         procs[1].send_signal(signal.SIGINT)  # one process only
@@ -1034,54 +1151,74 @@ def test_two_processes_agree_on_ctrl_c(train_root, tmp_path):
     assert saved[1][1] == path and checkpoint.checkpoint_dirs(os.path.join(root, "base")) == [path]
     _, _, meta = checkpoint.load_checkpoint(path)
     assert path.endswith(f"step_{meta['step']:06d}") and 1 <= meta["step"] < 200 and len(meta["data_states"]) == 2
-    _, out = run_cli(root, "--device-batch-size", "8", "--data-shards", "2", "--resume")  # one process, both shards
+    # one process, both shards
+    _, out = run_cli(root, "--device-batch-size", "8", "--data-shards", "2", "--resume")
     assert f"resuming {path} at step {meta['step']}" in out
     with open(os.path.join(root, "base", "metrics.jsonl")) as f:
-        assert [json.loads(line)["step"] for line in f] == list(range(1, 201))  # no step twice, none skipped
+        # no step twice, none skipped
+        assert [json.loads(line)["step"] for line in f] == list(range(1, 201))
 
 
 @pytest.mark.slow  # the whole pipeline
 def test_default_pipeline(tmp_path):
-    """train.main at a tiny size: tokenizer -> base -> SFT -> RL -> evaluation (CORE, ChatCORE, our tasks) and the
-    report card; chat.py finds the RL model."""
+    """train.main at a tiny size: tokenizer -> base -> SFT -> RL -> evaluation (CORE, ChatCORE, our
+    tasks) and the report card; chat.py finds the RL model."""
     root = str(tmp_path / "run")
     write_chat_data(tmp_path / "chat")
-    argv = ["--out", root, "--eval-bundle", str(CORE_DIR / "eval_bundle"), "--chat-data", str(tmp_path / "chat"),
-            "--eval-max", "4", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "16", "--max-seq-len", "128",
-            "--device-batch-size", "2", "--total-batch-size", "512", "--vocab-size", "300", "--tokenizer-max-chars",
-            "1e5", "--num-iterations", "3", "--sft-iterations", "2", "--warmup-steps", "1", "--eval-every", "1000",
-            "--eval-steps", "1", "--sample-every", "0", "--eval-tasks", "1", "--compile-cache", "", "--rl-prompts", "2",
+    argv = ["--out", root, "--eval-bundle", str(CORE_DIR / "eval_bundle"), "--chat-data",
+            str(tmp_path / "chat"),
+            "--eval-max", "4", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "16",
+            "--max-seq-len", "128",
+            "--device-batch-size", "2", "--total-batch-size", "512", "--vocab-size", "300",
+            "--tokenizer-max-chars",
+            "1e5", "--num-iterations", "3", "--sft-iterations", "2", "--warmup-steps", "1",
+            "--eval-every", "1000",
+            "--eval-steps", "1", "--sample-every", "0", "--eval-tasks", "1", "--compile-cache", "",
+            "--rl-prompts", "2",
             "--rl-samples", "2", "--rl-max-tokens", "8", "--rl-eval", "1", "--rl-iterations", "2"]
     results = train.main(argv)
-    for stage in ("sft", "rl"):  # each chat stage is graded on the template split and the hand-written questions
+    # each chat stage is graded on the template split and the hand-written questions
+    for stage in ("sft", "rl"):
         assert set(results[stage]["tasks"]) == set(tasks.TASKS)
-        assert set(results[stage]["questions"]) == {"arithmetic", "counting", "spelling", "identity"}
-        assert all(0 <= a <= 1 for a in [*results[stage]["tasks"].values(), *results[stage]["questions"].values()])
+        assert set(results[stage]["questions"]) == {"arithmetic", "counting", "spelling",
+                                                    "identity"}
+        assert all(0 <= a <= 1 for a in [*results[stage]["tasks"].values(),
+                                         *results[stage]["questions"].values()])
         assert results[stage]["recall_bpb"] > 0
-    assert all(results[stage]["val_bpb"] > 0 for stage in ("base", "sft", "rl"))  # corpus bits/byte after each
+    # corpus bits/byte after each
+    assert all(results[stage]["val_bpb"] > 0 for stage in ("base", "sft", "rl"))
     for stage, steps in (("base", 3), ("sft", 2), ("rl", 2)):
         with open(os.path.join(root, stage, "metrics.jsonl")) as f:
             losses = [json.loads(line)["loss"] for line in f if '"loss"' in line]
         assert len(losses) == steps and np.isfinite(losses).all()
-    _, _, base = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("base",)), optimizer=False)
-    _, _, sft = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("sft",)), optimizer=False)
-    rl_params, _, rl = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("rl",)), optimizer=False)
-    # nanochat's chat_sft: 0.8 x the base lrs, no warmup, linear warmdown over the last half to 0, no weight decay,
-    # Muon momentum 0.85 -> 0.95 over 300 steps; chat_rl: a fraction of the base lrs decaying linearly to 0
+    _, _, base = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("base",)),
+                                            optimizer=False)
+    _, _, sft = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("sft",)),
+                                           optimizer=False)
+    rl_params, _, rl = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("rl",)),
+                                                  optimizer=False)
+    # nanochat's chat_sft: 0.8 x the base lrs, no warmup, linear warmdown over the last half to 0,
+    # no weight decay,
+    # Muon momentum 0.85 -> 0.95 over 300 steps; chat_rl: a fraction of the base lrs decaying
+    # linearly to 0
     assert sft["lrs"] == pytest.approx({k: 0.8 * v for k, v in base["lrs"].items()})
-    assert sft["schedule"] == {**base["schedule"], "num_iterations": 2, "warmup_steps": 0, "warmdown_ratio": 0.5,
-                               "final_lr_frac": 0.0, "momentum_start": 0.85, "momentum": 0.95, "momentum_end": 0.95,
+    assert sft["schedule"] == {**base["schedule"], "num_iterations": 2, "warmup_steps": 0,
+                               "warmdown_ratio": 0.5,
+                               "final_lr_frac": 0.0, "momentum_start": 0.85, "momentum": 0.95,
+                               "momentum_end": 0.95,
                                "momentum_warmup": 300, "weight_decay": 0.0}
     frac = train.parse_args([]).rl_lr_frac
     assert rl["lrs"] == pytest.approx({k: frac * v for k, v in base["lrs"].items()})
     assert rl["schedule"]["warmdown_ratio"] == 1.0 and rl["schedule"]["final_lr_frac"] == 0.0
     assert "pass@1" in results["rl"]["pass@k before"]["counting"] and "pass@2" in results["rl"]["pass@k"]["spelling"]
-    params, cfg, tok = checkpoint.load_model(root)  # chat.py's default: the newest checkpoint of the last stage
+    # chat.py's default: the newest checkpoint of the last stage
+    params, cfg, tok = checkpoint.load_model(root)
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(params), rl_params)))
     assert cfg == nc.Config(**base["config"]) and tok.n_vocab == 300
     assert set(results["base"]["core"]["results"]) == {"pydoc_qa", "opposites", "because_schema", "doc_lm", "doc_lm_qa"}
     assert set(results["sft"]["chatcore"]["results"]) == set(tasks.CHAT_TASKS)
-    report = open(os.path.join(root, "report.md")).read()  # the report card, from each stage's report.json
+    # the report card, from each stage's report.json
+    report = open(os.path.join(root, "report.md")).read()
     for stage in ("base", "sft", "rl"):
         r = json.load(open(os.path.join(root, stage, "report.json")))
         assert r["tokens"] > 0 and r["train_time"] > 0 and r["machine"]["jax"] == jax.__version__
@@ -1098,18 +1235,22 @@ def test_default_pipeline(tmp_path):
     assert f"ChatCORE tasks on `{tmp_path / 'chat'}`:\n\n| task | accuracy |" in report
     assert "| hand-written questions | arithmetic | counting | spelling | identity |" in report
     assert f"| opposites | {results['base']['core']['results']['opposites']:.4f} |" in report
-    os.remove(os.path.join(root, "report.md"))  # a stage run alone rewrites the card from every stage's part
+    # a stage run alone rewrites the card from every stage's part
+    os.remove(os.path.join(root, "report.md"))
     train.main(argv + ["--stage", "rl", "--eval-tasks", "0"])
     again = open(os.path.join(root, "report.md")).read()
     assert all(f"\n## {stage}\n" in again for stage in ("base", "sft", "rl")) and "--stage rl --eval-tasks 0" in again
 
 
 def test_train_cli_error_is_one_line_and_help_shows_defaults(tmp_path, capsys):
-    cmd = [sys.executable, "train.py", "--stage", "tokenizer", "--data", "no/such.txt", "--out", str(tmp_path),
+    cmd = [sys.executable, "train.py", "--stage", "tokenizer", "--data", "no/such.txt", "--out",
+           str(tmp_path),
            "--compile-cache", ""]
-    r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 1 and r.stderr.startswith("error: no/such.txt: no such file") and r.stderr.count("\n") == 1
-    r = subprocess.run(cmd[:2] + ["--rl-tasks", "poetry"], cwd=pathlib.Path(__file__).parent, capture_output=True,
+    r = subprocess.run(cmd[:2] + ["--rl-tasks", "poetry"], cwd=pathlib.Path(__file__).parent,
+                       capture_output=True,
                        text=True, timeout=120)  # a bad flag: one line too, naming the choices
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert r.stderr.startswith("error: argument --rl-tasks: invalid choice: 'poetry' (choose from 'identity', ")
@@ -1122,12 +1263,14 @@ def test_train_cli_error_is_one_line_and_help_shows_defaults(tmp_path, capsys):
 
 @pytest.mark.slow  # a bench.py process, then a step and an engine compiled for the benchmark alone
 def test_bench_json_lines():
-    """bench.py: `accel` says in one JSON line that it needs an accelerator and exits 0; the timing helpers it and
-    `decode` / `train` print from give their fields."""
-    r = subprocess.run([sys.executable, "bench.py", "accel"], cwd=pathlib.Path(__file__).parent, capture_output=True,
+    """bench.py: `accel` says in one JSON line that it needs an accelerator and exits 0; the timing
+    helpers it and `decode` / `train` print from give their fields."""
+    r = subprocess.run([sys.executable, "bench.py", "accel"], cwd=pathlib.Path(__file__).parent,
+                       capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1]) == {
-        "bench": "accel", "skipped": "no GPU or TPU here; run it where one is (CPU: bench.py train)"}
+        "bench": "accel",
+        "skipped": "no GPU or TPU here; run it where one is (CPU: bench.py train)"}
     import bench
     g = bench.generate_timing(random_params(TINY, 0), TINY, 2, prompt_len=5, new=4, repeats=1)
     assert g["batch"] == 2 and g["new_tokens"] == 4 and g["decode_tok_per_s"] > 0 and g["prefill_ms"] > 0
@@ -1135,7 +1278,7 @@ def test_bench_json_lines():
     assert np.isfinite(t["loss"]) and 0 < t["step_s"] and t["first_call_s"] > 0
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # data.py: tokenizer, corpora, packing, chat format, calculator, synthetic tasks
 
 MULTILINGUAL = "Réponse courte, s'il vous plaît — 東京 et 東京都 🙂 👍🏽 naïve café. " * 30
@@ -1153,7 +1296,8 @@ def render_golden():
 
 @pytest.fixture(scope="module")
 def tok(bpe_golden):
-    """A trained tokenizer whose merges include multi-byte characters (some tokens are partial UTF-8)."""
+    """A trained tokenizer whose merges include multi-byte characters (some tokens are partial
+    UTF-8)."""
     return data.train_tokenizer([bpe_golden["text"], MULTILINGUAL], 600)
 
 
@@ -1162,14 +1306,15 @@ def btok():
     return data.byte_tokenizer()
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Tokenizer
 
 def test_bpe_merges_equal_nanochat(bpe_golden):
     assert bpe_golden["vocab_size_argument"] == 465 and bpe_golden["num_merges"] == 200
     t = data.train_tokenizer(bpe_golden["text"], 465)
     assert len(t.tokens) == 256 + 200
-    # every merge in order, including the 96 whose pair count tied at the top (smallest pair wins, as in rustbpe)
+    # every merge in order, including the 96 whose pair count tied at the top (smallest pair wins,
+    # as in rustbpe)
     assert bpe_golden["replay_num_merges_with_ties"] == 96
     assert [x.hex() for x in t.tokens[256:]] == bpe_golden["merged_token_hex"]
     ranks = {x: i for i, x in enumerate(t.tokens)}
@@ -1194,7 +1339,8 @@ def test_vocab_size_counts_specials_and_token_bytes(bpe_golden, render_golden):
     assert tb[:456].tolist() == [len(x) for x in t.tokens]
     assert tb[:256].tolist() == [1] * 256 and tb[256] == len(bytes.fromhex(bpe_golden["merged_token_hex"][0]))
     ids = t.encode(bpe_golden["text"])
-    assert max(ids) < 456 and tb[ids].sum() == len(bpe_golden["text"].encode())  # bytes-per-token denominator
+    # bytes-per-token denominator
+    assert max(ids) < 456 and tb[ids].sum() == len(bpe_golden["text"].encode())
     b = data.byte_tokenizer()
     ref = render_golden["tokenizer"]
     assert b.n_vocab == ref["vocab_size"] == 265 and b.bos == ref["bos_token_id"] == 256
@@ -1213,7 +1359,8 @@ ROUND_TRIP = [
 ]
 
 
-@pytest.mark.parametrize("s", ROUND_TRIP, ids=["empty", "ascii", "contractions", "non-ascii", "emoji", "control",
+@pytest.mark.parametrize("s", ROUND_TRIP, ids=["empty", "ascii", "contractions", "non-ascii",
+                                               "emoji", "control",
                                                "trained-text"])
 def test_round_trip(tok, btok, s):
     for t in (tok, btok):
@@ -1228,12 +1375,14 @@ def test_round_trip(tok, btok, s):
 
 
 def test_invalid_bytes_and_partial_characters(tok, btok):
-    # Some trained tokens are partial UTF-8 (merges inside a CJK or emoji character); each decodes with U+FFFD
+    # Some trained tokens are partial UTF-8 (merges inside a CJK or emoji character); each decodes
+    # with U+FFFD
     partial = [i for i, x in enumerate(tok.tokens) if x.decode("utf-8", "replace") != x.decode("utf-8", "ignore")]
     assert len([i for i in partial if i >= 256]) > 0
     for i, x in enumerate(tok.tokens):
         assert tok.decode([i]) == x.decode("utf-8", "replace")
-    # Prefixes of an encoding cut characters; the bytes are still exact, the text gets U+FFFD where they are cut
+    # Prefixes of an encoding cut characters; the bytes are still exact, the text gets U+FFFD where
+    # they are cut
     s = "東京 🙂👍🏽 é"
     for t in (tok, btok):
         ids = t.encode(s)
@@ -1259,7 +1408,8 @@ def test_special_strings_never_become_special_ids(tok, btok):
         assert not set(ids) & set(t.special.values())
         assert max(ids) < len(t.tokens)
         assert t.decode(ids) == text
-    assert len(btok.encode(text)) == len(text.encode())  # one id per byte: nothing was folded into a special
+    # one id per byte: nothing was folded into a special
+    assert len(btok.encode(text)) == len(text.encode())
     # decoding real special ids gives their names
     assert btok.decode([btok.bos, 65, btok.special["<|output_end|>"]]) == "<|bos|>A<|output_end|>"
     # in a rendered conversation, only the structure gives special ids
@@ -1297,7 +1447,8 @@ def test_save_load(tok, btok, tmp_path, bpe_golden):
     # errors a user can cause
     with pytest.raises(FileNotFoundError, match="train one first"):
         data.Tokenizer.load(tmp_path / "missing.json")
-    for bad in ("not json", json.dumps({"version": 2, "pat_str": "x", "tokens": [], "special_tokens": []}),
+    for bad in ("not json", json.dumps({"version": 2, "pat_str": "x", "tokens": [],
+                                        "special_tokens": []}),
                 json.dumps({"version": 1}), json.dumps([1, 2])):
         (tmp_path / "bad.json").write_text(bad)
         with pytest.raises(ValueError, match="not a tokenizer file"):
@@ -1335,7 +1486,7 @@ def test_train_tokenizer_inputs(bpe_golden):
         data.Tokenizer([bytes([i]) for i in range(1, 256)])
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Chat format
 
 def test_golden_render(btok, render_golden):
@@ -1343,7 +1494,8 @@ def test_golden_render(btok, render_golden):
     assert set(convs) == {"a_plain_two_turn", "b_system_message", "c_python_tool"}
     for name, c in convs.items():
         ref = c["render_conversation"]
-        ids, mask = data.render_conversation(btok, c["conversation"]["messages"], max_tokens=ref["max_tokens"])
+        ids, mask = data.render_conversation(btok, c["conversation"]["messages"],
+                                             max_tokens=ref["max_tokens"])
         assert ids == ref["ids"], name
         assert mask == ref["mask"], name
         assert len(ids) == len(mask) == ref["len"], name
@@ -1364,33 +1516,47 @@ BAD_CONVERSATIONS = [
     ("hello", "non-empty list"),
     ({"role": "user", "content": "hi"}, "non-empty list"),
     ([{"role": "user", "content": "hi"}, "hello"], "non-empty list"),
-    ([{"role": "assistant", "content": "hi"}], "message 0 has role 'assistant' where 'user' is due"),
-    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "message 1 has role 'user'"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "assistant", "content": "c"}],
+    ([{"role": "assistant", "content": "hi"}],
+     "message 0 has role 'assistant' where 'user' is due"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+     "message 1 has role 'user'"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+      {"role": "assistant", "content": "c"}],
      "message 2 has role 'assistant' where 'user' is due"),
     ([{"role": "human", "content": "a"}], "message 0 has role 'human'"),
     ([{"content": "a"}], "message 0 has role None"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "system", "content": "c"}],
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+      {"role": "system", "content": "c"}],
      "message 2 has role 'system'"),
-    ([{"role": "system", "content": "be terse"}], "system message must be a string followed by a user message"),
-    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "b"}], "followed by a user message"),
-    ([{"role": "system", "content": ["s"]}, {"role": "user", "content": "b"}], "followed by a user message"),
-    ([{"role": "system", "content": "s"}, {"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+    ([{"role": "system", "content": "be terse"}],
+     "system message must be a string followed by a user message"),
+    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "b"}],
+     "followed by a user message"),
+    ([{"role": "system", "content": ["s"]}, {"role": "user", "content": "b"}],
+     "followed by a user message"),
+    ([{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+      {"role": "user", "content": "b"}],
      "message 2 has role 'user'"),
     ([{"role": "user", "content": ""}], r"message 0 \(user\) is empty"),
     ([{"role": "user", "content": "a"}, {"role": "assistant", "content": " \n\t"}],
      r"message 1 \(assistant\) is empty"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": []}], r"message 1 \(assistant\) is empty"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "text", "text": "  "}]}],
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": []}],
+     r"message 1 \(assistant\) is empty"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant",
+                                         "content": [{"type": "text", "text": "  "}]}],
      "is empty"),
     ([{"role": "user"}], "message 0: content must be a string"),
     ([{"role": "user", "content": 5}], "message 0: content must be a string"),
-    ([{"role": "user", "content": [{"type": "text", "text": "a"}]}], "message 0: content must be a string"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "image", "text": "x"}]}],
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+     "message 0: content must be a string"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant",
+                                         "content": [{"type": "image", "text": "x"}]}],
      "message 1: content must be a string"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "text", "text": 3}]}],
+    ([{"role": "user", "content": "a"}, {"role": "assistant",
+                                         "content": [{"type": "text", "text": 3}]}],
      "message 1: content must be"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": ["just a string"]}], "message 1: content"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": ["just a string"]}],
+     "message 1: content"),
 ]
 
 
@@ -1403,24 +1569,30 @@ def test_render_rejects_bad_conversations(btok, messages, match):
 def test_render_for_completion_needs_final_assistant(btok):
     user = {"role": "user", "content": "Hi"}
     sp = btok.special
-    for bad in ([], [user], [user, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}], "x",
+    for bad in ([], [user], [user, {"role": "assistant", "content": "a"},
+                             {"role": "user", "content": "b"}], "x",
                 [user, "assistant"]):
         with pytest.raises(ValueError, match="ending in the assistant message"):
             data.render_for_completion(btok, bad)
     prompt = data.render_for_completion(btok, [user, {"role": "assistant", "content": "Hello!"}])
-    assert prompt == [btok.bos, sp["<|user_start|>"], 72, 105, sp["<|user_end|>"], sp["<|assistant_start|>"]]
+    assert prompt == [btok.bos, sp["<|user_start|>"], 72, 105, sp["<|user_end|>"],
+                      sp["<|assistant_start|>"]]
     assert prompt == data.render_conversation(btok, [user])[0] + [sp["<|assistant_start|>"]]
 
 
 def test_render_masks(btok):
     sp = btok.special
     msgs = [{"role": "user", "content": "q"},
-            {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "python", "text": "1+1"},
-                                              {"type": "python_output", "text": "2"}, {"type": "text", "text": "b"}]}]
+            {"role": "assistant", "content": [{"type": "text", "text": "a"},
+                                              {"type": "python", "text": "1+1"},
+                                              {"type": "python_output", "text": "2"},
+                                              {"type": "text", "text": "b"}]}]
     ids, mask = data.render_conversation(btok, msgs)
-    assert ids == [sp["<|bos|>"], sp["<|user_start|>"], ord("q"), sp["<|user_end|>"], sp["<|assistant_start|>"],
+    assert ids == [sp["<|bos|>"], sp["<|user_start|>"], ord("q"), sp["<|user_end|>"],
+                   sp["<|assistant_start|>"],
                    ord("a"), sp["<|python_start|>"], *b"1+1", sp["<|python_end|>"],
-                   sp["<|output_start|>"], ord("2"), sp["<|output_end|>"], ord("b"), sp["<|assistant_end|>"]]
+                   sp["<|output_start|>"], ord("2"), sp["<|output_end|>"], ord("b"),
+                   sp["<|assistant_end|>"]]
     assert mask == [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 1]
     for n in range(len(ids) + 2):
         assert data.render_conversation(btok, msgs, max_tokens=n) == (ids[:n], mask[:n])
@@ -1430,7 +1602,8 @@ def test_load_conversations(tmp_path):
     good = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
             [{"role": "system", "content": "s"}, {"role": "user", "content": "2+2?"},
              {"role": "assistant", "content": [{"type": "python", "text": "2+2"},
-                                               {"type": "python_output", "text": "4"}, {"type": "text", "text": "4"}]}]]
+                                               {"type": "python_output", "text": "4"},
+                                               {"type": "text", "text": "4"}]}]]
     path = tmp_path / "convs.jsonl"
     path.write_text(json.dumps(good[0]) + "\n\n" + json.dumps(good[1], ensure_ascii=False) + "\n")
     assert data.load_conversations(str(path)) == good
@@ -1451,7 +1624,7 @@ def test_load_conversations(tmp_path):
         data.load_conversations(str(tmp_path / "missing.jsonl"))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Calculator
 
 CALCULATOR = [
@@ -1495,7 +1668,8 @@ CALCULATOR = [
     ("9" * 4301, None),
     ("*".join(["9" * 1000] * 5), None),  # a 5000-digit product cannot be printed
     ("(" * 300 + "1" + ")" * 300, None),  # too deeply nested to parse
-    ("1" + "+1" * 100_000, None),  # too deep to evaluate (RecursionError), returns instead of hanging
+    # too deep to evaluate (RecursionError), returns instead of hanging
+    ("1" + "+1" * 100_000, None),
 ]
 
 
@@ -1506,7 +1680,7 @@ def test_use_calculator(expr, value):
     assert out == value and type(out) is type(value)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Synthetic tasks
 
 def task_key(task, messages):
@@ -1520,11 +1694,13 @@ def task_key(task, messages):
         return answer.replace("-", "")
     if task == "counting":
         return re.match(r"'(\w+)'", answer[0]["text"])[1]
-    return re.search(r"[A-Za-z_]\w*(?:\.\w+)+", question)[0]  # the qualified name, the first dotted word
+    # the qualified name, the first dotted word
+    return re.search(r"[A-Za-z_]\w*(?:\.\w+)+", question)[0]
 
 
 def reference_completion(btok, messages):
-    """The decoded tokens after <|assistant_start|>: what a model that got it right would generate."""
+    """The decoded tokens after <|assistant_start|>: what a model that got it right would generate.
+    """
     ids, _ = data.render_conversation(btok, messages)
     return btok.decode(ids[len(ids) - ids[::-1].index(btok.special["<|assistant_start|>"]):])
 
@@ -1551,10 +1727,12 @@ def test_task_generator_and_checker(btok, task):
         if numeric:
             value = ref[1]["text"]
             assert tasks.check(messages, f"The answer is {value}.")
-            assert not tasks.check(messages, generated.replace("<|assistant_end|>", "") + " -12345678")
+            assert not tasks.check(messages,
+                                   generated.replace("<|assistant_end|>", "") + " -12345678")
             assert not tasks.check(messages, "I don't know.")
             tool_part = generated[:generated.rindex("<|output_end|>") + len("<|output_end|>")]
-            assert not tasks.check(messages, tool_part + "No idea.<|assistant_end|>")  # only the final text counts
+            # only the final text counts
+            assert not tasks.check(messages, tool_part + "No idea.<|assistant_end|>")
         else:
             assert tasks.check(messages, f"  {ref}\n")
             assert not tasks.check(messages, ref + " Extra.")
@@ -1567,7 +1745,8 @@ def test_task_generator_and_checker(btok, task):
 
 def test_task_contents():
     take = lambda task, n: list(itertools.islice(tasks.task_conversations(task, "train"), n))
-    ops, digits, phrasings = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}, [], set()
+    ops, digits, phrasings = {"+": operator.add, "-": operator.sub, "*": operator.mul,
+                              "/": operator.truediv}, [], set()
     for (user, assistant) in take("arithmetic", 400):
         a, op, b = re.fullmatch(r"(\d+)([-+*/])(\d+)", assistant["content"][0]["text"]).groups()
         value = ops[op](int(a), int(b))
@@ -1583,7 +1762,8 @@ def test_task_contents():
     assert len(phrasings) > 300  # hardly a phrasing twice in 400
     words = []
     for (user, assistant) in take("counting", 200):
-        w, c = re.fullmatch(r"'([a-z]+)'\.count\('([a-z])'\)", assistant["content"][0]["text"]).groups()
+        w, c = re.fullmatch(r"'([a-z]+)'\.count\('([a-z])'\)",
+                            assistant["content"][0]["text"]).groups()
         assert assistant["content"][1]["text"] == str(w.count(c)) == str(data.use_calculator(f"'{w}'.count('{c}')"))
         assert re.findall(r"\d+", assistant["content"][2]["text"])[-1] == str(w.count(c))
         assert re.search(rf"\b{w}\b", user["content"]) and re.search(rf"\b{c}", user["content"])
@@ -1593,9 +1773,12 @@ def test_task_contents():
         assert assistant["content"] == "-".join(w) and w.isalpha() and w.islower() and 3 <= len(w) <= 10
         assert re.search(rf"\b{w}\b", user["content"])
         words.append(w)
-    assert len(set(words)) > 350 and not set(words) <= set(tasks._corpus_words())  # broad, made-up words too
-    assert np.mean([bool(re.search(r"(.)\1", w)) for w in words]) > 0.15  # doubled letters are common
-    for (user, assistant) in take("docstring", 100):  # reading: the answer is the paragraph's first sentence
+    # broad, made-up words too
+    assert len(set(words)) > 350 and not set(words) <= set(tasks._corpus_words())
+    # doubled letters are common
+    assert np.mean([bool(re.search(r"(.)\1", w)) for w in words]) > 0.15
+    # reading: the answer is the paragraph's first sentence
+    for (user, assistant) in take("docstring", 100):
         sentence = assistant["content"]
         assert sentence in user["content"] and sentence[-1] in ".!?" and not re.search(r"[.!?]\s", sentence)
     for (user, assistant) in take("identity", 50):
@@ -1608,7 +1791,8 @@ def test_sft_mixture_keeps_pretraining_text():
     assert items[0] == "mine" and items[1:] == list(itertools.islice(tasks.sft_mixture(3, ["mine"], docs, 4)(0), 1, 41))
     texts = [i for i, x in enumerate(items[1:]) if isinstance(x, str)]
     assert texts == [4, 9, 14, 19, 24, 29, 34, 39]  # a document after every 4 conversations
-    assert set(items[1 + t] for t in texts) == {f"document {i}" for i in range(5)}  # cycles through the corpus
+    # cycles through the corpus
+    assert set(items[1 + t] for t in texts) == {f"document {i}" for i in range(5)}
     kinds = collections.Counter(task_of(m) for m in items[1:] if not isinstance(m, str))
     assert set(kinds) <= set(tasks.MIXTURE)
     assert not any(isinstance(x, str) for x in itertools.islice(tasks.sft_mixture(3)(0), 50))
@@ -1624,8 +1808,10 @@ def task_of(messages):
 def test_heldout_questions_and_grading(tmp_path):
     questions = tasks.load_questions(os.path.join(TESTDATA, "heldout_questions.jsonl"))
     counts = collections.Counter(q["skill"] for q in questions)
-    assert len(questions) >= 40 and set(counts) == {"arithmetic", "counting", "spelling", "identity"}
-    assert tasks.grade("arithmetic", "47", "<|python_start|>12+35<|python_end|><|output_start|>47<|output_end|>"
+    assert len(questions) >= 40 and set(counts) == {"arithmetic", "counting", "spelling",
+                                                    "identity"}
+    assert tasks.grade("arithmetic", "47",
+                       "<|python_start|>12+35<|python_end|><|output_start|>47<|output_end|>"
                       "12 + 35 = 47<|assistant_end|>")
     assert tasks.grade("arithmetic", "12", "84 / 7 = 12.0") and not tasks.grade("arithmetic", "12", "13")
     assert not tasks.grade("arithmetic", "47", "<|output_start|>47<|output_end|>I don't know.")
@@ -1639,7 +1825,7 @@ def test_heldout_questions_and_grading(tmp_path):
         tasks.load_questions(tmp_path / "q.jsonl")
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Corpora
 
 def test_default_corpus():
@@ -1647,7 +1833,8 @@ def test_default_corpus():
     assert docs == data.default_corpus()  # deterministic order
     n_bytes = sum(len(d.encode()) for d in docs)
     assert 1_000_000 < n_bytes < 4_000_000 and len(docs) > 2000  # about 2 MB
-    assert any(d.startswith("json.dumps\n\nSerialize ``obj``") for d in docs)  # "qualified name\n\ndocstring"
+    # "qualified name\n\ndocstring"
+    assert any(d.startswith("json.dumps\n\nSerialize ``obj``") for d in docs)
     train, val = list(data.corpus()(0)), list(data.corpus(split="val")(0))
     assert train == list(data.corpus()(0))
     assert not set(train) & set(val)
@@ -1661,7 +1848,8 @@ def test_default_corpus():
 
 
 def assert_split(paths, expected):
-    """The train and val streams of `paths` partition `expected` (in order) into disjoint documents."""
+    """The train and val streams of `paths` partition `expected` (in order) into disjoint documents.
+    """
     train, val = list(data.corpus(paths)(0)), list(data.corpus(paths, split="val")(0))
     assert not set(train) & set(val)
     assert sorted(train + val) == sorted(expected)
@@ -1683,7 +1871,8 @@ def test_user_corpora(tmp_path):
     small = "Small file.\n\nTwo short paragraphs stay one document."
     assert_split(str(tmp_path / "a.txt"), [small])
     assert_split(str(tmp_path / "d" / "b.jsonl"), texts[:40])  # whitespace-only texts skipped
-    assert_split(str(tmp_path / "d"), ["Plain text in a directory."] + texts)  # recursive, sorted paths
+    # recursive, sorted paths
+    assert_split(str(tmp_path / "d"), ["Plain text in a directory."] + texts)
     assert_split(str(tmp_path / "d" / "**" / "*.jsonl"), texts)  # a recursive glob
     assert_split([str(tmp_path / "d" / "sub"), str(tmp_path / "a.txt")], texts[40:] + [small])
     # a long .txt is cut at blank lines once a document holds 2000 characters
@@ -1715,7 +1904,8 @@ def test_corpus_streams(tmp_path):
     lines = [f"line {i} of a file without blank lines\n" for i in range(3000)]  # ~115K chars
     txt.write_text("".join(lines))
     docs = list(data.corpus(str(txt))(0))
-    assert len(docs) == 6 and max(map(len, docs)) < 20100  # cut at line ends past 20,000 chars, nothing lost
+    # cut at line ends past 20,000 chars, nothing lost
+    assert len(docs) == 6 and max(map(len, docs)) < 20100
     assert sorted(line for d in docs for line in d.split("\n")) == sorted(line[:-1] for line in lines)
 
 
@@ -1745,7 +1935,8 @@ def test_corpus_bad_inputs(tmp_path):
     assert out == [raw.decode("utf-8", "replace").strip()] and out[0].count("\ufffd") == 4
     # malformed .jsonl lines name the file and the line
     (tmp_path / "b.jsonl").write_text('{"text": "fine"}\n\n{"text": 5}\n')
-    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'b.jsonl'}:3: expected a JSON object")):
+    with pytest.raises(ValueError,
+                       match=re.escape(f"{tmp_path / 'b.jsonl'}:3: expected a JSON object")):
         list(data.corpus(str(tmp_path / "b.jsonl"))(0))
     for line in ("not json", '["text"]', '{"txt": "a"}'):
         (tmp_path / "c.jsonl").write_text(line + "\n")
@@ -1754,7 +1945,8 @@ def test_corpus_bad_inputs(tmp_path):
 
 
 def test_parquet_needs_pyarrow(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if not installed (requirements-dev has it)
+    # as if not installed (requirements-dev has it)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     (tmp_path / "shard.parquet").write_bytes(b"PAR1 not really")
     docs = data.corpus(str(tmp_path / "shard.parquet"))
     with pytest.raises(ImportError, match="pip install pyarrow"):
@@ -1772,17 +1964,19 @@ def test_parquet_shards(tmp_path):
     assert_split(str(tmp_path), texts)
     assert_split(str(tmp_path / "shard_*.parquet"), texts)
     pq.write_table(pa.table({"text": ["kept", None]}), tmp_path / "nulls.parquet")
-    assert list(data.corpus(str(tmp_path / "nulls.parquet"))(0)) == ["kept"]  # null texts are skipped
+    # null texts are skipped
+    assert list(data.corpus(str(tmp_path / "nulls.parquet"))(0)) == ["kept"]
     pq.write_table(pa.table({"content": ["x"]}), tmp_path / "other.parquet")
     with pytest.raises(ValueError, match='no "text" column'):
         list(data.corpus(str(tmp_path / "other.parquet"))(0))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Packing
 
 def make_docs(n, T, seed=0):
-    """n texts whose byte-level lengths range from a few tokens to ~2 rows of T+1 (so some are cropped)."""
+    """n texts whose byte-level lengths range from a few tokens to ~2 rows of T+1 (so some are
+    cropped)."""
     rng = random.Random(seed)
     alphabet = "abcdefghij klmnop é東🙂\n"
     docs = []
@@ -1797,8 +1991,9 @@ def ordered(docs):
 
 
 def nanochat_bestfit(tok, documents, B, T, n_batches, buffer_size):
-    """nanochat/dataloader.py's BOS-aligned best fit, transcribed line by line (the buffer refills one document at
-    a time instead of 128, and the crop tails are counted): [(inputs, targets, dropped)] for n_batches."""
+    """nanochat/dataloader.py's BOS-aligned best fit, transcribed line by line (the buffer refills
+    one document at a time instead of 128, and the crop tails are counted): [(inputs, targets,
+    dropped)] for n_batches."""
     row_capacity = T + 1
     batches = (doc for epoch in itertools.count() for doc in documents(epoch))
     doc_buffer, dropped, out = [], 0, []
@@ -1830,8 +2025,8 @@ def nanochat_bestfit(tok, documents, B, T, n_batches, buffer_size):
 
 
 def nanochat_sft_bestfit(tok, conversations, B, T, n_batches, buffer_size):
-    """scripts/chat_sft.py's sft_data_generator_bos_bestfit, transcribed line by line (renders truncated to a row,
-    single rank): [(inputs, targets)] for n_batches."""
+    """scripts/chat_sft.py's sft_data_generator_bos_bestfit, transcribed line by line (renders
+    truncated to a row, single rank): [(inputs, targets)] for n_batches."""
     row_capacity = T + 1
     dataset = (conv for epoch in itertools.count() for conv in conversations(epoch))
     conv_buffer, out = [], []
@@ -1886,15 +2081,18 @@ def test_pretrain_packing_invariants(btok):
         assert state["dropped"] == rdropped
         np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
         assert (x[:, 0] == btok.bos).all()  # every row starts with BOS
-        for row in np.concatenate([x, y[:, -1:]], axis=1).tolist():  # rows of T+1: whole documents, then one crop
+        # rows of T+1: whole documents, then one crop
+        for row in np.concatenate([x, y[:, -1:]], axis=1).tolist():
             starts = [i for i, t in enumerate(row) if t == btok.bos] + [len(row)]
             segments = [tuple(row[a:b]) for a, b in zip(starts, starts[1:])]
             assert all(s in encoded for s in segments[:-1])
             assert any(e[:len(segments[-1])] == segments[-1] for e in encoded)
             n_segments += len(segments)
-    # accounting: every token of every consumed document is in a row, except the crop tails counted in "dropped"
+    # accounting: every token of every consumed document is in a row, except the crop tails counted
+    # in "dropped"
     state = got[-1][2]
-    assert state["dropped"] > 0 and len(state["buffer"]) == buffer_size - 1  # refilled before the next pick
+    # refilled before the next pick
+    assert state["dropped"] > 0 and len(state["buffer"]) == buffer_size - 1
     assert n_segments > 1.5 * n * B  # rows hold several documents
     stream = [([e, i], d) for e in range(state["epoch"] + 1) for i, d in enumerate(documents(e))
               if (e, i) < (state["epoch"], state["index"])]
@@ -1928,7 +2126,8 @@ def test_pretrain_resume_is_exact(btok):
     # resuming on a different (here: shorter) corpus is refused
     state = full[-1][2]
     with pytest.raises(ValueError, match="corpus changed"):
-        next(data.pretrain_batches(btok, ordered(docs[:2]), B, T, state=state, buffer_size=buffer_size))
+        next(data.pretrain_batches(btok, ordered(docs[:2]), B, T, state=state,
+                                   buffer_size=buffer_size))
 
 
 def test_pretrain_crops_long_documents(btok):
@@ -1940,7 +2139,8 @@ def test_pretrain_crops_long_documents(btok):
     row = [bos] + [ord("m")] * 16
     assert x[0].tolist() == row[:-1] and y[0].tolist() == row[1:]
     assert state == {"epoch": 0, "index": 2, "buffer": [[0, 0]], "dropped": 30 - 17}
-    x, y, state = next(batches)  # "s" fits whole; then the two "L"s tie and the first one is cropped
+    # "s" fits whole; then the two "L"s tie and the first one is cropped
+    x, y, state = next(batches)
     row = [bos] + [ord("s")] * 5 + [bos] + [ord("L")] * 10
     assert x[0].tolist() == row[:-1] and y[0].tolist() == row[1:]
     assert state == {"epoch": 1, "index": 1, "buffer": [[1, 0]], "dropped": 13 + 41 - 11}
@@ -1950,7 +2150,8 @@ def test_pretrain_crops_long_documents(btok):
     assert state["dropped"] == 3 * (41 - cap)
     long_docs = ["y" * (20 + 7 * i) for i in range(10)]
     got = list(itertools.islice(data.pretrain_batches(btok, data.shuffled(long_docs), 2, T, buffer_size=3), 6))
-    for (gx, gy, gs), (rx, ry, rd) in zip(got, nanochat_bestfit(btok, data.shuffled(long_docs), 2, T, 6, 3)):
+    for (gx, gy, gs), (rx, ry, rd) in zip(got,
+                                          nanochat_bestfit(btok, data.shuffled(long_docs), 2, T, 6, 3)):
         np.testing.assert_array_equal(gx, rx)
         assert gs["dropped"] == rd
         assert (gx[:, 0] == bos).all() and (gx[:, 1:] != bos).all()  # one cropped document per row
@@ -1959,9 +2160,11 @@ def test_pretrain_crops_long_documents(btok):
 def test_sft_packing_pads_and_masks(btok):
     B, T, n, buffer_size = 3, 160, 12, 10
     convs = [m for task in tasks.TASKS[:4] for m in itertools.islice(tasks.task_conversations(task, "train", seed=4), 12)]
-    convs.append([{"role": "user", "content": "long " * 10}, {"role": "assistant", "content": "ok " * 60}])
+    convs.append([{"role": "user", "content": "long " * 10},
+                  {"role": "assistant", "content": "ok " * 60}])
     conversations = data.shuffled(convs, seed=6)
-    got = list(itertools.islice(data.sft_batches(btok, conversations, B, T, buffer_size=buffer_size), n))
+    got = list(itertools.islice(data.sft_batches(btok, conversations, B, T,
+                                                 buffer_size=buffer_size), n))
     ref = nanochat_sft_bestfit(btok, conversations, B, T, n, buffer_size)
     sp, padded_rows = btok.special, 0
     for (x, y, state), (rx, ry, lengths) in zip(got, ref):
@@ -1970,11 +2173,13 @@ def test_sft_packing_pads_and_masks(btok):
         np.testing.assert_array_equal(y, ry)
         assert (x[:, 0] == btok.bos).all()
         assert ((y == -1) | (y[:, :] == np.concatenate([x[:, 1:], y[:, -1:]], axis=1))).all()
-        assert not np.isin(y, [sp[s] for s in ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
+        assert not np.isin(y, [sp[s] for s in ("<|bos|>", "<|user_start|>", "<|user_end|>",
+                                               "<|assistant_start|>",
                                                "<|output_start|>", "<|output_end|>")]).any()
         assert (y != -1).any(axis=1).all() and state["dropped"] == 0
         for b, content_len in enumerate(lengths):
-            if content_len <= T:  # padded with BOS, and nothing supervised from the last content token on
+            # padded with BOS, and nothing supervised from the last content token on
+            if content_len <= T:
                 padded_rows += 1
                 assert (x[b, content_len:] == btok.bos).all()
                 assert (y[b, content_len - 1:] == -1).all()
@@ -1991,19 +2196,23 @@ def test_sft_packing_pads_and_masks(btok):
             assert st == st2
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Inference: the KV-cache engine, tool use, chat.py's CLI and web server, nanochat checkpoint import
 
-GEN_CFG = nc.Config(sequence_len=512, vocab_size=300, n_layer=4, n_head=2, n_kv_head=1, n_embd=64, window_pattern="SL")
-WINDOW_CFG = nc.Config(sequence_len=256, vocab_size=100, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
-                       window_pattern="SL")  # windows [128, 256]: a 160-token generation crosses the short one
+GEN_CFG = nc.Config(sequence_len=512, vocab_size=300, n_layer=4, n_head=2, n_kv_head=1, n_embd=64,
+                    window_pattern="SL")
+WINDOW_CFG = nc.Config(sequence_len=256, vocab_size=100, n_layer=2, n_head=2, n_kv_head=1,
+                       n_embd=32,
+                       # windows [128, 256]: a 160-token generation crosses the short one
+                       window_pattern="SL")
 CHAT_CFG = nc.Config(sequence_len=256, vocab_size=265, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
                      window_pattern="L")  # the byte tokenizer's vocab
 full_forward = jax.jit(nc.forward, static_argnames="cfg")
 
 
 def random_params(cfg, seed):
-    """Random params with every path alive, drawn in numpy (no init compile): matrices N(0, 1/fan_in)."""
+    """Random params with every path alive, drawn in numpy (no init compile): matrices N(0,
+    1/fan_in)."""
     rng = np.random.default_rng(seed)
     draw = lambda s: rng.normal(0, s.shape[-2] ** -0.5 if len(s.shape) > 1 else 0.3, s.shape).astype(np.float32)
     params = jax.tree.map(draw, nc.param_shapes(cfg))
@@ -2017,7 +2226,7 @@ def generated(params, cfg, prompt, **kwargs):
     steps = list(nc.generate(params, cfg, list(prompt), **kwargs))
     return np.array([c for c, _ in steps]), np.array([m for _, m in steps])
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The engine
 
 
@@ -2029,8 +2238,8 @@ def gen_golden():
 
 
 def stepped(params, cfg, prompt, bucket, max_len, feed):
-    """Logits of prefill (prompt padded to `bucket`) and of each decode step fed `feed`, through the jitted steps
-    that `generate` runs with the same shapes (so nothing compiles twice)."""
+    """Logits of prefill (prompt padded to `bucket`) and of each decode step fed `feed`, through the
+    jitted steps that `generate` runs with the same shapes (so nothing compiles twice)."""
     padded = np.zeros((1, bucket), np.int32)
     padded[0, :len(prompt)] = prompt
     key, p = jax.random.key(0), nc.unstack(params, cfg)
@@ -2044,12 +2253,14 @@ def stepped(params, cfg, prompt, bucket, max_len, feed):
 
 def test_golden_generate_equals_nanochat_engine(gen_golden):
     params, g = gen_golden
-    tokens, masks = generated(params, GEN_CFG, g["prompt"])  # 17 + 24 tokens: prefill bucket 32, cache 64
+    # 17 + 24 tokens: prefill bucket 32, cache 64
+    tokens, masks = generated(params, GEN_CFG, g["prompt"])
     assert tokens[:, 0].tolist() == g["engine_tokens"].tolist() == g["naive_tokens"].tolist()
     assert masks.all()
     logits, cache = stepped(params, GEN_CFG, g["prompt"], 32, 64, g["engine_tokens"])
     np.testing.assert_allclose(logits[0], g["prefill_last_logits"], rtol=0, atol=2e-5)
-    np.testing.assert_allclose(logits[1:], g["decode_logits"], rtol=0, atol=2e-5)  # the step after the last too
+    # the step after the last too
+    np.testing.assert_allclose(logits[1:], g["decode_logits"], rtol=0, atol=2e-5)
     assert int(cache["pos"]) == 17 + 24
 
 
@@ -2060,16 +2271,21 @@ def window_model():
     return params, prompt
 
 
+@pytest.mark.slow  # a 256-token cache and programs of its own (the golden test checks decode)
 def test_kv_decode_equals_full_forward_with_sliding_window(window_model):
     params, prompt = window_model
     assert nc.window_sizes(WINDOW_CFG) == [128, 256]
-    tokens, _ = generated(params, WINDOW_CFG, prompt[:100], max_tokens=60)  # prefill bucket 128, cache 256
-    seq = np.concatenate([prompt[:100], tokens[:, 0]])[None]  # 160 tokens: layer 0's 128-token window binds
+    # prefill bucket 128, cache 256
+    tokens, _ = generated(params, WINDOW_CFG, prompt[:100], max_tokens=60)
+    # 160 tokens: layer 0's 128-token window binds
+    seq = np.concatenate([prompt[:100], tokens[:, 0]])[None]
     full = np.asarray(full_forward(params, seq, WINDOW_CFG))[0]
-    assert full[99:159].argmax(-1).tolist() == tokens[:, 0].tolist()  # greedy with the cache = naive greedy
+    # greedy with the cache = naive greedy
+    assert full[99:159].argmax(-1).tolist() == tokens[:, 0].tolist()
     logits, _ = stepped(params, WINDOW_CFG, prompt[:100], 128, 256, tokens[:-1, 0])
     np.testing.assert_allclose(logits, full[99:159], rtol=0, atol=2e-5)
-    # the window matters: full attention gives other logits past 128 tokens, so the cache really honoured it
+    # the window matters: full attention gives other logits past 128 tokens, so the cache really
+    # honoured it
     unwindowed = nc.Config(**{**WINDOW_CFG.__dict__, "window_pattern": "L"})
     other = np.asarray(full_forward(params, seq, unwindowed))[0]
     np.testing.assert_allclose(other[:129], full[:129], rtol=0, atol=1e-5)
@@ -2079,7 +2295,8 @@ def test_kv_decode_equals_full_forward_with_sliding_window(window_model):
 def test_prompt_buckets_do_not_change_results_or_recompile(window_model):
     params, prompt = window_model
     key, p = jax.random.key(0), nc.unstack(params, WINDOW_CFG)
-    padded = np.pad(prompt[None, :100], ((0, 0), (0, 28)), constant_values=7)  # junk after the prompt
+    # junk after the prompt
+    padded = np.pad(prompt[None, :100], ((0, 0), (0, 28)), constant_values=7)
     _, bucketed, c2 = nc.prefill(p, padded, 100, key, (0.0, 0, 1.0), WINDOW_CFG, 256, 1)
     _, exact, c1 = nc.prefill(p, prompt[None, :100], 100, key, (0.0, 0, 1.0), WINDOW_CFG, 256, 1)
     np.testing.assert_allclose(bucketed, exact, rtol=0, atol=1e-5)
@@ -2089,16 +2306,20 @@ def test_prompt_buckets_do_not_change_results_or_recompile(window_model):
         np.testing.assert_allclose(k1[:, :100], k2[:, :100], rtol=0, atol=1e-5)
     _, after_exact, _ = nc.decode(p, np.array([5], np.int32), c1, key, (0.0, 0, 1.0), WINDOW_CFG)
     _, after_bucketed, _ = nc.decode(p, np.array([5], np.int32), c2, key, (0.0, 0, 1.0), WINDOW_CFG)
-    np.testing.assert_allclose(after_bucketed, after_exact, rtol=0, atol=1e-5)  # the junk slot 100 is overwritten
+    # the junk slot 100 is overwritten
+    np.testing.assert_allclose(after_bucketed, after_exact, rtol=0, atol=1e-5)
+    generated(params, WINDOW_CFG, prompt[:100], max_tokens=60)  # generate's own programs
     compiled = nc.prefill._cache_size(), nc.decode._cache_size()
-    for n in (97, 110, 120):  # one prompt bucket (128) and one cache size (256): a growing chat does not recompile
+    # one prompt bucket (128) and one cache size (256): a growing chat does not recompile
+    for n in (97, 110, 120):
         generated(params, WINDOW_CFG, prompt[:n], max_tokens=60)
     assert (nc.prefill._cache_size(), nc.decode._cache_size()) == compiled
 
 
 def test_sampling_keys_rows_and_top_k(window_model):
     params, prompt = window_model
-    sample = lambda seed, **kw: generated(params, WINDOW_CFG, prompt[:20], max_tokens=12, key=jax.random.key(seed),
+    sample = lambda seed, **kw: generated(params, WINDOW_CFG, prompt[:20], max_tokens=12,
+                                          key=jax.random.key(seed),
                                           **{"temperature": 1.0, "num_samples": 4, **kw})[0]
     a, b, c = sample(1), sample(1), sample(2)
     assert a.shape == (12, 4)
@@ -2107,21 +2328,26 @@ def test_sampling_keys_rows_and_top_k(window_model):
     assert len({tuple(r) for r in a.T}) > 1  # rows sample independently
     greedy = sample(3, temperature=0.0)
     assert (greedy == greedy[:, :1]).all()
-    np.testing.assert_array_equal(sample(4, top_k=1), greedy)  # top-k 1 is greedy at any temperature
+    # top-k 1 is greedy at any temperature
+    np.testing.assert_array_equal(sample(4, top_k=1), greedy)
 
 
 def test_sample_top_k_and_top_p_are_traced():
-    """top_k and top_p truncate the distribution as HF does (top-k first, then the smallest set holding top_p of
-    what remains; 0 and 1 turn them off); being traced, 40 settings share one compiled sampler."""
+    """top_k and top_p truncate the distribution as HF does (top-k first, then the smallest set
+    holding top_p of what remains; 0 and 1 turn them off); being traced, 40 settings share one
+    compiled sampler."""
     probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04] + [0.0] * 300)  # V 306 > TOP_K_MAX
     logits = jnp.log(jnp.asarray(probs, jnp.float32) + 1e-30)[None]
-    draw = jax.jit(jax.vmap(lambda key, t, k, p: nc.sample_next_token(logits, key, t, k, p)[0], (0, None, None, None)))
+    draw = jax.jit(jax.vmap(lambda key, t, k, p: nc.sample_next_token(logits, key, t, k, p)[0],
+                            (0, None, None, None)))
     keys = jax.random.split(jax.random.key(0), 20000)
     freq = lambda t, k, p: np.bincount(np.asarray(draw(keys, t, k, p)), minlength=306)[:8] / len(keys)
-    for k, p, kept in ((0, 1.0, 6), (3, 1.0, 3), (0, 0.5, 2), (0, 0.8, 4), (4, 0.75, 3), (4, 0.7, 2), (1, 1.0, 1), (300, 1.0, 6)):
+    for k, p, kept in ((0, 1.0, 6), (3, 1.0, 3), (0, 0.5, 2), (0, 0.8, 4), (4, 0.75, 3),
+                       (4, 0.7, 2), (1, 1.0, 1), (300, 1.0, 6)):
         want = np.zeros(8)
         want[:kept] = probs[:kept] / probs[:kept].sum()
-        np.testing.assert_allclose(freq(1.0, k, p), want, atol=0.012, err_msg=f"top_k {k}, top_p {p}")
+        np.testing.assert_allclose(freq(1.0, k, p), want, atol=0.012,
+                                   err_msg=f"top_k {k}, top_p {p}")
     np.testing.assert_array_equal(freq(0.0, 0, 0.3), np.eye(8)[0])  # temperature 0: argmax
     for k, p in itertools.product((0, 1, 2, 50, 256), (1.0, 0.9, 0.5, 0.1)):
         draw(keys, 0.7, k, p)
@@ -2130,13 +2356,17 @@ def test_sample_top_k_and_top_p_are_traced():
 
 def test_stops_and_limits(window_model):
     params, prompt = window_model
-    run = lambda **kw: generated(params, WINDOW_CFG, prompt[:20], max_tokens=12, num_samples=4, **kw)[0]
+    run = lambda **kw: generated(params, WINDOW_CFG, prompt[:20], max_tokens=12, num_samples=4,
+                                 **kw)[0]
     greedy = run()[:, 0].tolist()
     stopped = run(stop_ids=[greedy[3]])
-    assert stopped[:, 0].tolist() == greedy[:greedy.index(greedy[3]) + 1]  # the stop token comes, then the end
+    # the stop token comes, then the end
+    assert stopped[:, 0].tolist() == greedy[:greedy.index(greedy[3]) + 1]
     rows = run(temperature=1.0, stop_ids=[greedy[0]])
-    assert len(rows) == 12 or all(greedy[0] in r for r in rows.T)  # rows keep going until every row is done
-    assert len(generated(params, WINDOW_CFG, prompt[:250], max_tokens=100)[0]) == 6  # the context is full
+    # rows keep going until every row is done
+    assert len(rows) == 12 or all(greedy[0] in r for r in rows.T)
+    # the context is full
+    assert len(generated(params, WINDOW_CFG, prompt[:250], max_tokens=100)[0]) == 6
     with pytest.raises(ValueError, match="context"):
         generated(params, WINDOW_CFG, np.tile(prompt, 2)[:256])
 
@@ -2146,11 +2376,14 @@ def test_calculator_tool_state_machine():
     sp = bt.special
     tool = data.calculator_tool(bt)
     call = lambda row, expr: [tool(row, t) for t in [sp["<|python_start|>"], *bt.encode(expr), sp["<|python_end|>"]]]
-    assert tool(0, bt.encode("a")[0]) == [] and tool(0, sp["<|python_end|>"]) == []  # outside a block: nothing
+    # outside a block: nothing
+    assert tool(0, bt.encode("a")[0]) == [] and tool(0, sp["<|python_end|>"]) == []
     *before, out = call(0, "12*34")
-    assert not any(before) and out == [sp["<|output_start|>"], *bt.encode("408"), sp["<|output_end|>"]]
+    assert not any(before) and out == [sp["<|output_start|>"], *bt.encode("408"),
+                                       sp["<|output_end|>"]]
     assert call(1, "'strawberry'.count('r')")[-1][1:-1] == bt.encode("3")
-    assert call(0, "__import__('os').system('true')")[-1] == []  # not a calculator expression: nothing is forced
+    # not a calculator expression: nothing is forced
+    assert call(0, "__import__('os').system('true')")[-1] == []
     assert call(0, "2**1000000")[-1] == []
     # rows are independent: row 1 opens a block while row 0 is inside another
     tool(0, sp["<|python_start|>"])
@@ -2168,7 +2401,8 @@ def test_tool_output_is_forced_with_mask_zero(chat_model):
     script = [sp["<|python_start|>"], *bt.encode("6*7"), sp["<|python_end|>"]]
     seen = []
 
-    def tool(row, token):  # a model that writes a python block after its first token, fed to the real calculator
+    # a model that writes a python block after its first token, fed to the real calculator
+    def tool(row, token):
         seen.append(token)
         return (script if len(seen) == 1 else []) + calculator(row, token)
 
@@ -2185,21 +2419,25 @@ def test_decode_donates_its_cache(chat_model):
     # the shapes of the generate call above (prompt bucket 16, cache 64): nothing compiles again
     _, _, cache = nc.prefill(p, np.zeros((1, 16), np.int32), 3, key, (0.0, 0, 1.0), cfg, 64, 1)
     _, _, new = nc.decode(p, np.array([5], np.int32), cache, key, (0.0, 0, 1.0), cfg)
-    assert all(a.is_deleted() for a in jax.tree.leaves(cache["layers"]))  # written in place: no second cache
+    # written in place: no second cache
+    assert all(a.is_deleted() for a in jax.tree.leaves(cache["layers"]))
     assert int(new["pos"]) == 4
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Real nanochat checkpoints
 
 
 def test_nanochat_checkpoint_import():
     root = TESTDATA / "nanochat_checkpoint"
     e = np.load(root / "expected.npz")
-    params, cfg, tk = checkpoint.load_nanochat(str(root))  # the NANOCHAT_BASE_DIR: finds base_checkpoints/d2
-    assert cfg == nc.Config(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=1, n_embd=64,
+    # the NANOCHAT_BASE_DIR: finds base_checkpoints/d2
+    params, cfg, tk = checkpoint.load_nanochat(str(root))
+    assert cfg == nc.Config(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=1,
+                            n_embd=64,
                             window_pattern="L")
     assert [tk.bos] + tk.encode("Return the") == e["prompt_ids"][0].tolist() and tk.bos == 503
-    batch = np.concatenate([e["text_ids"], np.pad(e["prompt_ids"], ((0, 0), (0, 59)))])  # causal: pads are harmless
+    # causal: pads are harmless
+    batch = np.concatenate([e["text_ids"], np.pad(e["prompt_ids"], ((0, 0), (0, 59)))])
     logits = np.asarray(full_forward(params, batch, cfg))
     np.testing.assert_allclose(logits[1:, :5], e["logits"], rtol=0, atol=5e-5)
     np.testing.assert_allclose(logits[:1], e["text_logits"], rtol=0, atol=5e-5)
@@ -2227,7 +2465,8 @@ class _Evil:
 
 def test_malicious_pickles_are_refused(tmp_path):
     marker = tmp_path / "pwned"
-    evil = pickle.dumps(collections.OrderedDict({"w": _Evil(marker)}), protocol=2)  # an allowed global first
+    # an allowed global first
+    evil = pickle.dumps(collections.OrderedDict({"w": _Evil(marker)}), protocol=2)
     with zipfile.ZipFile(tmp_path / "model_000001.pt", "w") as z:
         z.writestr("model_000001/data.pkl", evil)
         z.writestr("model_000001/byteorder", "little")
@@ -2243,8 +2482,8 @@ def test_malicious_pickles_are_refused(tmp_path):
     assert not marker.exists()  # nothing ran
 
 def test_damaged_torch_checkpoints_are_one_line_errors(tmp_path):
-    """Each way a nanochat .pt can be broken, built here from the real one: a ValueError naming the file (chat.py
-    prints it as one line), never a traceback or a half-read model."""
+    """Each way a nanochat .pt can be broken, built here from the real one: a ValueError naming the
+    file (chat.py prints it as one line), never a traceback or a half-read model."""
     real = TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"
     with zipfile.ZipFile(real / "model_000100.pt") as z:
         files = {n: z.read(n) for n in z.namelist()}
@@ -2265,24 +2504,31 @@ def test_damaged_torch_checkpoints_are_one_line_errors(tmp_path):
     pkl, store = "model_000100/data.pkl", "model_000100/data/0"
     cases = [(broken("notzip", raw=b"not a zip at all"), "a damaged torch checkpoint (BadZipFile"),
              (broken("nopkl", drop=pkl), "not a torch zip checkpoint (no data.pkl)"),
-             (broken("big", lambda n, b: b"big" if n.endswith("byteorder") else b), "a big-endian checkpoint"),
-             (broken("kind", lambda n, b: b.replace(b"torch\nFloatStorage", b"collections\nOrderedDict") if n == pkl
+             (broken("big", lambda n, b: b"big" if n.endswith("byteorder") else b),
+              "a big-endian checkpoint"),
+             (broken("kind", lambda n,
+                     b: b.replace(b"torch\nFloatStorage", b"collections\nOrderedDict") if n == pkl
                      else b), "a storage of unknown type"),
-             (broken("short", lambda n, b: b[:-4] if n == store else b), "storage 0 is shorter than its"),
+             (broken("short", lambda n, b: b[:-4] if n == store else b),
+              "storage 0 is shorter than its"),
              (broken("gone", drop=store), "a damaged torch checkpoint (KeyError"),
-             (broken("cut", lambda n, b: b[:len(b) // 2] if n == pkl else b), "a damaged torch checkpoint")]
+             (broken("cut", lambda n, b: b[:len(b) // 2] if n == pkl else b),
+              "a damaged torch checkpoint")]
     for d, message in cases:
         with pytest.raises(ValueError, match=re.escape(f"{d / 'model_000100.pt'}: {message}")):
             checkpoint.read_torch_state_dict(d / "model_000100.pt")
     with pytest.raises(pickle.UnpicklingError, match="a tensor runs past its storage"):
         checkpoint._rebuild_tensor(np.zeros(4, np.float32), 2, (3,), (1,))
-    fine = broken("fine")  # a whole checkpoint, but no tokenizer above it, then a tokenizer of another size
-    with pytest.raises(FileNotFoundError, match="no tokenizer/tokenizer.pkl here or in the 3 directories above"):
+    # a whole checkpoint, but no tokenizer above it, then a tokenizer of another size
+    fine = broken("fine")
+    with pytest.raises(FileNotFoundError,
+                       match="no tokenizer/tokenizer.pkl here or in the 3 directories above"):
         checkpoint.load_nanochat(str(fine))
     (tmp_path / "tokenizer").mkdir()
     ranks = {bytes([i]): i for i in range(256)}
     specials = {s: 256 + i for i, s in enumerate(data.SPECIAL_TOKENS)}
-    small = tiktoken.Encoding("small", pat_str=data.SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+    small = tiktoken.Encoding("small", pat_str=data.SPLIT_PATTERN, mergeable_ranks=ranks,
+                              special_tokens=specials)
     (tmp_path / "tokenizer" / "tokenizer.pkl").write_bytes(pickle.dumps(small))
     with pytest.raises(ValueError, match="265 tokens, but the model has vocab_size 512"):
         checkpoint.load_nanochat(str(fine))
@@ -2292,16 +2538,19 @@ def test_damaged_torch_checkpoints_are_one_line_errors(tmp_path):
 
 @pytest.mark.slow  # five saving processes, each killed after a wait
 def test_damaged_checkpoint_is_skipped_by_resume_and_kill9_never_leaves_half_a_step(tmp_path, tiny_params):
-    """A damaged params.msgpack or meta.json is a one-line error, and --resume's loader falls back to the previous
-    step; a process killed at random moments while saving (kill -9) leaves every step_* complete or absent."""
+    """A damaged params.msgpack or meta.json is a one-line error, and --resume's loader falls back
+    to the previous step; a process killed at random moments while saving (kill -9) leaves every
+    step_* complete or absent."""
     root = str(tmp_path / "ck")
     for step in (1, 2):
         checkpoint.save_checkpoint(root, step, tiny_params, None, {"step": step})
     newest = os.path.join(root, "step_000002")
     raw = open(os.path.join(newest, "params.msgpack"), "rb").read()
-    for damage in (raw[:len(raw) // 2], raw[:100] + b"\xc1" + raw[101:]):  # truncated; a byte msgpack never uses
+    # truncated; a byte msgpack never uses
+    for damage in (raw[:len(raw) // 2], raw[:100] + b"\xc1" + raw[101:]):
         open(os.path.join(newest, "params.msgpack"), "wb").write(damage)
-        with pytest.raises(ValueError, match="params.msgpack: damaged .*; use an earlier checkpoint"):
+        with pytest.raises(ValueError,
+                           match="params.msgpack: damaged .*; use an earlier checkpoint"):
             checkpoint.load_checkpoint(newest)
         said = []
         path, params, _, meta = checkpoint.load_newest(root, log=said.append)
@@ -2310,7 +2559,8 @@ def test_damaged_checkpoint_is_skipped_by_resume_and_kill9_never_leaves_half_a_s
     with pytest.raises(ValueError, match="meta.json: damaged"):
         checkpoint.load_checkpoint(os.path.join(root, "step_000001"))
     assert checkpoint.load_newest(root, log=lambda *_: None) is None
-    with pytest.raises(ValueError, match=r"meta.json: config fields \['n_expert'\] are unknown to this version"):
+    with pytest.raises(ValueError,
+                       match=r"meta.json: config fields \['n_expert'\] are unknown to this version"):
         checkpoint.config_from({**dataclasses.asdict(TINY), "n_expert": 8}, "ck/meta.json")
     saver = (f"import checkpoint, numpy as np\nbig = {{'w': np.arange(4_000_000, dtype=np.float32)}}\n"
              f"for step in range(10**6):\n"
@@ -2325,26 +2575,30 @@ def test_damaged_checkpoint_is_skipped_by_resume_and_kill9_never_leaves_half_a_s
             params, opt, meta = checkpoint.load_checkpoint(step_dir)
             assert params["w"].shape == (4_000_000,) and float(params["w"][-1]) == 3_999_999 and opt is not None
     assert checkpoint.checkpoint_dirs(root)  # some saves completed
-    checkpoint.save_checkpoint(root, 99, tiny_params, None, {})  # the next save sweeps what the killed ones left
+    # the next save sweeps what the killed ones left
+    checkpoint.save_checkpoint(root, 99, tiny_params, None, {})
     assert all(re.fullmatch(r"step_\d{6}", n) for n in os.listdir(root))
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # chat.py: terminal and web
 
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    """A tiny random model saved as train.py saves an SFT checkpoint: (params, cfg, tokenizer, checkpoints root)."""
+    """A tiny random model saved as train.py saves an SFT checkpoint: (params, cfg, tokenizer,
+    checkpoints root)."""
     params, bt = random_params(CHAT_CFG, 7), data.byte_tokenizer()
     root = tmp_path_factory.mktemp("run") / "checkpoints"
-    meta = {"stage": "sft", "step": 5, "config": dataclasses.asdict(CHAT_CFG), "tokenizer": "tokenizer.json"}
+    meta = {"stage": "sft", "step": 5, "config": dataclasses.asdict(CHAT_CFG),
+            "tokenizer": "tokenizer.json"}
     step_dir = checkpoint.save_checkpoint(str(root / "sft"), 5, params, None, meta)
     bt.save(os.path.join(step_dir, "tokenizer.json"))
     return params, CHAT_CFG, bt, root
 
 
 HI = [{"role": "user", "content": "hello"}]
-HELLO = [{"role": "system", "content": "Hi."}, {"role": "user", "content": "hello"}]  # <= 16 tokens, as HI
+# <= 16 tokens, as HI
+HELLO = [{"role": "system", "content": "Hi."}, {"role": "user", "content": "hello"}]
 
 
 def chat_prompt(bt, messages):
@@ -2352,48 +2606,63 @@ def chat_prompt(bt, messages):
 
 
 def expected_reply(model, messages, max_tokens=32):
-    """The greedy reply text, its token count and the prompt's that chat.py must produce for these messages."""
+    """The greedy reply text, its token count and the prompt's that chat.py must produce for these
+    messages."""
     params, cfg, bt, _ = model
     prompt, reply = chat_prompt(bt, messages), chat.Reply(bt)
-    collections.deque(chat.sample_replies(params, cfg, bt, prompt, jax.random.key(0), [reply], max_tokens=max_tokens,
+    collections.deque(chat.sample_replies(params, cfg, bt, prompt, jax.random.key(0), [reply],
+                                          max_tokens=max_tokens,
                                           temperature=0.0), maxlen=0)
     return reply.content, len(reply.ids), len(prompt)
 
 
 def run_chat(args, stdin="", cwd=None):
-    """(exit code, stdout, stderr) of `python chat.py ARGS` fed stdin; output decoded as is (no newline changes)."""
-    r = subprocess.run([sys.executable, str(pathlib.Path(__file__).parent / "chat.py"), *args], input=stdin.encode(),
-                       capture_output=True, cwd=cwd, env={**os.environ, "PYTHONIOENCODING": "utf-8"}, timeout=300)
+    """(exit code, stdout, stderr) of `python chat.py ARGS` fed stdin; output decoded as is (no
+    newline changes)."""
+    r = subprocess.run([sys.executable, str(pathlib.Path(__file__).parent / "chat.py"), *args],
+                       input=stdin.encode(),
+                       capture_output=True, cwd=cwd,
+                       env={**os.environ, "PYTHONIOENCODING": "utf-8"}, timeout=300)
     return r.returncode, r.stdout.decode(), r.stderr.decode()
 
 
 @pytest.mark.slow  # three chat.py processes
 def test_cli_scripted(chat_model, tmp_path):
     params, cfg, bt, root = chat_model
-    load = checkpoint.load_model(str(root))  # the newest step of the root: what `python chat.py` picks
+    # the newest step of the root: what `python chat.py` picks
+    load = checkpoint.load_model(str(root))
     assert load[1] == cfg and all(jax.tree.leaves(jax.tree.map(np.array_equal, load[0], params)))
     reply, _, _ = expected_reply(chat_model, HI)
 
     def greedy(prompt):
         r = chat.Reply(bt)
-        collections.deque(chat.sample_replies(params, cfg, bt, prompt, jax.random.key(0), [r], max_tokens=32,
+        collections.deque(chat.sample_replies(params, cfg, bt, prompt, jax.random.key(0), [r],
+                                              max_tokens=32,
                                               temperature=0.0), maxlen=0)
         return r
 
-    sp, first = bt.special, chat_prompt(bt, HI)  # the second turn's prompt: all of the first turn, as token ids
+    # the second turn's prompt: all of the first turn, as token ids
+    sp, first = bt.special, chat_prompt(bt, HI)
     first_reply = greedy(first).ids
-    assert len(first_reply) == 32  # cut off, not stopped: chat.py closes the turn with <|assistant_end|>
-    second = first + first_reply + [sp["<|assistant_end|>"], sp["<|user_start|>"], *bt.encode("the sea"),
+    # cut off, not stopped: chat.py closes the turn with <|assistant_end|>
+    assert len(first_reply) == 32
+    second = first + first_reply + [sp["<|assistant_end|>"], sp["<|user_start|>"],
+                                    *bt.encode("the sea"),
                                     sp["<|user_end|>"], sp["<|assistant_start|>"]]
     followup = greedy(second).content
-    assert followup != expected_reply(chat_model, [{"role": "user", "content": "the sea"}])[0]  # the history matters
+    # the history matters
+    assert followup != expected_reply(chat_model, [{"role": "user", "content": "the sea"}])[0]
     cache = ["--compile-cache", str(tmp_path / "xla"), "-t", "0", "-m", "32"]
-    code, out, err = run_chat(cache, "hello\nthe sea\nclear\nhello\nquit\n", cwd=root.parent)  # ./checkpoints
+    # ./checkpoints
+    code, out, err = run_chat(cache, "hello\nthe sea\nclear\nhello\nquit\n", cwd=root.parent)
     assert code == 0, err
     assert out == ("nanochat: type 'clear' to start a new conversation, 'quit' to end it\n"
-                   f"\nUser: \nAssistant: {reply}\n\nUser: \nAssistant: {followup}\n"  # the conversation goes on
-                   f"\nUser: Conversation cleared.\n\nUser: \nAssistant: {reply}\n\nUser: ")  # clear starts over
-    code, out, err = run_chat(["--checkpoint", str(root / "sft" / "step_000005"), "-p", "hello", *cache])
+                   # the conversation goes on
+                   f"\nUser: \nAssistant: {reply}\n\nUser: \nAssistant: {followup}\n"
+                   # clear starts over
+                   f"\nUser: Conversation cleared.\n\nUser: \nAssistant: {reply}\n\nUser: ")
+    code, out, err = run_chat(["--checkpoint", str(root / "sft" / "step_000005"), "-p", "hello",
+                               *cache])
     assert code == 0 and out == f"\nAssistant: {reply}\n", err
     code, out, err = run_chat(cache, "", cwd=tmp_path)
     assert code == 1 and "python train.py" in err and len(err.splitlines()) == 1
@@ -2404,13 +2673,15 @@ def test_cli_errors_are_one_line(chat_model):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         for args, match in [(["-k", "-1"], "-k"), (["-m", "0"], "-m"),
-                            (["--serve", "--port", str(taken.getsockname()[1])], "another --host or --port")]:
+                            (["--serve", "--port", str(taken.getsockname()[1])],
+                             "another --host or --port")]:
             code, _, err = run_chat(["--compile-cache", "", *args], cwd=chat_model[3].parent)
             assert code == 1 and err.startswith("error: ") and match in err and len(err.splitlines()) == 1, err
 
 
 def fake_generate(monkeypatch, stream):
-    """Makes the nc.generate that chat.py calls yield `stream`, a token a step; returns the list of its kwargs."""
+    """Makes the nc.generate that chat.py calls yield `stream`, a token a step; returns the list of
+    its kwargs."""
     calls = []
 
     def generate(params, cfg, prompt, **kwargs):
@@ -2426,12 +2697,14 @@ def test_replies_stop_and_call_the_calculator(monkeypatch, capsys, server):
     sp = bt.special
     calls = fake_generate(monkeypatch, [*bt.encode("ok"), bt.bos, *bt.encode("more")])
     chat.chat_cli(None, CHAT_CFG, bt, "hi")
-    assert capsys.readouterr().out == "\nAssistant: ok\n"  # <|bos|> ends the reply, unprinted, whatever comes next
+    # <|bos|> ends the reply, unprinted, whatever comes next
+    assert capsys.readouterr().out == "\nAssistant: ok\n"
     r = json.loads(request(server, "POST", "/v1/chat/completions", {"messages": HI})[2])
     assert r["choices"][0]["message"]["content"] == "ok" and r["choices"][0]["finish_reason"] == "stop"
     assert r["usage"]["completion_tokens"] == 3
     assert [c["stop_ids"] for c in calls] == [(sp["<|assistant_end|>"], bt.bos)] * 2
-    assert calls[0]["tool"] is not calls[1]["tool"]  # a fresh calculator per reply: no state leaks between them
+    # a fresh calculator per reply: no state leaks between them
+    assert calls[0]["tool"] is not calls[1]["tool"]
     tool = calls[1]["tool"]
     forced = [tool(0, t) for t in [sp["<|python_start|>"], *bt.encode("6*7"), sp["<|python_end|>"]]]
     assert forced == [[]] * 4 + [[sp["<|output_start|>"], *bt.encode("42"), sp["<|output_end|>"]]]
@@ -2446,7 +2719,8 @@ def test_replies_decode_utf8_incrementally(monkeypatch, server):
         return [(t, text) for _, t, text, *_ in chat.sample_replies(None, CHAT_CFG, bt, [bt.bos], jax.random.key(0),
                                                                      [chat.Reply(bt)])]
 
-    assert reply(b) == [(b[0], ""), (b[1], "é"), (b[2], ""), (b[3], ""), (b[4], "東"), (None, "")]  # each once whole
+    # each once whole
+    assert reply(b) == [(b[0], ""), (b[1], "é"), (b[2], ""), (b[3], ""), (b[4], "東"), (None, "")]
     assert reply(b[:4])[-1] == (None, "\ufffd")  # cut off by max_tokens: U+FFFD, not nothing
     assert reply(b[:4] + [bt.bos])[-1] == (bt.bos, "\ufffd")  # ... or by the stop token
     req = {"messages": HI, "stream": True, "stream_options": {"include_usage": True}}
@@ -2459,24 +2733,28 @@ CALCULATED = ("So ", "6*7", "42", " it is 42.")
 
 
 def calculated(bt):
-    """A reply's tokens that call the calculator: text, python, python_output, text, <|assistant_end|>."""
+    """A reply's tokens that call the calculator: text, python, python_output, text,
+    <|assistant_end|>."""
     sp = bt.special
-    return [*bt.encode(CALCULATED[0]), sp["<|python_start|>"], *bt.encode(CALCULATED[1]), sp["<|python_end|>"],
-            sp["<|output_start|>"], *bt.encode(CALCULATED[2]), sp["<|output_end|>"], *bt.encode(CALCULATED[3]),
+    return [*bt.encode(CALCULATED[0]), sp["<|python_start|>"], *bt.encode(CALCULATED[1]),
+            sp["<|python_end|>"],
+            sp["<|output_start|>"], *bt.encode(CALCULATED[2]), sp["<|output_end|>"],
+            *bt.encode(CALCULATED[3]),
             sp["<|assistant_end|>"]]
 
 
 def test_reply_parts_and_stop_strings():
-    """A reply's content holds no special token; its parts are what render_conversation takes back (so the next
-    turn's prompt holds the model's own tokens); a stop string cuts the content, its beginning held back until what
-    follows shows whether it is one."""
+    """A reply's content holds no special token; its parts are what render_conversation takes back
+    (so the next turn's prompt holds the model's own tokens); a stop string cuts the content, its
+    beginning held back until what follows shows whether it is one."""
     bt = data.byte_tokenizer()
     r, ids = chat.Reply(bt), calculated(bt)
     said = [r.add(t) for t in ids]
     assert r.content == "So  it is 42." == "".join(text for text, _ in said) and r.finish == "stop" and r.ids == ids
     assert r.parts == [{"type": t, "text": x} for t, x in zip(("text", "python", "python_output", "text"), CALCULATED)]
     assert [p for _, p in said if p] == r.parts[1:3]  # each calculator part once, when it closes
-    conversation = [{"role": "user", "content": "6 times 7?"}, {"role": "assistant", "content": r.parts}]
+    conversation = [{"role": "user", "content": "6 times 7?"},
+                    {"role": "assistant", "content": r.parts}]
     assert data.render_conversation(bt, conversation)[0] == chat_prompt(bt, conversation[:1]) + ids
     r, said = chat.Reply(bt, stop=["lo w", "xyz"]), []
     for t in bt.encode("hello world"):
@@ -2491,9 +2769,12 @@ def test_api_sends_calculator_steps_as_parts(monkeypatch, server):
     bt = data.byte_tokenizer()
     fake_generate(monkeypatch, calculated(bt))
     message = json.loads(request(server, "POST", "/v1/chat/completions", {"messages": HI})[2])["choices"][0]["message"]
-    parts = [{"type": t, "text": x} for t, x in zip(("text", "python", "python_output", "text"), CALCULATED)]
-    assert message == {"role": "assistant", "content": "So  it is 42.", "parts": parts}  # no special token in either
-    chunks = events(request(server, "POST", "/v1/chat/completions", {"messages": HI, "stream": True})[2])
+    parts = [{"type": t, "text": x} for t, x in zip(("text", "python", "python_output", "text"),
+                                                    CALCULATED)]
+    # no special token in either
+    assert message == {"role": "assistant", "content": "So  it is 42.", "parts": parts}
+    chunks = events(request(server, "POST", "/v1/chat/completions",
+                            {"messages": HI, "stream": True})[2])
     deltas = [c["choices"][0]["delta"] for c in chunks[1:-1]]
     assert [d.get("content") or d["parts"][0]["text"] for d in deltas] == [*"So ", "6*7", "42", *" it is 42."]
     assert [d["parts"][0]["type"] for d in deltas if "parts" in d] == ["python", "python_output"]
@@ -2513,7 +2794,8 @@ def server(chat_model):
 def request(srv, method, path, body=None, raw=None, headers=None):
     """(status, content type, body text) of one request to the test server."""
     conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=120)
-    conn.request(method, path, raw if raw is not None else None if body is None else json.dumps(body),
+    conn.request(method, path,
+                 raw if raw is not None else None if body is None else json.dumps(body),
                  headers or {"Content-Type": "application/json"})
     r = conn.getresponse()
     out = r.status, r.getheader("Content-Type"), r.read().decode()
@@ -2530,13 +2812,16 @@ def events(text):
 
 def test_api_completion_and_models(server, chat_model):
     reply, n_out, n_in = expected_reply(chat_model, HELLO)
-    status, ctype, body = request(server, "POST", "/v1/chat/completions", {"model": "nanochat", "messages": HELLO})
+    status, ctype, body = request(server, "POST", "/v1/chat/completions",
+                                  {"model": "nanochat", "messages": HELLO})
     assert status == 200 and ctype == "application/json"
     r = json.loads(body)
     assert r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-") and r["model"] == "nanochat"
-    assert r["choices"] == [{"index": 0, "message": {"role": "assistant", "content": reply, "parts": [
+    assert r["choices"] == [{"index": 0,
+                             "message": {"role": "assistant", "content": reply, "parts": [
         {"type": "text", "text": reply}]}, "finish_reason": "length" if n_out == 32 else "stop"}]
-    assert r["usage"] == {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+    assert r["usage"] == {"prompt_tokens": n_in, "completion_tokens": n_out,
+                          "total_tokens": n_in + n_out}
     status, _, body = request(server, "GET", "/v1/models")
     assert status == 200 and json.loads(body)["data"][0]["id"] == "nanochat"
     assert json.loads(body)["data"][0]["context_length"] == 256 and json.loads(body)["data"][0]["max_tokens"] == 32
@@ -2547,30 +2832,36 @@ def test_api_completion_and_models(server, chat_model):
 
 def test_api_streaming(server, chat_model):
     reply, n_out, n_in = expected_reply(chat_model, HELLO)
-    req = {"messages": HELLO, "stream": True, "max_tokens": 32, "stream_options": {"include_usage": True}}
+    req = {"messages": HELLO, "stream": True, "max_tokens": 32,
+           "stream_options": {"include_usage": True}}
     status, ctype, body = request(server, "POST", "/v1/chat/completions", req)
     assert status == 200 and ctype.startswith("text/event-stream")
     chunks = events(body)
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-2]) == reply
-    assert chunks[-2]["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "length" if n_out == 32 else "stop"}
+    assert chunks[-2]["choices"][0] == {"index": 0, "delta": {},
+                                        "finish_reason": "length" if n_out == 32 else "stop"}
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == n_out
 
 
 def test_api_choices_stop_top_p_and_logprobs(server, chat_model):
     params, cfg, bt, _ = chat_model
     reply, n_out, _ = expected_reply(chat_model, HELLO)
-    post = lambda **kw: json.loads(request(server, "POST", "/v1/chat/completions", {"messages": HELLO, **kw})[2])
-    r = post(n=3)  # the server's default temperature here is 0: three copies of the greedy reply, from one batch
+    post = lambda **kw: json.loads(request(server, "POST", "/v1/chat/completions",
+                                           {"messages": HELLO, **kw})[2])
+    # the server's default temperature here is 0: three copies of the greedy reply, from one batch
+    r = post(n=3)
     assert [(c["index"], c["message"]["content"]) for c in r["choices"]] == [(0, reply), (1, reply), (2, reply)]
     assert r["usage"]["completion_tokens"] == 3 * n_out
     a, b = (post(n=4, temperature=1.0, seed=3)["choices"] for _ in range(2))
-    assert a == b and len({c["message"]["content"] for c in a}) > 1  # one seed, one batch; the rows differ
+    # one seed, one batch; the rows differ
+    assert a == b and len({c["message"]["content"] for c in a}) > 1
     stop = reply[6:9]
     r = post(stop=["never written", stop])["choices"][0]
     assert r["message"]["content"] == reply[:reply.index(stop)] and r["finish_reason"] == "stop"
-    assert post(temperature=2.0, top_p=1e-6, seed=1)["choices"][0]["message"]["content"] == reply  # one-token nucleus
+    # one-token nucleus
+    assert post(temperature=2.0, top_p=1e-6, seed=1)["choices"][0]["message"]["content"] == reply
     r = post(logprobs=True, top_logprobs=3)["choices"][0]
     lp = r["logprobs"]["content"]
     assert b"".join(bytes(e["bytes"]) for e in lp).decode(errors="replace") == reply == r["message"]["content"]
@@ -2581,7 +2872,8 @@ def test_api_choices_stop_top_p_and_logprobs(server, chat_model):
     first = jax.nn.log_softmax(full_forward(params, np.array([chat_prompt(bt, HELLO)]), cfg)[0, -1])
     assert lp[0]["bytes"] == list(bt.enc.decode_single_token_bytes(int(first.argmax())))
     assert lp[0]["logprob"] == pytest.approx(float(first.max()), abs=1e-4)
-    chunks = events(request(server, "POST", "/v1/chat/completions", {"messages": HELLO, "n": 2, "stream": True})[2])
+    chunks = events(request(server, "POST", "/v1/chat/completions",
+                            {"messages": HELLO, "n": 2, "stream": True})[2])
     for i in range(2):
         assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks
                        if c["choices"][0]["index"] == i) == reply
@@ -2590,8 +2882,8 @@ def test_api_choices_stop_top_p_and_logprobs(server, chat_model):
 
 @pytest.mark.slow  # a server soak: every shape compiled, then 20 requests
 def test_no_request_compiles(chat_model):
-    """After warm_up, requests with any sampling settings, seed, number of choices and prompt length compile
-    nothing: a client cannot stall the others by sending new values."""
+    """After warm_up, requests with any sampling settings, seed, number of choices and prompt length
+    compile nothing: a client cannot stall the others by sending new values."""
     srv = chat.make_server(*chat_model[:3], port=0, max_tokens=3)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     compiles = []
@@ -2603,14 +2895,19 @@ def test_no_request_compiles(chat_model):
         jax.monitoring.register_event_duration_secs_listener(listen)
         rng = np.random.default_rng(0)
         for i in range(20):
-            body = {"messages": [{"role": "user", "content": "x" * int(rng.integers(1, 240))}], "stream": i % 2 == 1,
-                    "top_k": int(rng.integers(0, 257)), "temperature": float(rng.uniform(0, 2)), "top_p":
-                    float(rng.uniform(0.05, 1)), "seed": int(rng.integers(0, 2**40)), "n": int(rng.integers(1, 9)),
-                    "logprobs": i % 3 == 0, "top_logprobs": 2 if i % 3 == 0 else 0, "stop": ["x"] * (i % 2)}
+            body = {"messages": [{"role": "user", "content": "x" * int(rng.integers(1, 240))}],
+                    "stream": i % 2 == 1,
+                    "top_k": int(rng.integers(0, 257)), "temperature": float(rng.uniform(0, 2)),
+                    "top_p":
+                    float(rng.uniform(0.05, 1)), "seed": int(rng.integers(0, 2**40)),
+                    "n": int(rng.integers(1, 9)),
+                    "logprobs": i % 3 == 0, "top_logprobs": 2 if i % 3 == 0 else 0,
+                    "stop": ["x"] * (i % 2)}
             assert request(srv, "POST", "/v1/chat/completions", body)[0] == 200
         assert compiles == []
         nc.generate(params := chat_model[0], chat_model[1], [1] * 30, max_tokens=3, key=jax.random.key(0)).__next__()
-        assert compiles  # the listener does see compiles: this cache size (the bucket 64) was never warmed
+        # the listener does see compiles: this cache size (the bucket 64) was never warmed
+        assert compiles
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
         srv.shutdown()
@@ -2621,7 +2918,8 @@ def test_no_request_compiles(chat_model):
 def test_official_openai_client(server, chat_model):
     import openai  # requirements-dev.txt
 
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="unused")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1",
+                           api_key="unused")
     reply, n_out, n_in = expected_reply(chat_model, HELLO)
     assert [m.id for m in client.models.list()] == ["nanochat"]
     r = client.chat.completions.create(model="nanochat", messages=HELLO)
@@ -2637,20 +2935,24 @@ def test_official_openai_client(server, chat_model):
         usage = c.usage  # the last chunk: usage only
     assert texts == [reply] * 2 and set(finish.values()) == {"length" if n_out == 32 else "stop"}
     assert usage.completion_tokens == 2 * n_out
-    r = client.chat.completions.create(model="nanochat", messages=HELLO, stop=reply[4:7], top_p=0.5, temperature=1.0,
+    r = client.chat.completions.create(model="nanochat", messages=HELLO, stop=reply[4:7], top_p=0.5,
+                                       temperature=1.0,
                                        seed=0, logprobs=True, top_logprobs=2, max_tokens=16)
     assert reply[4:7] not in r.choices[0].message.content and len(r.choices[0].logprobs.content[0].top_logprobs) == 2
     with pytest.raises(openai.NotFoundError, match="gpt-4o"):
         client.chat.completions.create(model="gpt-4o", messages=HELLO)
     with pytest.raises(openai.BadRequestError, match="context"):
-        client.chat.completions.create(model="nanochat", messages=[{"role": "user", "content": "x" * 300}])
+        client.chat.completions.create(model="nanochat",
+                                       messages=[{"role": "user", "content": "x" * 300}])
 
 
 def test_api_seed_and_content_parts(server):
-    parts = [{"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hel"},
+                                          {"type": "text", "text": "lo"}]}]
     reply = lambda messages, seed: json.loads(request(server, "POST", "/v1/chat/completions", {
         "messages": messages, "temperature": 1.0, "seed": seed})[2])["choices"][0]["message"]["content"]
-    assert reply(parts, 5) == reply(HI, 5) != reply(HI, 6)  # OpenAI's text parts are the same message
+    # OpenAI's text parts are the same message
+    assert reply(parts, 5) == reply(HI, 5) != reply(HI, 6)
 
 
 @pytest.mark.parametrize("body, status, match", [
@@ -2659,7 +2961,8 @@ def test_api_seed_and_content_parts(server):
     ({"messages": []}, 400, "'messages'"),
     ({"messages": [{"role": "user", "content": "hi"}] * 501}, 400, "1 to 500"),
     ({"messages": [{"role": "assistant", "content": "hi"}]}, 400, "last message"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, 400, "alternate"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, 400,
+     "alternate"),
     ({"messages": [{"role": "user", "content": "  "}]}, 400, "empty"),
     ({"messages": [{"role": "user", "content": 5}]}, 400, "string"),
     ({"messages": HELLO, "max_tokens": 0}, 400, "'max_tokens'"),
@@ -2693,7 +2996,8 @@ def test_api_errors(server, body, status, match):
 
 def test_api_bad_paths_and_headers(server):
     assert request(server, "GET", "/nope")[0] == 404 and request(server, "POST", "/v1/completions", {})[0] == 404
-    for length in (b"", b"Content-Length: \xb2\r\n", b"Content-Length: %s\r\n" % (b"9" * 5000)):  # '²': isdigit()
+    # '²': isdigit()
+    for length in (b"", b"Content-Length: \xb2\r\n", b"Content-Length: %s\r\n" % (b"9" * 5000)):
         conn = socket.create_connection(server.server_address, timeout=60)
         conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"%s\r\n" % length)
@@ -2705,7 +3009,8 @@ def test_api_bad_paths_and_headers(server):
 def test_server_binds_localhost_by_default(chat_model):
     srv = chat.make_server(*chat_model[:3], port=0)
     try:
-        assert srv.server_address[0] == "127.0.0.1"  # unreachable from other machines unless --host says so
+        # unreachable from other machines unless --host says so
+        assert srv.server_address[0] == "127.0.0.1"
     finally:
         srv.server_close()
 
@@ -2717,7 +3022,8 @@ def test_api_concurrent_streams_do_not_interleave(server, chat_model):
     results = [None, None]
 
     def go(i):
-        results[i] = request(server, "POST", "/v1/chat/completions", {"messages": convs[i], "stream": True})
+        results[i] = request(server, "POST", "/v1/chat/completions",
+                             {"messages": convs[i], "stream": True})
 
     threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
     for t in threads:
@@ -2732,14 +3038,17 @@ def test_api_concurrent_streams_do_not_interleave(server, chat_model):
 
 @pytest.mark.slow  # a server soak: 50 connections, a timeout waited out
 def test_stalled_clients_cannot_hold_the_server(chat_model, capfd):
-    """Clients that send half a request and stall: at most max_connections hold a thread (the next ones get a 503
-    at once), each only until request_timeout; normal requests are served after it, and nothing logs a traceback."""
-    srv = chat.make_server(*chat_model[:3], port=0, max_connections=8, request_timeout=3.0, max_tokens=2)
+    """Clients that send half a request and stall: at most max_connections hold a thread (the next
+    ones get a 503 at once), each only until request_timeout; normal requests are served after it,
+    and nothing logs a traceback."""
+    srv = chat.make_server(*chat_model[:3], port=0, max_connections=8, request_timeout=3.0,
+                           max_tokens=2)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         threads = threading.active_count()
         stalled = [socket.create_connection(srv.server_address, timeout=10) for _ in range(8)]
-        for i, s in enumerate(stalled):  # half a header line, or a body shorter than its Content-Length
+        # half a header line, or a body shorter than its Content-Length
+        for i, s in enumerate(stalled):
             s.sendall(b"GET / HTTP/1.1\r\nHo" if i % 2 else b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1"
                       b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
         time.sleep(0.3)
@@ -2759,11 +3068,13 @@ def test_stalled_clients_cannot_hold_the_server(chat_model, capfd):
 
 
 def test_server_refuses_other_hosts_origins_and_non_json(server, chat_model):
-    """DNS rebinding (a Host that is not this loopback server), pages of other origins, and POST bodies that are not
-    JSON (what a cross-origin form or text/plain fetch sends without a preflight) are refused; the page itself, API
-    clients (no Origin) and --allow-origin origins are served."""
+    """DNS rebinding (a Host that is not this loopback server), pages of other origins, and POST
+    bodies that are not JSON (what a cross-origin form or text/plain fetch sends without a
+    preflight) are refused; the page itself, API clients (no Origin) and --allow-origin origins are
+    served."""
     port = server.server_address[1]
-    post = lambda headers: request(server, "POST", "/v1/chat/completions", {"messages": HELLO, "max_tokens": 2},
+    post = lambda headers: request(server, "POST", "/v1/chat/completions",
+                                   {"messages": HELLO, "max_tokens": 2},
                                    headers={"Content-Type": "application/json", **headers})
     status, _, text = request(server, "GET", "/", headers={"Host": f"evil.example:{port}"})
     assert status == 421 and "is not this server: open it as http://127.0.0.1:" in text
@@ -2771,7 +3082,8 @@ def test_server_refuses_other_hosts_origins_and_non_json(server, chat_model):
     status, _, text = post({"Origin": "http://evil.example"})
     assert status == 403 and "serve with --allow-origin http://evil.example" in json.loads(text)["error"]["message"]
     assert post({"Origin": f"http://127.0.0.1:{port}"})[0] == 200  # the page's own origin
-    status, _, text = request(server, "POST", "/v1/chat/completions", raw=json.dumps({"messages": HELLO}),
+    status, _, text = request(server, "POST", "/v1/chat/completions",
+                              raw=json.dumps({"messages": HELLO}),
                               headers={"Content-Type": "text/plain"})
     assert status == 415 and "Content-Type: application/json" in text
     server.origins.add("http://localhost:3000")
@@ -2790,7 +3102,8 @@ def test_api_disconnect_frees_the_model(server, chat_model, capsys):
     while b"data: " not in received:
         received += conn.recv(4096)
     conn.close()  # mid-stream
-    status, _, text = request(server, "POST", "/v1/chat/completions", {"messages": HELLO})  # the lock is free
+    # the lock is free
+    status, _, text = request(server, "POST", "/v1/chat/completions", {"messages": HELLO})
     reply = json.loads(text)["choices"][0]["message"]["content"]
     assert status == 200 and reply == expected_reply(chat_model, HELLO)[0]
     log = capsys.readouterr().err
@@ -2800,15 +3113,19 @@ def test_api_disconnect_frees_the_model(server, chat_model, capsys):
 
 def devtools_evaluate(chromium, url, user_data_dir, expression, timeout=90):
     """Open url in headless chromium and return the value of an awaited JS expression, in real time.
-
-    Speaks the DevTools protocol over --remote-debugging-pipe (commands on fd 3, replies on fd 4, NUL-separated JSON);
-    --virtual-time-budget would race ahead of a stream that a slow machine has not finished sending."""
+    Speaks the DevTools protocol over --remote-debugging-pipe (commands on fd 3, replies on fd 4,
+    NUL-separated JSON); --virtual-time-budget would race ahead of a stream that a slow machine has
+    not finished sending."""
     to_chrome, from_chrome = os.pipe(), os.pipe()
-    proc = subprocess.Popen(["bash", "-c", f'exec "$@" 3<&{to_chrome[0]} 4>&{from_chrome[1]}', "bash", chromium,
-                             "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-sync",
-                             "--disable-background-networking", "--disable-component-update", "--disable-quic",
+    proc = subprocess.Popen(["bash", "-c", f'exec "$@" 3<&{to_chrome[0]} 4>&{from_chrome[1]}',
+                             "bash", chromium,
+                             "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                             "--disable-sync",
+                             "--disable-background-networking", "--disable-component-update",
+                             "--disable-quic",
                              "--remote-debugging-pipe", f"--user-data-dir={user_data_dir}", url],
-                            pass_fds=(to_chrome[0], from_chrome[1]), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            pass_fds=(to_chrome[0], from_chrome[1]), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
     os.close(to_chrome[0]), os.close(from_chrome[1])
     writer, reader = os.fdopen(to_chrome[1], "wb"), os.fdopen(from_chrome[0], "rb")
     deadline, ids = time.monotonic() + timeout, itertools.count(1)
@@ -2832,8 +3149,10 @@ def devtools_evaluate(chromium, url, user_data_dir, expression, timeout=90):
     try:
         page = next(t for t in call("Target.getTargets")["result"]["targetInfos"] if t["type"] == "page")
         session = call("Target.attachToTarget", targetId=page["targetId"], flatten=True)["result"]["sessionId"]
-        while True:  # the first tries may land in about:blank, whose context the navigation destroys
-            r = call("Runtime.evaluate", session, expression=expression, awaitPromise=True, returnByValue=True)
+        # the first tries may land in about:blank, whose context the navigation destroys
+        while True:
+            r = call("Runtime.evaluate", session, expression=expression, awaitPromise=True,
+                     returnByValue=True)
             if "result" in r and "exceptionDetails" not in r["result"]:
                 return r["result"]["result"]["value"]
             time.sleep(0.1)
@@ -2848,9 +3167,12 @@ def test_browser_streams_a_reply(server, chat_model, tmp_path):
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.skip("no chromium binary (apt-get install -y chromium)")
-    reply = expected_reply(chat_model, HI, 32)[0]  # greedy, the server's -m (below half the context)
-    assert request(server, "POST", "/v1/chat/completions", {"messages": HI, "stream": True})[0] == 200  # compiled
-    url = f"http://127.0.0.1:{server.server_address[1]}/?q=hello"  # the page sends q as the first message
+    # greedy, the server's -m (below half the context)
+    reply = expected_reply(chat_model, HI, 32)[0]
+    # compiled
+    assert request(server, "POST", "/v1/chat/completions", {"messages": HI, "stream": True})[0] == 200
+    # the page sends q as the first message
+    url = f"http://127.0.0.1:{server.server_address[1]}/?q=hello"
     done = """new Promise(resolve => { const poll = setInterval(() => {  // the reply is finished when "typing" is gone
       if (document.querySelector(".assistant") && !document.querySelector(".typing")) {
         clearInterval(poll);
@@ -2862,21 +3184,24 @@ def test_browser_streams_a_reply(server, chat_model, tmp_path):
 
 @pytest.mark.slow  # a browser
 def test_browser_holds_a_conversation(server, monkeypatch, tmp_path):
-    """Five turns in the real page: a calculator step shows as "expr = result" (no special token); the page sends
-    each reply back as its parts (the next prompt holds the model's own tokens, not their text); once the conversation
-    outgrows what leaves half the context for the reply, the oldest turns go, with a note."""
+    """Five turns in the real page: a calculator step shows as "expr = result" (no special token);
+    the page sends each reply back as its parts (the next prompt holds the model's own tokens, not
+    their text); once the conversation outgrows what leaves half the context for the reply, the
+    oldest turns go, with a note."""
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.skip("no chromium binary (apt-get install -y chromium)")
     bt = data.byte_tokenizer()
     sp, reply, prompts = bt.special, calculated(bt), []
 
-    def generate(params, cfg, prompt, num_samples, **kwargs):  # the model: every turn the same calculator reply
+    # the model: every turn the same calculator reply
+    def generate(params, cfg, prompt, num_samples, **kwargs):
         prompts.append(list(prompt))
         yield from (([t] * num_samples, [1] * num_samples) for t in reply)
 
     monkeypatch.setattr(nc, "generate", generate)
-    monkeypatch.setitem(server.defaults, "max_tokens", 512)  # -m over half the context: the page asks for 128
+    # -m over half the context: the page asks for 128
+    monkeypatch.setitem(server.defaults, "max_tokens", 512)
     talk = """(async () => {
       for (let i = 1; i <= 5; i++) {
         input.value = `What is 6 times 7? (${i})`;
@@ -2890,29 +3215,38 @@ def test_browser_holds_a_conversation(server, monkeypatch, tmp_path):
       return [[...document.querySelectorAll("#log > *")].map(m => [m.className, m.textContent]),
               [...document.querySelectorAll(".assistant .step")].map(m => m.textContent)];
     })()"""
-    shown, steps = devtools_evaluate(chromium, f"http://127.0.0.1:{server.server_address[1]}/", tmp_path, talk)
-    user = lambda i: [sp["<|user_start|>"], *bt.encode(f"What is 6 times 7? ({i})"), sp["<|user_end|>"]]
-    turn = lambda i: user(i) + [sp["<|assistant_start|>"]] + reply  # reply ends with <|assistant_end|>
-    ask = lambda *turns: [bt.bos, *itertools.chain(*map(turn, turns[:-1])), *user(turns[-1]), sp["<|assistant_start|>"]]
-    # an exchange is 48 tokens and the page asks for 128 of the 256: from the fourth turn on, two exchanges fit
+    shown, steps = devtools_evaluate(chromium, f"http://127.0.0.1:{server.server_address[1]}/",
+                                     tmp_path, talk)
+    user = lambda i: [sp["<|user_start|>"], *bt.encode(f"What is 6 times 7? ({i})"),
+                      sp["<|user_end|>"]]
+    # reply ends with <|assistant_end|>
+    turn = lambda i: user(i) + [sp["<|assistant_start|>"]] + reply
+    ask = lambda *turns: [bt.bos, *itertools.chain(*map(turn, turns[:-1])), *user(turns[-1]),
+                          sp["<|assistant_start|>"]]
+    # an exchange is 48 tokens and the page asks for 128 of the 256: from the fourth turn on, two
+    # exchanges fit
     assert prompts == [ask(1), ask(1, 2), ask(1, 2, 3), ask(2, 3, 4), ask(3, 4, 5)]
     answer = ["msg assistant", "So 6*7 = 42 it is 42."]  # the step is a span of its own
-    note = lambda n: ["note", f"The {n} oldest messages no longer fit the model's 256-token context: it does not see "
+    note = lambda n: ["note",
+                      f"The {n} oldest messages no longer fit the model's 256-token context: it does not see "
                               "them."]
     q = lambda i: ["msg user", f"What is 6 times 7? ({i})"]
-    assert shown == [q(1), answer, q(2), answer, q(3), answer, note(2), q(4), answer, note(4), q(5), answer]
+    assert shown == [q(1), answer, q(2), answer, q(3), answer, note(2), q(4), answer, note(4), q(5),
+                     answer]
     assert steps == ["6*7 = 42"] * 5
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# scaling_fits.py: fits on synthetic data with known exponents, SVG plots; scaling.py: resumable sweeps
+# --------------------------------------------------------------------------------------------------
+# scaling_fits.py: fits on synthetic data with known exponents, SVG plots; scaling.py: resumable
+# sweeps
 
 E0, A0, B0, ALPHA0, BETA0 = 1.7, 400.0, 410.0, 0.34, 0.28  # Chinchilla-like truth
 SVG = "{http://www.w3.org/2000/svg}"
 
 
 def chinchilla_rows(noise=0.003, seed=0):
-    """IsoFLOP runs drawn from L = E + A/N^alpha + B/D^beta (C = 6ND), 7 sizes per budget around the optimum."""
+    """IsoFLOP runs drawn from L = E + A/N^alpha + B/D^beta (C = 6ND), 7 sizes per budget around the
+    optimum."""
     rng, rows = np.random.default_rng(seed), []
     G = (ALPHA0 * A0 / (BETA0 * B0)) ** (1 / (ALPHA0 + BETA0))
     for C in (1e17, 3e17, 1e18, 3e18):
@@ -2920,7 +3254,8 @@ def chinchilla_rows(noise=0.003, seed=0):
             N = f * G * (C / 6) ** (BETA0 / (ALPHA0 + BETA0))
             D = C / (6 * N)
             L = (E0 + A0 / N**ALPHA0 + B0 / D**BETA0) * np.exp(rng.normal(0, noise))
-            rows.append({"flops_budget": C, "params_transformer": N, "params_lm_head": 0.0, "params_total": N,
+            rows.append({"flops_budget": C, "params_transformer": N, "params_lm_head": 0.0,
+                         "params_total": N,
                          "tokens_trained": D, "val_bpb": L})
     return rows
 
@@ -2936,12 +3271,14 @@ def test_isoflop_recovers_exponents():
                                 group=lambda r: r["flops_budget"])
     a_true = BETA0 / (ALPHA0 + BETA0)
     assert inside(a_true, ci["a"]) and inside(1 - a_true, ci["b"]), (ci, a_true)
-    assert abs(iso["a"] - a_true) < 0.02 and abs(iso["a"] + iso["b"] - 1) < 1e-6  # D = C / 6N exactly
+    # D = C / 6N exactly
+    assert abs(iso["a"] - a_true) < 0.02 and abs(iso["a"] + iso["b"] - 1) < 1e-6
     assert ci["ratio"][0] < iso["ratio"] < ci["ratio"][1]
 
 
 def test_isoflop_parametric_bootstrap():
-    """The fixed-design bootstrap: intervals around the truth, sigma near the noise put in, none without freedom."""
+    """The fixed-design bootstrap: intervals around the truth, sigma near the noise put in, none
+    without freedom."""
     rows = chinchilla_rows()
     iso = scaling_fits.fit_isoflop(rows)
     ci, sigma, dof = scaling_fits.parametric_bootstrap(scaling_fits.fit_isoflop, rows, iso["fitted"],
@@ -2949,8 +3286,10 @@ def test_isoflop_parametric_bootstrap():
     a_true = BETA0 / (ALPHA0 + BETA0)
     assert inside(a_true, ci["a"]) and inside(1 - a_true, ci["b"]) and ci["a"][1] - ci["a"][0] < 0.1, ci
     L = np.array([r["val_bpb"] for r in rows])
-    assert dof == 28 - 4 * 3 and 0.5 < sigma / (0.003 * L.mean()) < 2  # the noise put in (multiplicative, 0.3%)
-    three = [r for i, r in enumerate(rows) if i % 7 in (2, 3, 4)]  # 3 sizes per budget: a parabola each, exactly
+    # the noise put in (multiplicative, 0.3%)
+    assert dof == 28 - 4 * 3 and 0.5 < sigma / (0.003 * L.mean()) < 2
+    # 3 sizes per budget: a parabola each, exactly
+    three = [r for i, r in enumerate(rows) if i % 7 in (2, 3, 4)]
     iso = scaling_fits.fit_isoflop(three)
     np.testing.assert_allclose(iso["fitted"], [r["val_bpb"] for r in three])
     ci, sigma, dof = scaling_fits.parametric_bootstrap(scaling_fits.fit_isoflop, three, iso["fitted"],
@@ -2961,20 +3300,24 @@ def test_isoflop_parametric_bootstrap():
 def test_chinchilla_fit_recovers_parameters():
     rows = chinchilla_rows()
     N, D, L = (np.array([r[k] for r in rows]) for k in ("params_total", "tokens_trained", "val_bpb"))
-    starts = np.array(list(itertools.product([0, 5, 10], [0.5, 1.0], [0, 5, 10], [0.5, 1.0], [0.0, 0.5])), float)
+    starts = np.array(list(itertools.product([0, 5, 10], [0.5, 1.0], [0, 5, 10], [0.5, 1.0],
+                                             [0.0, 0.5])), float)
     fit = scaling_fits.fit_chinchilla(N, D, L, starts=starts)
     refit = lambda rs: scaling_fits.fit_chinchilla([r["params_total"] for r in rs],
                                                    [r["tokens_trained"] for r in rs],
-                                                   [r["val_bpb"] for r in rs], starts=fit["theta"][None])
+                                                   [r["val_bpb"] for r in rs],
+                                                   starts=fit["theta"][None])
     ci = scaling_fits.bootstrap(refit, rows, ["alpha", "beta", "E"], 60, 0)
     for k, true in (("alpha", ALPHA0), ("beta", BETA0), ("E", E0)):
         assert inside(true, ci[k]) and inside(fit[k], ci[k]), (k, fit[k], ci[k])
     assert abs(fit["alpha"] - ALPHA0) < 0.03 and abs(fit["beta"] - BETA0) < 0.03
-    pred = fit["E"] + fit["A"] / N ** fit["alpha"] + fit["B"] / D ** fit["beta"]  # analyze's intervals: multiplicative
+    # analyze's intervals: multiplicative
+    pred = fit["E"] + fit["A"] / N ** fit["alpha"] + fit["B"] / D ** fit["beta"]
     ci, sigma, dof = scaling_fits.parametric_bootstrap(refit, rows, pred, 5, ["alpha", "beta", "E"],
                                                       60, 0, log=True)
     assert dof == 23 and 0.002 < sigma < 0.004  # the 0.3% noise the rows were drawn with
-    for k, true in (("alpha", ALPHA0), ("beta", BETA0), ("E", E0)):  # 90% intervals, 1.5x: about 98% under normality
+    # 90% intervals, 1.5x: about 98% under normality
+    for k, true in (("alpha", ALPHA0), ("beta", BETA0), ("E", E0)):
         lo, hi = ci[k]
         assert inside(fit[k], ci[k]) and inside(true, (lo - (hi - lo) / 4, hi + (hi - lo) / 4)), (k, fit[k], ci[k])
 
@@ -2984,7 +3327,8 @@ def test_chinchilla_fit_exact_on_noiseless_data():
     N, D, L = (np.array([r[k] for r in rows]) for k in ("params_total", "tokens_trained", "val_bpb"))
     starts = np.array([[5.0, 0.5, 5.0, 0.5, 0.0], [10.0, 1.0, 0.0, 0.5, 0.5]])
     fit = scaling_fits.fit_chinchilla(N, D, L, starts=starts)
-    np.testing.assert_allclose([fit["E"], fit["alpha"], fit["beta"]], [E0, ALPHA0, BETA0], rtol=1e-3)
+    np.testing.assert_allclose([fit["E"], fit["alpha"], fit["beta"]], [E0, ALPHA0, BETA0],
+                               rtol=1e-3)
 
 
 def test_power_law_recovers_alpha():
@@ -3006,8 +3350,10 @@ def test_fits_are_deterministic():
     assert f() == f()
 
 
-@pytest.mark.parametrize("flags", [["--depths", "0"], ["--budgets", "-1"], ["--sweep", "scale_d", "--tokens", "0"],
-                                   ["--adaptive", "--width", "2"], ["--jobs", "-1"], ["--repeat", "-1"]])
+@pytest.mark.parametrize("flags", [["--depths", "0"], ["--budgets", "-1"],
+                                   ["--sweep", "scale_d", "--tokens", "0"],
+                                   ["--adaptive", "--width", "2"], ["--jobs", "-1"],
+                                   ["--repeat", "-1"]])
 def test_sweep_bad_sizes_are_refused(flags, tmp_path, capsys):
     with pytest.raises(SystemExit):
         scaling.main([*flags, "--out", str(tmp_path)])
@@ -3018,24 +3364,29 @@ def test_svg_is_well_formed(tmp_path):
     path = scaling_fits.svg_plot(str(tmp_path / "p.svg"), [
         {"x": [1e5, 1e6, 1e7], "y": [3.0, 2.5, 2.7], "label": "C = 1e12"},
         {"x": [1e5, 1e7], "y": [3.1, 2.8], "label": "C = <2e12> & more"},
-        {"x": np.geomspace(1e5, 1e7, 20), "y": np.linspace(3, 2.6, 20), "kind": "line", "label": "fit"}],
+        {"x": np.geomspace(1e5, 1e7, 20), "y": np.linspace(3, 2.6, 20), "kind": "line",
+         "label": "fit"}],
         "title", "N", "bpb", logy=True)
     root = ET.parse(path).getroot()
     assert root.tag == SVG + "svg"
     assert len(root.findall(SVG + "polyline")) == 1 and len(root.findall(SVG + "circle")) == 5
     texts = [t.text for t in root.findall(SVG + "text")]
-    assert "1e6" in texts and "C = <2e12> & more" in texts and "title" in texts  # decade ticks, escaped legend
+    # decade ticks, escaped legend
+    assert "1e6" in texts and "C = <2e12> & more" in texts and "title" in texts
 
 
 @pytest.mark.slow  # a real sweep's runs: four trainings
 def test_seeds_trained_together_equal_one_by_one(train_root, tmp_path):
-    """scaling.train_together: three runs (two seeds, two matrix learning rates) vmapped in one program give the
-    losses and val bits per byte that train.run_stage gives each alone (fp32: batched matmuls sum in another order)."""
+    """scaling.train_together: three runs (two seeds, two matrix learning rates) vmapped in one
+    program give the losses and val bits per byte that train.run_stage gives each alone (fp32:
+    batched matmuls sum in another order)."""
     runs = [(0, 0.02), (1, 0.02), (1, 0.04)]
     evals = dict(eval_every=5, eval_steps=2)
-    alone = [run_base(fresh_root(train_root, tmp_path / f"s{seed}_{lr}"), 5, seed, optim=dict(matrix_lr=lr),
+    alone = [run_base(fresh_root(train_root, tmp_path / f"s{seed}_{lr}"), 5, seed,
+                      optim=dict(matrix_lr=lr),
                       evals=evals) for seed, lr in runs]
-    tok = data.Tokenizer.load(os.path.join(fresh_root(train_root, tmp_path / "together"), "tokenizer.json"))
+    tok = data.Tokenizer.load(os.path.join(fresh_root(train_root, tmp_path / "together"),
+                                           "tokenizer.json"))
     cfg = train.model_config(tok.n_vocab, **TINY_MODEL)
     stages = [train.base_stage(cfg, data.corpus(None, "train", seed=s), jax.random.key(s), 5) for s, _ in runs]
     lrs = [train.learning_rates(matrix_lr=lr) for _, lr in runs]
@@ -3052,8 +3403,10 @@ def test_sweep_resume_skips_finished_runs(tmp_path):
     def fake(specs):  # a runner trains one spec's seeds in a call
         assert len({scaling_fits.run_key(dict(s, seed=0)) for s in specs}) == 1
         calls.extend(specs)
-        return [{"depth": s["depth"], "model_dim": s["model_dim"], "params_transformer": 1000 * s["depth"],
-                 "params_lm_head": 10, "params_total": 2000, "tokens_trained": 1e4, "val_bpb": 3.0 / s["depth"],
+        return [{"depth": s["depth"], "model_dim": s["model_dim"],
+                 "params_transformer": 1000 * s["depth"],
+                 "params_lm_head": 10, "params_total": 2000, "tokens_trained": 1e4,
+                 "val_bpb": 3.0 / s["depth"],
                  "train_time_sec": 1.0} for s in specs]
 
     specs = scaling.plan("scale_c", [2, 3, 4], budgets=[1e10, 2e10])
@@ -3068,15 +3421,18 @@ def test_sweep_resume_skips_finished_runs(tmp_path):
         f.writelines(lines[:-1])
     scaling.run_sweep(specs, csv_path, fake, seeds=[0])
     assert len(calls) == 7 and calls[-1]["depth"] == specs[-1]["depth"]
-    scaling.run_sweep(specs, csv_path, fake, seeds=[0, 1])  # another seed is another run; seed 0 is done
+    # another seed is another run; seed 0 is done
+    scaling.run_sweep(specs, csv_path, fake, seeds=[0, 1])
     assert len(calls) == 13 and len(scaling_fits.read_results(csv_path)) == 12
     assert {c["seed"] for c in calls[7:]} == {1}
-    scaling.run_sweep(specs[:1], csv_path, fake, seeds=[2], write=False)  # a multi-host run's other processes
+    # a multi-host run's other processes
+    scaling.run_sweep(specs[:1], csv_path, fake, seeds=[2], write=False)
     assert len(calls) == 14 and len(scaling_fits.read_results(csv_path)) == 12
 
 
 def test_worker_starts_no_run_after_ctrl_c(monkeypatch):
-    """A --jobs worker interrupted in a run (which saved it) or between runs starts none of the runs queued to it."""
+    """A --jobs worker interrupted in a run (which saved it) or between runs starts none of the runs
+    queued to it."""
     calls = []
 
     def run(specs):
@@ -3099,22 +3455,24 @@ def test_worker_starts_no_run_after_ctrl_c(monkeypatch):
 
 
 def test_sweep_ctrl_c_says_how_to_resume(monkeypatch, tmp_path):
-    """Ctrl-C in a sweep's run (which saved it) ends the sweep with one line that says to run the same command again,
-    not the run's own `--resume` advice, which is train.py's."""
+    """Ctrl-C in a sweep's run (which saved it) ends the sweep with one line that says to run the
+    same command again, not the run's own `--resume` advice, which is train.py's."""
     def runner(specs):
         raise KeyboardInterrupt("interrupted: saved runs/d2/base/step_000003; continue with --resume")
     monkeypatch.setattr(scaling, "train_runner", lambda **kwargs: runner)
     with pytest.raises(KeyboardInterrupt) as e:
-        scaling.main(["--no-adaptive", "--depths", "2", "--budgets", "1e11", "--jobs", "1", "--corpus", "docstrings",
+        scaling.main(["--no-adaptive", "--depths", "2", "--budgets", "1e11", "--jobs", "1",
+                      "--corpus", "docstrings",
                       "--out", str(tmp_path)])
     assert str(e.value) == "interrupted: the runs in progress saved a checkpoint; the same command resumes the sweep"
 
 
 @pytest.mark.parametrize("width", [3, 4])
 def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path, width):
-    """On losses from known Chinchilla exponents: each budget's grid is centred on the running estimate of N*(C) and
-    widened until its optimum (the vertex of its isoFLOP parabola) has runs on either side, whatever the first guess;
-    a resumed sweep retrains nothing; the isoFLOP fit then recovers a."""
+    """On losses from known Chinchilla exponents: each budget's grid is centred on the running
+    estimate of N*(C) and widened until its optimum (the vertex of its isoFLOP parabola) has runs on
+    either side, whatever the first guess; a resumed sweep retrains nothing; the isoFLOP fit then
+    recovers a."""
     sizes = {d: 3000.0 * d**3 for d in range(2, 80)}
     csv_path, calls = str(tmp_path / "scale_c.csv"), []
 
@@ -3125,7 +3483,8 @@ def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path, width):
             N = sizes[s["depth"]]
             D = s["flops_budget"] / (6 * N)
             rows.append({"depth": s["depth"], "model_dim": 16 * s["depth"], "params_transformer": N,
-                         "params_lm_head": 0.0, "params_total": N, "tokens_trained": D, "train_time_sec": 1.0,
+                         "params_lm_head": 0.0, "params_total": N, "tokens_trained": D,
+                         "train_time_sec": 1.0,
                          "val_bpb": E0 + A0 / N**ALPHA0 + B0 / D**BETA0})
         return rows
 
@@ -3136,13 +3495,16 @@ def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path, width):
         here = [r for r in rows if r["flops_budget"] == c]
         n_star = scaling_fits.fit_isoflop(here)["optima"][0, 1]
         sizes_here = [sizes[r["depth"]] for r in here]
-        assert min(sizes_here) < n_star < max(sizes_here), (c, here)  # runs on both sides of the optimum
+        # runs on both sides of the optimum
+        assert min(sizes_here) < n_star < max(sizes_here), (c, here)
         assert len(here) <= 6  # the grid follows N*(C): it does not sweep every size
     n = len(calls)
     assert scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=width) == rows and len(calls) == n
     assert abs(scaling_fits.fit_isoflop(rows)["a"] - BETA0 / (ALPHA0 + BETA0)) < 0.1
-    more = scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=width, repeat=2)  # a second seed:
-    for c in budgets:  # at the two best sizes of every budget up to a tenth of the largest, nothing else trained again
+    # a second seed:
+    more = scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=width, repeat=2)
+    # at the two best sizes of every budget up to a tenth of the largest, nothing else trained again
+    for c in budgets:
         here = {r["depth"]: r["val_bpb"] for r in rows if r["flops_budget"] == c}
         again = sorted(r["depth"] for r in more if r["flops_budget"] == c and r["seed"] == 1)
         assert again == (sorted(sorted(here, key=here.get)[:2]) if c <= 5e16 else [])
@@ -3150,52 +3512,69 @@ def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path, width):
 
 
 @pytest.mark.parametrize("bpb, trained", [
-    ({1: 3.0, 2: 2.151, 3: 2.163, 4: 2.352, 5: 2.610}, [2, 3, 4, 5]),  # best on the edge, vertex inside: noise
-    ({d: 2 + 0.5 * (3 * np.log10(d / 1.5)) ** 2 for d in range(1, 6)}, [1, 2, 3, 4, 5]),  # vertex below d2
-    ({1: 2.3, 2: 2.0, 3: 2.2, 4: 2.35, 5: 2.45}, [1, 2, 3, 4, 5])])  # curving down: the best run's edge decides
+    # best on the edge, vertex inside: noise
+    ({1: 3.0, 2: 2.151, 3: 2.163, 4: 2.352, 5: 2.610}, [2, 3, 4, 5]),
+    # vertex below d2
+    ({d: 2 + 0.5 * (3 * np.log10(d / 1.5)) ** 2 for d in range(1, 6)}, [1, 2, 3, 4, 5]),
+    # curving down: the best run's edge decides
+    ({1: 2.3, 2: 2.0, 3: 2.2, 4: 2.35, 5: 2.45}, [1, 2, 3, 4, 5])])
 def test_adaptive_sweep_widens_for_the_vertex_not_for_an_edge_run(tmp_path, capsys, bpb, trained):
-    """A grid grows only while its parabola's vertex (the N* the isoFLOP fit reports) lies outside it, or, where the
-    runs do not curve upward, while its best run sits on an edge; a best run on the edge of a flat bottom is not
-    enough (the first bpb are a real budget's: d2 best by 0.012, the vertex between d2 and d3)."""
+    """A grid grows only while its parabola's vertex (the N* the isoFLOP fit reports) lies outside
+    it, or, where the runs do not curve upward, while its best run sits on an edge; a best run on
+    the edge of a flat bottom is not enough (the first bpb are a real budget's: d2 best by 0.012,
+    the vertex between d2 and d3)."""
     sizes = {d: 3000.0 * d**3 for d in range(1, 10)}
-    fake = lambda specs: [{"depth": s["depth"], "params_transformer": sizes[s["depth"]], "params_lm_head": 0.0,
+    fake = lambda specs: [{"depth": s["depth"], "params_transformer": sizes[s["depth"]],
+                           "params_lm_head": 0.0,
                            "tokens_trained": 1.0, "val_bpb": bpb[s["depth"]]} for s in specs]
     spec_of = lambda d, c: {"flops_budget": c, "depth": d, "model_dim": d, "num_iterations": 1}
-    rows = scaling.adaptive_sweep([120 * sizes[3] ** 2], str(tmp_path / "scale_c.csv"), fake, spec_of, sizes)
-    assert sorted(r["depth"] for r in rows) == trained  # the first grid: d2-d5, around d3 = (C / 120)^0.5
+    rows = scaling.adaptive_sweep([120 * sizes[3] ** 2], str(tmp_path / "scale_c.csv"), fake,
+                                  spec_of, sizes)
+    # the first grid: d2-d5, around d3 = (C / 120)^0.5
+    assert sorted(r["depth"] for r in rows) == trained
     assert "smallest" not in capsys.readouterr().out
 
 
 def test_adaptive_sweep_never_reads_past_the_corpus(tmp_path, capsys):
-    """A run whose tokens the corpus does not hold is never trained: the grid stops at the smallest size that fits,
-    and the sweep says its optimum may lie on the edge, as it does when the best run is the smallest size there is."""
+    """A run whose tokens the corpus does not hold is never trained: the grid stops at the smallest
+    size that fits, and the sweep says its optimum may lie on the edge, as it does when the best run
+    is the smallest size there is."""
     sizes = {d: 3000.0 * d**3 for d in range(2, 80)}
-    fake = lambda specs: [{"depth": s["depth"], "params_transformer": sizes[s["depth"]], "params_lm_head": 0.0,
-                           "tokens_trained": s["tokens"], "val_bpb": s["depth"] / 100} for s in specs]  # smaller: better
+    fake = lambda specs: [{"depth": s["depth"], "params_transformer": sizes[s["depth"]],
+                           "params_lm_head": 0.0,
+                           # smaller: better
+                           "tokens_trained": s["tokens"], "val_bpb": s["depth"] / 100} for s in specs]
     tokens = lambda d, c: c / (6 * sizes[d])
-    every = lambda d, c: {"flops_budget": c, "depth": d, "model_dim": d, "num_iterations": 1, "tokens": tokens(d, c)}
+    every = lambda d, c: {"flops_budget": c, "depth": d, "model_dim": d, "num_iterations": 1,
+                          "tokens": tokens(d, c)}
     spec_of = lambda d, c: every(d, c) if tokens(d, c) <= 1e6 else None
     rows = scaling.adaptive_sweep([1e15], str(tmp_path / "scale_c.csv"), fake, spec_of, sizes)
     fits = [d for d in sizes if tokens(d, 1e15) <= 1e6]
     assert max(r["tokens_trained"] for r in rows) <= 1e6 and min(r["depth"] for r in rows) == min(fits) > 2
     assert f"d{min(fits)}, is the smallest whose tokens fit in the corpus" in capsys.readouterr().out
-    scaling.adaptive_sweep([1e15], str(tmp_path / "all.csv"), fake, every, sizes)  # every size fits: the best is d2
+    # every size fits: the best is d2
+    scaling.adaptive_sweep([1e15], str(tmp_path / "all.csv"), fake, every, sizes)
     assert "the smallest run, d2, is the smallest model there is" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="3 sizes have runs that fit in the corpus, a grid needs 4"):
-        scaling.adaptive_sweep([1e15], str(tmp_path / "small.csv"), fake, spec_of, {d: sizes[d] for d in range(2, 42)})
+    with pytest.raises(SystemExit,
+                       match="3 sizes have runs that fit in the corpus, a grid needs 4"):
+        scaling.adaptive_sweep([1e15], str(tmp_path / "small.csv"), fake, spec_of,
+                               {d: sizes[d] for d in range(2, 42)})
 
 
 @pytest.mark.slow  # a real sweep's runs
 def test_corpus_room_is_what_a_run_reads_once(tmp_path):
-    """corpus_room is exact: a run of room / batch steps reads every token at most once (data_epoch 0), one step more
-    reads the corpus's first documents again."""
+    """corpus_room is exact: a run of room / batch steps reads every token at most once (data_epoch
+    0), one step more reads the corpus's first documents again."""
     path = tmp_path / "docs.jsonl"
     rng = np.random.default_rng(0)
     path.write_text("".join(json.dumps({"text": " ".join(rng.choice(["spam", "eggs", "ham", "x = 1"], n))}) + "\n"
-                            for n in rng.integers(3, 12, 3000)))  # more documents than the loader's buffer holds
-    runner = scaling.train_runner(str(tmp_path), batch=128, device_batch_size=4, vocab_size=270, aspect_ratio=32,
+                            # more documents than the loader's buffer holds
+                            for n in rng.integers(3, 12, 3000)))
+    runner = scaling.train_runner(str(tmp_path), batch=128, device_batch_size=4, vocab_size=270,
+                                  aspect_ratio=32,
                                   head_dim=32, T=32, eval_steps=1, data_paths=[str(path)])
-    room = scaling.corpus_room(data.Tokenizer.load(str(tmp_path / "tokenizer.json")), [str(path)], 4, 32)
+    room = scaling.corpus_room(data.Tokenizer.load(str(tmp_path / "tokenizer.json")), [str(path)],
+                               4, 32)
     steps = room // 128
     rows = runner([{"depth": 1, "num_iterations": n, "seed": 0} for n in (steps, steps + 1)])
     assert steps > 10 and [r["data_epoch"] for r in rows] == [0, 1]
@@ -3205,11 +3584,13 @@ def test_corpus_room_is_what_a_run_reads_once(tmp_path):
 def test_python_source_corpus(tmp_path):
     path = scaling.python_source(str(tmp_path))
     docs = [json.loads(line)["text"] for line in open(path)]
-    assert len(docs) > 150_000 and sum(map(len, docs)) > 45_000_000  # this Python's, numpy's and jax's source
+    # this Python's, numpy's and jax's source
+    assert len(docs) > 150_000 and sum(map(len, docs)) > 45_000_000
     assert len(set(docs)) == len(docs) and all(docs)  # repeats dropped
     assert np.percentile([len(d) for d in docs], 90) < 400  # about one 128-token row each
     mtime = os.path.getmtime(path)
-    assert scaling.python_source(str(tmp_path)) == path and os.path.getmtime(path) == mtime  # written once
+    # written once
+    assert scaling.python_source(str(tmp_path)) == path and os.path.getmtime(path) == mtime
     train_docs = list(itertools.islice(data.corpus([path], "train")(0), 2000))
     val_docs = list(itertools.islice(data.corpus([path], "val")(0), 100))
     assert train_docs[0] == docs[0] and not set(train_docs) & set(val_docs)
@@ -3218,31 +3599,37 @@ def test_python_source_corpus(tmp_path):
 @pytest.mark.slow  # a real sweep, in two worker processes too
 def test_tiny_real_sweep(tmp_path):
     def sweep(out, *depths, extra=()):
-        scaling.main(["--sweep", "scale_c", "--no-adaptive", "--corpus", "docstrings", "--jobs", "1", "--depths",
-                      *depths, "--budgets", "1.5e9", "--out", out, "--batch", "512", "--seq-len", "32", "--vocab-size",
-                      "300", "--aspect-ratio", "32", "--head-dim", "32", *extra, "--bootstrap", "5", "--train-args",
+        scaling.main(["--sweep", "scale_c", "--no-adaptive", "--corpus", "docstrings", "--jobs",
+                      "1", "--depths",
+                      *depths, "--budgets", "1.5e9", "--out", out, "--batch", "512", "--seq-len",
+                      "32", "--vocab-size",
+                      "300", "--aspect-ratio", "32", "--head-dim", "32", *extra, "--bootstrap", "5",
+                      "--train-args",
                       "--tokenizer-max-chars 200000 --eval-steps 2 --compile-cache="])
         return scaling_fits.read_results(os.path.join(out, "scale_c.csv"))
 
     out = str(tmp_path / "res")
     rows = sweep(out, "1", "2")
     assert [r["depth"] for r in rows] == [1, 2] and all(np.isfinite(r["val_bpb"]) for r in rows)
-    both = sweep(str(tmp_path / "jobs"), "1", "2", extra=("--jobs", "2"))  # two worker processes, a core each
+    # two worker processes, a core each
+    both = sweep(str(tmp_path / "jobs"), "1", "2", extra=("--jobs", "2"))
     assert [r["depth"] for r in both] == [1, 2]
-    # not bit for bit: a worker pinned to one core runs XLA on fewer threads, which sum in another order
-    np.testing.assert_allclose([r["val_bpb"] for r in both], [r["val_bpb"] for r in rows], rtol=1e-6)
+    # not bit for bit: a worker pinned to one core runs XLA on fewer threads, which sum in another
+    # order
+    np.testing.assert_allclose([r["val_bpb"] for r in both], [r["val_bpb"] for r in rows],
+                               rtol=1e-6)
     assert all(r["num_iterations"] >= 2 and r["tokens_trained"] == 512 * r["num_iterations"] for r in rows)
     ET.parse(os.path.join(out, "isoflop.svg"))
     mtime = os.path.getmtime(os.path.join(out, "scale_c.csv"))
     sweep(out, "1", "2")  # resumed: both runs are in the CSV, nothing trains
     assert os.path.getmtime(os.path.join(out, "scale_c.csv")) == mtime
-    assert sweep(str(tmp_path / "again"), "1")[0]["val_bpb"] == rows[0]["val_bpb"]  # same seed: the same numbers
-    seeds = sweep(str(tmp_path / "together"), "1", extra=("--seeds", "2", "--together"))  # one vmapped program
+    # one vmapped program; its seed 0 is the run alone's
+    seeds = sweep(str(tmp_path / "together"), "1", extra=("--seeds", "2", "--together"))
     assert [r["seed"] for r in seeds] == [0, 1] and seeds[0]["val_bpb"] == pytest.approx(rows[0]["val_bpb"], rel=1e-4)
     assert seeds[1]["val_bpb"] != seeds[0]["val_bpb"]
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Evaluations: CORE, ChatCORE, the sandbox, the report card
 
 CORE_DIR = TESTDATA / "core_eval"
@@ -3254,12 +3641,14 @@ def nanochat_d2():
 
 
 def test_core_equals_nanochat(nanochat_d2):
-    """nanochat's own CORE code on its checkpoint (testdata/core_eval/README.md): every example's decision equal,
-    mean losses within 1e-4, token rows, spans and prompts (few-shot included) exact, the accuracies and CORE equal."""
+    """nanochat's own CORE code on its checkpoint (testdata/core_eval/README.md): every example's
+    decision equal, mean losses within 1e-4, token rows, spans and prompts (few-shot included)
+    exact, the accuracies and CORE equal."""
     params, cfg, tok = nanochat_d2
     expected = json.loads((CORE_DIR / "expected.json").read_text())
     found = evaluate.load_bundle(str(CORE_DIR / "eval_bundle"))
-    out = evaluate.evaluate_core(params, cfg, tok, found, batch_tokens=512, details=True)  # several batches a task
+    # several batches a task
+    out = evaluate.evaluate_core(params, cfg, tok, found, batch_tokens=512, details=True)
     assert [t["label"] for t in found] == list(expected["results"])
     for task in found:
         want, got = expected["tasks"][task["label"]], out["per_example"][task["label"]]
@@ -3267,7 +3656,8 @@ def test_core_equals_nanochat(nanochat_d2):
         assert task["data"] == [lines[i] for i in want["shuffled_lines"]]  # Random(1337)'s shuffle
         assert got["correct"] == [bool(c) for c in want["correct"]]
         for ex, losses in zip(want["examples"], got["mean_losses"]):
-            np.testing.assert_allclose(losses, ex.get("mean_losses", [ex.get("mean_loss")]), atol=1e-4)
+            np.testing.assert_allclose(losses, ex.get("mean_losses", [ex.get("mean_loss")]),
+                                       atol=1e-4)
             if "detail" in ex:
                 fewshot = [task["data"][i] for i in ex["fewshot_idx"]]
                 item = task["data"][ex["idx"]]
@@ -3281,11 +3671,13 @@ def test_core_equals_nanochat(nanochat_d2):
 
 @pytest.mark.slow  # five evaluate.py processes
 def test_core_cli_on_four_devices_and_its_errors(tmp_path):
-    """evaluate.py on a 4-device mesh (each batch's rows split over the devices) gives nanochat's CORE; bad bundles
-    and checkpoints are one-line errors."""
-    cmd = [sys.executable, "evaluate.py", "--nanochat-checkpoint", str(TESTDATA / "nanochat_checkpoint")]
+    """evaluate.py on a 4-device mesh (each batch's rows split over the devices) gives nanochat's
+    CORE; bad bundles and checkpoints are one-line errors."""
+    cmd = [sys.executable, "evaluate.py", "--nanochat-checkpoint",
+           str(TESTDATA / "nanochat_checkpoint")]
     four = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    run = lambda *a: subprocess.run(cmd + list(a), cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
+    run = lambda *a: subprocess.run(cmd + list(a), cwd=pathlib.Path(__file__).parent,
+                                    capture_output=True, text=True,
                                     timeout=300, env=four)
     r = run("--eval-bundle", str(CORE_DIR / "eval_bundle"))
     assert r.returncode == 0, r.stderr[-2000:]
@@ -3295,8 +3687,10 @@ def test_core_cli_on_four_devices_and_its_errors(tmp_path):
     bad = tmp_path / "bundle"
     shutil.copytree(CORE_DIR / "eval_bundle", bad)
     (bad / "eval_data" / "opposites.jsonl").write_text('{"query": "up", "gold": 0}\n')
-    for args, message in [(["--eval-bundle", str(tmp_path / "nowhere")], "no core.yaml here, not an eval_bundle"),
-                          (["--eval-bundle", str(bad)], "opposites.jsonl: example 0 lacks one of ('query', 'choices'"),
+    for args, message in [(["--eval-bundle", str(tmp_path / "nowhere")],
+                           "no core.yaml here, not an eval_bundle"),
+                          (["--eval-bundle", str(bad)],
+                           "opposites.jsonl: example 0 lacks one of ('query', 'choices'"),
                           (["--chat-data", str(tmp_path)], "none of the ChatCORE datasets"),
                           ([], "give --eval-bundle DIR (CORE) and/or --chat-data DIR (ChatCORE)")]:
         r = run(*args)
@@ -3313,7 +3707,8 @@ def test_core_yaml_and_bad_bundles(tmp_path):
         {"label": "it's", "num_fewshot": [10, 5], "has_categories": True}]
     bundle = tmp_path / "b"
     shutil.copytree(CORE_DIR / "eval_bundle", bundle)
-    with pytest.raises(ValueError, match="task 'opposites' takes 3-shot examples from the others of its 3"):
+    with pytest.raises(ValueError,
+                       match="task 'opposites' takes 3-shot examples from the others of its 3"):
         evaluate.load_bundle(str(bundle), max_per_task=3)
     (bundle / "eval_meta_data.csv").write_text("Eval Task,Random baseline\npydoc_qa,25\n")
     with pytest.raises(ValueError, match="no 'Random baseline' for task 'opposites'"):
@@ -3324,17 +3719,21 @@ def test_core_yaml_and_bad_bundles(tmp_path):
 
 
 def test_core_task_types_by_hand(btok):
-    """The three task types' prompts and scored spans, worked out by hand with the byte tokenizer."""
+    """The three task types' prompts and scored spans, worked out by hand with the byte tokenizer.
+    """
     mc = dict(label="mc", type="multiple_choice", num_fewshot=1, delimiter=" ",
               data=[{"query": "Pets:", "choices": ["cat", "car"], "gold": 0},
                     {"query": "Q", "choices": ["a"], "gold": 0}])
     rows, starts, ends = evaluate.core_example(btok, mc, 0)
     assert [btok.decode(r[1:]) for r in rows] == ["Q a\n\nPets: cat", "Q a\n\nPets: car"]
-    assert starts == [len("Q a\n\nPets: ca") + 1] * 2 and ends == [len(rows[0])] * 2  # the shared prefix is not scored
+    # the shared prefix is not scored
+    assert starts == [len("Q a\n\nPets: ca") + 1] * 2 and ends == [len(rows[0])] * 2
     schema = dict(label="s", type="schema", num_fewshot=0, delimiter=" ",
-                  data=[{"context_options": ["It rained", "It was sunny"], "continuation": "so it is wet.", "gold": 0}])
+                  data=[{"context_options": ["It rained", "It was sunny"],
+                         "continuation": "so it is wet.", "gold": 0}])
     rows, starts, ends = evaluate.core_example(btok, schema, 0)
-    assert [btok.decode(r[s:e]) for r, s, e in zip(rows, starts, ends)] == [" so it is wet."] * 2  # the shared suffix
+    # the shared suffix
+    assert [btok.decode(r[s:e]) for r, s, e in zip(rows, starts, ends)] == [" so it is wet."] * 2
     lm = dict(label="lm", type="language_modeling", num_fewshot=0, delimiter="\nAnswer: ",
               data=[{"context": "  Capital of France? ", "continuation": "Paris"}])
     (row,), (s,), (e,) = evaluate.core_example(btok, lm, 0)
@@ -3342,22 +3741,27 @@ def test_core_task_types_by_hand(btok):
 
 
 def write_chat_data(root):
-    """Small ChatCORE datasets in the public layouts: ARC-Easy as Hugging Face parquet, ARC-Challenge as AI2's
-    own .jsonl, the others as Hugging Face .jsonl; returns {task: rows as written}."""
+    """Small ChatCORE datasets in the public layouts: ARC-Easy as Hugging Face parquet,
+    ARC-Challenge as AI2's own .jsonl, the others as Hugging Face .jsonl; returns {task: rows as
+    written}."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     arc = [{"id": f"q{i}", "question": f"Which is number {i}?", "answerKey": "ABCD"[i % 4],
             "choices": {"text": [f"number {j}" for j in range(4)], "label": list("ABCD")}} for i in range(6)]
     ai2 = [{"id": "c1", "answerKey": "2", "question": {"stem": "Pick two.", "choices": [
-        {"text": "one", "label": "1"}, {"text": "two", "label": "2"}, {"text": "three", "label": "3"}]}}]
-    mmlu = [{"question": f"{i} + 1 =", "subject": "math", "choices": [str(i + d) for d in range(4)], "answer": 1}
+        {"text": "one", "label": "1"}, {"text": "two", "label": "2"},
+        {"text": "three", "label": "3"}]}}]
+    mmlu = [{"question": f"{i} + 1 =", "subject": "math", "choices": [str(i + d) for d in range(4)],
+             "answer": 1}
             for i in range(5)]
     gsm = [{"question": f"Tom has {i} apples and buys 2 more. How many?",
             "answer": f"He has {i}+2=<<{i}+2={i + 2}>>{i + 2} apples.\n#### {i + 2}"} for i in range(4)]
-    he = [{"task_id": "HumanEval/0", "prompt": "import math\n\ndef root(x):\n    \"\"\"Square root.\"\"\"\n",
+    he = [{"task_id": "HumanEval/0",
+           "prompt": "import math\n\ndef root(x):\n    \"\"\"Square root.\"\"\"\n",
            "canonical_solution": "    return math.sqrt(x)\n", "entry_point": "root",
            "test": "def check(f):\n    assert f(9) == 3\n"}]
-    folders = {"ai2_arc/ARC-Easy": None, "ai2_arc/ARC-Challenge": ai2, "mmlu/all": mmlu, "gsm8k/main": gsm,
+    folders = {"ai2_arc/ARC-Easy": None, "ai2_arc/ARC-Challenge": ai2, "mmlu/all": mmlu,
+               "gsm8k/main": gsm,
                "openai_humaneval/openai_humaneval": he}
     for folder, rows in folders.items():
         (root / folder).mkdir(parents=True)
@@ -3368,6 +3772,7 @@ def write_chat_data(root):
     return {"ARC-Easy": arc, "ARC-Challenge": ai2, "MMLU": mmlu, "GSM8K": gsm, "HumanEval": he}
 
 
+@pytest.mark.slow  # a model of its own, scored by hand row by row on three tasks
 def test_chatcore_categorical_is_the_letters_argmax(tmp_path, btok):
     rows = write_chat_data(tmp_path)
     found = tasks.load_chat_tasks(str(tmp_path))
@@ -3375,19 +3780,25 @@ def test_chatcore_categorical_is_the_letters_argmax(tmp_path, btok):
     answers = [c["messages"][-1]["content"] for c in found["ARC-Easy"]]
     assert answers == [rows["ARC-Easy"][i]["answerKey"] for i in order]
     assert found["ARC-Challenge"][0]["messages"] == [
-        {"role": "user", "content": "Multiple Choice question: Pick two.\n- one=1\n- two=2\n- three=3\n\n"
+        {"role": "user",
+         "content": "Multiple Choice question: Pick two.\n- one=1\n- two=2\n- three=3\n\n"
                                     "Respond only with the letter of the correct answer."},
         {"role": "assistant", "content": "2"}]
-    cfg = nc.Config(sequence_len=256, vocab_size=btok.n_vocab, n_layer=2, n_head=2, n_kv_head=2, n_embd=32)
+    cfg = nc.Config(sequence_len=256, vocab_size=btok.n_vocab, n_layer=2, n_head=2, n_kv_head=2,
+                    n_embd=32)
     params = nc.init_params(cfg, jax.random.key(3))
-    params["lm_head"] = jax.random.normal(jax.random.key(4), params["lm_head"].shape)  # not the zero init
+    # not the zero init
+    params["lm_head"] = jax.random.normal(jax.random.key(4), params["lm_head"].shape)
     want = {}
-    for name in ("ARC-Easy", "ARC-Challenge", "MMLU"):  # by hand: one row at a time, the full forward's last logits
+    # by hand: one row at a time, the full forward's last logits
+    for name in ("ARC-Easy", "ARC-Challenge", "MMLU"):
         hits = []
         for c in found[name]:
             ids = data.render_for_completion(btok, c["messages"])
-            padded = np.zeros((1, cfg.sequence_len), np.int32)  # causal: the pads change no logit before
-            padded[0, :len(ids)] = ids  # them, and one shape compiles once, not once a prompt length
+            # causal: the pads change no logit before
+            padded = np.zeros((1, cfg.sequence_len), np.int32)
+            # them, and one shape compiles once, not once a prompt length
+            padded[0, :len(ids)] = ids
             z = np.asarray(forward(params, padded, cfg))[0, len(ids) - 1]
             hits.append(c["letters"][int(np.argmax(z[[btok.encode(l)[0] for l in c["letters"]]]))] ==
                         c["messages"][-1]["content"])
@@ -3398,22 +3809,27 @@ def test_chatcore_categorical_is_the_letters_argmax(tmp_path, btok):
     bad = tmp_path / "bad"
     shutil.copytree(tmp_path / "mmlu", bad / "mmlu")
     (bad / "mmlu/all/test.jsonl").write_text('{"question": "q", "choices": ["a", "b"], "answer": 7}\n')
-    with pytest.raises(ValueError, match="mmlu/all: row 0: .*want the layout of Hugging Face's cais/mmlu"):
+    with pytest.raises(ValueError,
+                       match="mmlu/all: row 0: .*want the layout of Hugging Face's cais/mmlu"):
         tasks.load_chat_tasks(str(bad))
 
 
+@pytest.mark.slow  # a model of its own through ChatCORE three times, programs in the sandbox
 def test_gsm8k_humaneval_and_chatcore(tmp_path, btok, monkeypatch):
     assert tasks.gsm8k_answer("so 3 + 4 = 7\n#### 1,234.5 dollars") == "1234.5"
     assert tasks.gsm8k_answer("#### -12") == "-12" and tasks.gsm8k_answer("the answer is 12") is None
     assert tasks.gsm8k_parts("It is 12/60=<<12/60=0.2>>0.2 a minute.\n#### 0.2") == [
         {"type": "text", "text": "It is 12/60="}, {"type": "python", "text": "12/60"},
-        {"type": "python_output", "text": "0.2"}, {"type": "text", "text": "0.2 a minute.\n#### 0.2"}]
+        {"type": "python_output", "text": "0.2"}, {"type": "text",
+                                                   "text": "0.2 a minute.\n#### 0.2"}]
     write_chat_data(tmp_path)
     found = tasks.load_chat_tasks(str(tmp_path))
     he = found["HumanEval"][0]
-    program = tasks.humaneval_program(he, "Here:\n```python\ndef root(x):\n    return math.sqrt(x)\n```\nDone.")
+    program = tasks.humaneval_program(he,
+                                      "Here:\n```python\ndef root(x):\n    return math.sqrt(x)\n```\nDone.")
     assert program.startswith("import math\n\ndef root(x):\n") and program.endswith("check(root)")
-    cfg = nc.Config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=2, n_kv_head=2, n_embd=32)
+    cfg = nc.Config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=2, n_kv_head=2,
+                    n_embd=32)
     params = nc.init_params(cfg, jax.random.key(0))
 
     def answer(right):  # the engine's completion replaced by the reference answer (or a wrong one)
@@ -3433,14 +3849,16 @@ def test_gsm8k_humaneval_and_chatcore(tmp_path, btok, monkeypatch):
                                                              ("GSM8K", 0), ("HumanEval", 0))]
     assert out["chatcore"] == pytest.approx(np.mean(centred))
     del found["MMLU"]
-    assert evaluate.evaluate_chat(params, cfg, btok, found)["chatcore"] is None  # ChatCORE needs all five
+    # ChatCORE needs all five
+    assert evaluate.evaluate_chat(params, cfg, btok, found)["chatcore"] is None
 
 
 GOOD_PROGRAM = "def add(a, b):\n    return a + b\n\ndef check(f):\n    assert f(2, 3) == 5\n\ncheck(add)\n"
 
 
 def tree_snapshot(d):
-    # every path under d with its content (None for a directory), to show that nothing outside changed
+    # every path under d with its content (None for a directory), to show that nothing outside
+    # changed
     return {p: None if os.path.isdir(p) else open(p, "rb").read()
             for root, dirs, files in os.walk(d) for p in [os.path.join(root, n) for n in dirs + files]}
 
@@ -3466,7 +3884,8 @@ def test_sandbox_infinite_loop_times_out():
     assert time.time() - t < 3
 
 
-@pytest.mark.parametrize("code", ["x = []\nwhile True:\n    x.append(b'x' * 10**7)\n", "bytearray(10**10)"])
+@pytest.mark.parametrize("code", ["x = []\nwhile True:\n    x.append(b'x' * 10**7)\n",
+                                  "bytearray(10**10)"])
 def test_sandbox_unbounded_allocation_fails(code):
     t = time.time()
     passed, error, _ = execution.run_program(code, timeout=5)
@@ -3476,7 +3895,8 @@ def test_sandbox_unbounded_allocation_fails(code):
 
 def test_sandbox_output_flood_is_cut():
     t = time.time()
-    passed, error, stdout = execution.run_program("while True:\n    print('x' * 10**6)\n", timeout=5)
+    passed, error, stdout = execution.run_program("while True:\n    print('x' * 10**6)\n",
+                                                  timeout=5)
     assert not passed and "File too large" in error
     assert len(stdout) <= 10_000 and time.time() - t < 5
 
@@ -3490,7 +3910,8 @@ def test_sandbox_network_fails(code):
 
 
 def test_sandbox_network_fails_without_namespaces(monkeypatch):
-    # where unshare is refused (containers, unprivileged users), the audit hook alone must still stop sockets
+    # where unshare is refused (containers, unprivileged users), the audit hook alone must still
+    # stop sockets
     code = "import os\nprint(os.getuid())\nimport socket\nsocket.socket()\n"
     passed, error, stdout = execution.run_program(code, timeout=2, network_namespace=False)
     assert not passed and "sandbox: socket.__new__" in error and stdout == f"{os.getuid()}\n"
@@ -3501,7 +3922,8 @@ def test_sandbox_network_fails_without_namespaces(monkeypatch):
     "open({target!r}, 'w').write('pwned')",
     "import os\nos.close(os.open({target!r}, os.O_WRONLY | os.O_CREAT))",
     "import pathlib\npathlib.Path({target!r}).write_text('pwned')",
-    "import os\nos.symlink({target!r}, 'link')\nopen('link', 'w').write('pwned')",  # symlinks are followed
+    # symlinks are followed
+    "import os\nos.symlink({target!r}, 'link')\nopen('link', 'w').write('pwned')",
     "import os\nos.mkdir({target!r})",
     "import shutil\nshutil.copy('program.py', {target!r})",
 ])
@@ -3522,8 +3944,10 @@ def test_sandbox_write_outside_fails(tmp_path, code):
     "import os\nos.chmod({victim!r}, 0)",
     "import os\nos.truncate({victim!r}, 0)",
     "open({victim!r}, 'a').write('more')",
-    "import os\nos.link({victim!r}, 'hard')\nopen('hard', 'a').write('more')",  # a hard link would share the inode
-    "import os\nfd = os.open({victim!r}, os.O_RDONLY)\nos.chmod(fd, 0)",  # fds are checked by the file they are on
+    # a hard link would share the inode
+    "import os\nos.link({victim!r}, 'hard')\nopen('hard', 'a').write('more')",
+    # fds are checked by the file they are on
+    "import os\nfd = os.open({victim!r}, os.O_RDONLY)\nos.chmod(fd, 0)",
     "import os\nd = os.open({folder!r}, os.O_RDONLY)\nos.remove('victim.txt', dir_fd=d)",
 ])
 def test_sandbox_change_outside_fails(tmp_path, code):
@@ -3582,8 +4006,10 @@ def test_sandbox_ordinary_imports_work():
 
 def test_sandbox_run_goes_on(tmp_path):
     # after every kind of failure in a row, the parent is fine and a normal program still passes
-    bad = ["while True: pass", "bytearray(10**10)", "import socket; socket.socket()", "import ctypes",
-           f"open({str(tmp_path / 'x')!r}, 'w')", "import os; os.system('true')", "raise SystemExit(7)"]
+    bad = ["while True: pass", "bytearray(10**10)", "import socket; socket.socket()",
+           "import ctypes",
+           f"open({str(tmp_path / 'x')!r}, 'w')", "import os; os.system('true')",
+           "raise SystemExit(7)"]
     for code in bad:
         assert execution.run_program(code, timeout=1)[0] is False
     assert execution.run_program(GOOD_PROGRAM)[:2] == (True, None)
@@ -3592,10 +4018,12 @@ def test_sandbox_run_goes_on(tmp_path):
 
 @pytest.mark.slow  # base, SFT and RL stages: the pipeline
 def test_rl_on_gsm8k_takes_nanochat_settings(train_root, tmp_path):
-    """--rl-tasks gsm8k: nanochat's chat_rl settings unless a flag says otherwise, GSM8K's train split walked in
-    order and rewarded by its '####' answer; a checkpoint of another tokenizer is refused in one line."""
+    """--rl-tasks gsm8k: nanochat's chat_rl settings unless a flag says otherwise, GSM8K's train
+    split walked in order and rewarded by its '####' answer; a checkpoint of another tokenizer is
+    refused in one line."""
     args = train.parse_args(["--rl-tasks", "gsm8k"])
-    assert (args.rl_prompts, args.rl_samples, args.rl_max_tokens, args.rl_lr_frac, args.rl_iterations, args.rl_eval,
+    assert (args.rl_prompts, args.rl_samples, args.rl_max_tokens, args.rl_lr_frac,
+            args.rl_iterations, args.rl_eval,
             args.rl_eval_every) == (16, 16, 256, 0.05, -1, 400, 60)
     assert train.parse_args(["--rl-tasks", "gsm8k", "--rl-prompts", "2"]).rl_prompts == 2
     assert train.parse_args([]).rl_prompts == 8 and train.parse_args([]).rl_eval_every == 0
@@ -3603,7 +4031,8 @@ def test_rl_on_gsm8k_takes_nanochat_settings(train_root, tmp_path):
     root = fresh_root(train_root, tmp_path / "run")
     run_stage(root, "base", 2)
     run_stage(root, "sft", 2)
-    gsm = dict(task_names=["gsm8k"], chat_data=str(tmp_path / "chat"), eval_n=2, eval_every=1, iterations=-1,
+    gsm = dict(task_names=["gsm8k"], chat_data=str(tmp_path / "chat"), eval_n=2, eval_every=1,
+               iterations=-1,
                lr_frac=0.05)  # --rl-tasks gsm8k's defaults, as the flags' check above found them
     tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
     cfg = nc.Config(**json.load(open(os.path.join(checkpoint.latest_checkpoint(root, ("sft",)), "meta.json")))["config"])
@@ -3611,7 +4040,8 @@ def test_rl_on_gsm8k_takes_nanochat_settings(train_root, tmp_path):
     found = tasks.rl_tasks(["gsm8k"], 0, str(tmp_path / "chat"), fits)
     train_rows = [json.loads(l) for l in open(tmp_path / "chat/gsm8k/main/train-00000-of-00001.jsonl")]
     order = np.random.default_rng(42).permutation(4)
-    steps = [[c for c, _ in rl.rl_prompts(found, step, 2)] for step in range(3)]  # in order, then round again
+    # in order, then round again
+    steps = [[c for c, _ in rl.rl_prompts(found, step, 2)] for step in range(3)]
     assert [c[0]["content"] for s in steps for c in s] == [train_rows[i]["question"] for i in [*order, *order[:2]]]
     reward = found["gsm8k"][2]
     assert reward(steps[0][0], f"#### {tasks.gsm8k_answer(train_rows[order[0]]['answer'])}") is True
@@ -3621,16 +4051,20 @@ def test_rl_on_gsm8k_takes_nanochat_settings(train_root, tmp_path):
     assert set(info) >= {"pass@k before", "pass@k 1", "pass@k"} and set(info["pass@k"]["gsm8k"]) == {"pass@1", "pass@2"}
     other = data.train_tokenizer(["a different corpus for another tokenizer"] * 50, 280)
     other.save(os.path.join(root, "tokenizer.json"))
-    with pytest.raises(ValueError, match="was trained with another tokenizer than .*tokenizer.json"):
+    with pytest.raises(ValueError,
+                       match="was trained with another tokenizer than .*tokenizer.json"):
         run_stage(root, "rl", **gsm)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The documented commands: every `python <script>.py ...` of README.md and docs/*.md runs or parses
 
-DOCS = [pathlib.Path(__file__).parent / "README.md", *sorted((pathlib.Path(__file__).parent / "docs").glob("*.md"))]
-# Run word for word (the others need data, a network, an accelerator or minutes), in a directory whose
-# checkpoints/base holds testdata's nanochat checkpoint saved as ours: what `python train.py` leaves, in small.
+DOCS = [pathlib.Path(__file__).parent / "README.md",
+        *sorted((pathlib.Path(__file__).parent / "docs").glob("*.md"))]
+# Run word for word (the others need data, a network, an accelerator or minutes), in a directory
+# whose
+# checkpoints/base holds testdata's nanochat checkpoint saved as ours: what `python train.py`
+# leaves, in small.
 CHEAP_COMMANDS = [
     'python chat.py -p "What is 12*34?"',
     "python evaluate.py --eval-bundle testdata/core_eval/eval_bundle --checkpoint checkpoints/base",
@@ -3640,8 +4074,8 @@ CHEAP_COMMANDS = [
 
 
 def python_commands(line):
-    """The argv (the script first) of each `python x.py ...` in a shell line, and in its quoted arguments
-    (ssh --command="cd x && python train.py ...")."""
+    """The argv (the script first) of each `python x.py ...` in a shell line, and in its quoted
+    arguments (ssh --command="cd x && python train.py ...")."""
     import shlex
     found, cmd = [], []
     for word in [*shlex.split(line, comments=True), "&&"]:
@@ -3657,8 +4091,8 @@ def python_commands(line):
 
 
 def documented_commands():
-    """(doc file, argv) of each python command in the docs' ```bash blocks: backslash-continued lines joined,
-    shell variables ($RANK) given the value 0."""
+    """(doc file, argv) of each python command in the docs' ```bash blocks: backslash-continued
+    lines joined, shell variables ($RANK) given the value 0."""
     found = []
     for path in DOCS:
         for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
@@ -3668,14 +4102,18 @@ def documented_commands():
 
 
 def test_documented_commands_parse():
-    """Every documented command's flags parse with its script's own parser (a --help prints and exits 0)."""
+    """Every documented command's flags parse with its script's own parser (a --help prints and
+    exits 0)."""
     import shlex
     import bench
-    parsers = {"train.py": train.parse_args, "evaluate.py": evaluate.parse_args, "chat.py": chat.parse_args,
+    parsers = {"train.py": train.parse_args, "evaluate.py": evaluate.parse_args,
+               "chat.py": chat.parse_args,
                "bench.py": bench.parse_args, "scaling.py": scaling.parse_args}
     commands = documented_commands()
-    assert {argv[0] for _, argv in commands} == set(parsers)  # each script is documented, and no other
-    assert {name for name, _ in commands} >= {"README.md", "evaluations.md", "scaling-out.md", "scaling-laws.md"}
+    # each script is documented, and no other
+    assert {argv[0] for _, argv in commands} == set(parsers)
+    assert {name for name, _ in commands} >= {"README.md", "evaluations.md", "scaling-out.md",
+                                              "scaling-laws.md"}
     for name, argv in commands:
         try:
             parsers[argv[0]](argv[1:])
@@ -3685,16 +4123,19 @@ def test_documented_commands_parse():
 
 @pytest.mark.slow  # three chat.py and evaluate.py processes
 def test_documented_commands_run(tmp_path):
-    """The cheap documented commands run as written: a chat reply, and nanochat's CORE of its checkpoint, read from
-    its .pt and from a stage folder of ours (evaluate.py --checkpoint checkpoints/base)."""
+    """The cheap documented commands run as written: a chat reply, and nanochat's CORE of its
+    checkpoint, read from its .pt and from a stage folder of ours (evaluate.py --checkpoint
+    checkpoints/base)."""
     import shlex
     documented = [argv for _, argv in documented_commands()]
     params, cfg, tok = checkpoint.load_nanochat(str(TESTDATA / "nanochat_checkpoint"))
-    meta = {"stage": "base", "step": 100, "config": dataclasses.asdict(cfg), "tokenizer": "tokenizer.json"}
+    meta = {"stage": "base", "step": 100, "config": dataclasses.asdict(cfg),
+            "tokenizer": "tokenizer.json"}
     tok.save(os.path.join(checkpoint.save_checkpoint(str(tmp_path / "checkpoints/base"), 100, params, None, meta),
                           "tokenizer.json"))
     (tmp_path / "testdata").symlink_to(TESTDATA)
-    env = {**os.environ, "HOME": str(tmp_path), "PYTHONIOENCODING": "utf-8"}  # the compile cache under tmp_path
+    # the compile cache under tmp_path
+    env = {**os.environ, "HOME": str(tmp_path), "PYTHONIOENCODING": "utf-8"}
     expected = json.loads((TESTDATA / "core_eval/expected.json").read_text())["core_metric"]
     for command in CHEAP_COMMANDS:
         argv = shlex.split(command)[1:]
