@@ -308,6 +308,21 @@ TORCH_GLOBALS = {("collections", "OrderedDict"): collections.OrderedDict,
 def read_torch_state_dict(path):
     """A `torch.save`d state_dict (zip format) as {name: numpy array}, without torch and without
     running code; a damaged or foreign file is a ValueError naming it."""
+    sd = _read_torch_file(path)
+    if not isinstance(sd, dict) or not all(isinstance(v, np.ndarray) for v in sd.values()):
+        raise ValueError(f"{path}: not a state_dict of tensors")
+    return dict(sd)
+
+
+def read_torch_tensor(path):
+    """One `torch.save`d tensor (tokenizer/token_bytes.pt) as numpy, as read_torch_state_dict."""
+    a = _read_torch_file(path)
+    if not isinstance(a, np.ndarray):
+        raise ValueError(f"{path}: not a single tensor")
+    return a
+
+
+def _read_torch_file(path):
     try:
         return _read_torch_zip(path)
     except (zipfile.BadZipFile, KeyError, EOFError, pickle.UnpicklingError, ValueError) as e:
@@ -338,10 +353,7 @@ def _read_torch_zip(path):
             return np.frombuffer(raw, dtype, count=numel)
 
         with z.open(pkl) as f:
-            sd = _Unpickler(f, path, TORCH_GLOBALS, storage).load()
-    if not isinstance(sd, dict) or not all(isinstance(v, np.ndarray) for v in sd.values()):
-        raise ValueError(f"{path}: not a state_dict of tensors")
-    return dict(sd)
+            return _Unpickler(f, path, TORCH_GLOBALS, storage).load()
 
 
 class _EncodingState:
@@ -379,9 +391,9 @@ def nanochat_steps(d):
     return sorted(int(m[1]) for f in files if (m := re.fullmatch(r"model_(\d+)\.pt", f)))
 
 
-def load_nanochat(path, step=None):
-    """(params, cfg, tok) of a PyTorch nanochat run: a directory of model_<step>.pt files, or its
-    NANOCHAT_BASE_DIR (then nanochat's pick: the largest d<N> of the first source that has one)."""
+def find_nanochat(path, step=None):
+    """(model directory, step) of a PyTorch nanochat run: a directory of model_<step>.pt files, or
+    its NANOCHAT_BASE_DIR (nanochat's pick: the largest d<N> of the first source that has one)."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such directory; pass a nanochat checkpoint directory")
     if not nanochat_steps(path):
@@ -395,7 +407,12 @@ def load_nanochat(path, step=None):
         else:
             raise FileNotFoundError(f"{path}: no model_<step>.pt here nor in "
                                     "{chatsft,chatrl,base}_checkpoints/*/")
-    step = nanochat_steps(path)[-1] if step is None else step
+    return path, nanochat_steps(path)[-1] if step is None else step
+
+
+def load_nanochat(path, step=None):
+    """(params, cfg, tok) of a PyTorch nanochat run that find_nanochat finds."""
+    path, step = find_nanochat(path, step)
     with open(os.path.join(path, f"meta_{step:06d}.json")) as f:
         config = {"window_pattern": "L", **json.load(f)["model_config"]}  # nanochat's patch
     fields = [f.name for f in dataclasses.fields(nc.Config) if f.name in config]
