@@ -1,4 +1,4 @@
-"""Checkpoints: ours, nanochat's, and the loaders that give (params, cfg, tokenizer).
+"""Checkpoints: ours, nanochat's, the loaders that give (params, cfg, tokenizer), and the export.
 
 - Ours (train.py writes them): a stage's step directories, <out>/<stage>/step_NNNNNN/ with
   params.msgpack, opt.msgpack (trees of arrays), meta.json (the config, schedule, loader state and
@@ -9,19 +9,27 @@
   tokenizer/tokenizer.pkl (a pickled tiktoken Encoding), read without torch. A restricted
   unpickler resolves only the globals that tensors and the tokenizer's state need, so a pickle
   naming anything else (os.system, ...) is refused before it can run. Storages are raw
-  little-endian fp32, bf16, ... .
+  little-endian fp32, bf16, ... . `python checkpoint.py export SOURCE DEST` writes them without
+  torch too (docs/export.md): protocol-2 pickles emitted opcode by opcode (pickle names no global
+  it cannot import), zip members 64-byte aligned as torch aligns them for torch.load(mmap=True).
 - nanochat's state_dict names and PyTorch's (out, in) layout, to and from our params (the one
   place the two layouts meet).
 """
 
+import argparse
 import collections
 import dataclasses
 import glob
+import itertools
 import json
+import math
 import os
+import pathlib
 import pickle
 import re
 import shutil
+import struct
+import sys
 import zipfile
 import zlib
 
@@ -29,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import msgpack
 import numpy as np
+import tiktoken
 from jax.experimental import multihost_utils
 
 import data
@@ -432,3 +441,209 @@ def load_nanochat(path, step=None):
         raise ValueError(f"{found[0]}: {tok.n_vocab} tokens, but the model has vocab_size "
                          f"{cfg.vocab_size}")
     return params, cfg, tok
+
+# ------------------------------------------------------------------ nanochat's files, written
+
+
+def _ops(x):
+    """x as pickle opcodes: bytes as is, str, int (LONG1 from 2**31) or a tuple of these."""
+    if isinstance(x, bytes):
+        return x
+    if isinstance(x, str):
+        return pickle.BINUNICODE + struct.pack("<I", len(x.encode())) + x.encode()
+    if isinstance(x, tuple):
+        return pickle.MARK + b"".join(_ops(item) for item in x) + pickle.TUPLE
+    return pickle.BININT + struct.pack("<i", x) if x < 2**31 else pickle.LONG1 + b"\x08" + \
+        struct.pack("<q", x)
+
+
+def torch_pickle(obj):
+    """(data.pkl, arrays) of torch.save(obj), obj a dict name -> array or one array."""
+    kinds = {dt.name: name for name, dt in STORAGES.items()}
+    ordered_dict = pickle.GLOBAL + b"collections\nOrderedDict\n" + pickle.EMPTY_TUPLE + \
+        pickle.REDUCE  # OrderedDict()
+
+    def tensor(a, key):  # _rebuild_tensor_v2(storage, 0, shape, strides, False, OrderedDict())
+        if a.dtype.name not in kinds:
+            raise ValueError(f"cannot write a {a.dtype} tensor; cast it to one of {list(kinds)}")
+        kind = pickle.GLOBAL + f"torch\n{kinds[a.dtype.name]}\n".encode()
+        storage = _ops(("storage", kind, key, "cpu", a.size)) + pickle.BINPERSID  # data/<key>
+        strides = tuple(math.prod(a.shape[i + 1:]) for i in range(a.ndim))  # C order, elements
+        return pickle.GLOBAL + b"torch._utils\n_rebuild_tensor_v2\n" + \
+            _ops((storage, 0, a.shape, strides, pickle.NEWFALSE, ordered_dict)) + pickle.REDUCE
+    arrays = [np.asarray(a) for a in (obj.values() if isinstance(obj, dict) else [obj])]
+    if isinstance(obj, dict):
+        items = [_ops(k) + tensor(a, str(i)) for i, (k, a) in enumerate(zip(obj, arrays))]
+        body = ordered_dict + pickle.MARK + b"".join(items) + pickle.SETITEMS
+    else:
+        body = tensor(arrays[0], "0")
+    return pickle.PROTO + b"\x02" + body + pickle.STOP, arrays
+
+
+def write_torch_state_dict(path, state_dict, archive=None):
+    """torch.save(state_dict, path) without torch; members under archive/ (torch: path's stem)."""
+    pkl, arrays = torch_pickle(state_dict)
+    head = [("data.pkl", pkl), (".format_version", b"1"), (".storage_alignment", b"64"),
+            ("byteorder", b"little")]
+    storages = ((f"data/{i}", a.astype(a.dtype.newbyteorder("<")).tobytes())  # one at a time
+                for i, a in enumerate(arrays))
+    tail = [("version", b"3\n"),  # torch writes a random 20 digits and a CRC: any 40 do
+            (".data/serialization_id", f"{zlib.crc32(pkl):040d}".encode())]
+    archive = archive or os.path.splitext(os.path.basename(path))[0]
+    with open(path, "wb") as f, zipfile.ZipFile(f, "w") as z:
+        for name, raw in itertools.chain(head, storages, tail):
+            info = zipfile.ZipInfo(f"{archive}/{name}")  # stored: no compression
+            # torch's padding, extra field "FB" + length + "Z"s; zipfile's zip64 field past 2 GB
+            zip64 = 20 if len(raw) * 1.05 > zipfile.ZIP64_LIMIT else 0
+            pad = -(f.tell() + 30 + len(info.filename) + 4 + zip64) % 64
+            info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+            z.writestr(info, raw)
+
+
+def tokenizer_pickle(tok):
+    """tokenizer.pkl's bytes as nanochat's RustBPETokenizer.save writes them for tok."""
+    enc = tiktoken.Encoding("rustbpe", pat_str=tok.pat_str, special_tokens=tok.special,
+                            mergeable_ranks={t: i for i, t in enumerate(tok.tokens)})
+    return pickle.dumps(enc, protocol=4)  # Python 3.11's default, as nanochat's files have
+
+# -------------------------------------------------------------------------- export to nanochat
+
+NANOCHAT_DIRS = {"base": "base_checkpoints", "sft": "chatsft_checkpoints",
+                 "rl": "chatrl_checkpoints"}  # checkpoint_manager.load_model's sources
+META_KEYS = ("step", "val_bpb", "model_config", "user_config", "device_batch_size",
+             "max_seq_len", "total_batch_size")  # base_train's, less those resuming needs
+
+
+def nanochat_state_dict(params, cfg, embeddings="auto", log=print):
+    """(state_dict, embeddings' dtype) of our params in the dtypes a nanochat run saves."""
+    sd = to_nanochat_state_dict(params, cfg)
+    emb = [k for k in sd if k == "transformer.wte.weight" or k.startswith("value_embeds.")]
+    bf16 = {k: sd[k].astype(jnp.bfloat16) for k in emb}
+    exact = all(np.array_equal(bf16[k].astype(np.float32), sd[k]) for k in emb)
+    if embeddings == "auto":
+        embeddings = "bfloat16" if exact else "float32"
+    if embeddings == "bfloat16":
+        if not exact:
+            log(f"rounded {', '.join(emb)} from float32 to bfloat16 (--embeddings bfloat16)")
+        sd.update(bf16)
+    elif embeddings != "float32":
+        raise ValueError(f"embeddings {embeddings!r}: pass auto, bfloat16 or float32")
+    return sd, embeddings
+
+
+def load_for_export(path, step=None):
+    """(params, cfg, tok, stage, step, nanochat's meta keys) of our checkpoint or nanochat's."""
+    if nanochat_steps(path) or any(os.path.isdir(os.path.join(path, d))
+                                   for d in NANOCHAT_DIRS.values()):
+        model_dir, step = find_nanochat(path, step)
+        meta = json.loads(pathlib.Path(model_dir, f"meta_{step:06d}.json").read_text())
+        parent = os.path.basename(os.path.dirname(os.path.abspath(model_dir)))
+        stage = {d: name for name, d in NANOCHAT_DIRS.items()}.get(parent, parent)
+        return (*load_nanochat(model_dir, step), stage, step, meta)
+    step_dir = os.path.normpath(find_step(path))
+    if step is not None:  # that step of the stage find_step picks
+        step_dir = os.path.join(os.path.dirname(step_dir), f"step_{step:06d}")
+    params, _, meta = load_checkpoint(step_dir, optimizer=False)
+    cfg = config_from(meta["config"], os.path.join(step_dir, "meta.json"))
+    tok = data.Tokenizer.load(os.path.join(step_dir, meta["tokenizer"]))
+    stage = meta.get("stage", os.path.basename(os.path.dirname(os.path.abspath(step_dir))))
+    args = meta.get("args", {})  # train.py's flags, named and meant as nanochat's scripts' are
+    known = {"val_bpb": meta.get("val_bpb"), "user_config": args, "max_seq_len": cfg.sequence_len,
+             "device_batch_size": args.get("device_batch_size")}
+    if args.get("total_batch_size", -1) > 0:  # -1: nanochat's rule picked it, and we kept no note
+        known["total_batch_size"] = args["total_batch_size"]
+    return params, cfg, tok, stage, meta.get("step", int(os.path.basename(step_dir)[5:])), known
+
+
+def write_files(dest, files):
+    """Write {path under dest: writer(path)} into a temporary tree, then rename each into dest."""
+    dest = os.path.abspath(dest)
+    tmp = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.tmp{os.getpid()}")
+    try:
+        for rel, write in files.items():
+            os.makedirs(os.path.dirname(os.path.join(tmp, rel)), exist_ok=True)
+            write(os.path.join(tmp, rel))
+        if not os.path.exists(dest):  # a new dest appears whole
+            os.rename(tmp, dest)
+        for rel in files if os.path.exists(tmp) else ():
+            os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+            os.replace(os.path.join(tmp, rel), os.path.join(dest, rel))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def same_tokenizer(path, tok):
+    """Whether nanochat's tokenizer.pkl at path is tok (a damaged one is not)."""
+    try:
+        theirs = load_nanochat_tokenizer(path)
+    except (ValueError, OSError, EOFError, pickle.UnpicklingError):
+        return False
+    return (theirs.tokens, theirs.pat_str, theirs.special) == (tok.tokens, tok.pat_str, tok.special)
+
+
+def export_nanochat(params, cfg, tok, dest, stage, step, meta_extra=None, model_tag=None,
+                    force=False, embeddings="auto", log=print):
+    """Write a model into dest, a NANOCHAT_BASE_DIR, as nanochat saves it; returns its .pt path."""
+    if stage not in NANOCHAT_DIRS:
+        raise ValueError(f"stage {stage!r}: nanochat's are base, sft, rl; export one of those")
+    if tok.n_vocab != cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.n_vocab} tokens but the model vocab_size "
+                         f"{cfg.vocab_size}: export the model with the tokenizer it learned")
+    folder = os.path.join(NANOCHAT_DIRS[stage], model_tag or f"d{cfg.n_layer}")
+    model = os.path.join(dest, folder, f"model_{step:06d}.pt")
+    if os.path.exists(model) and not force:
+        raise ValueError(f"{model} exists: pass --force (force=True) to overwrite it, or export "
+                         "another --step or --model-tag")
+    pkl = os.path.join(dest, "tokenizer", "tokenizer.pkl")
+    if os.path.exists(pkl) and not force and not same_tokenizer(pkl, tok):
+        raise ValueError(f"{pkl} is another tokenizer than this model's: export into another "
+                         "directory, or pass --force (force=True) to replace it")
+    sd, dtype = nanochat_state_dict(params, cfg, embeddings, log)
+    known = {"step": step, **(meta_extra or {}),
+             "model_config": {k: v for k, v in dataclasses.asdict(cfg).items()  # GPTConfig's
+                              if k != "compute_dtype"}}
+    meta = json.dumps({k: known[k] for k in META_KEYS if known.get(k) is not None}, indent=2)
+    write_files(dest, {  # the model last: nanochat looks for model_<step>.pt files
+        "tokenizer/tokenizer.pkl": lambda p: pathlib.Path(p).write_bytes(tokenizer_pickle(tok)),
+        "tokenizer/token_bytes.pt": lambda p: write_torch_state_dict(p, tok.token_bytes(),
+                                                                     "archive"),
+        os.path.join(folder, f"meta_{step:06d}.json"): lambda p: pathlib.Path(p).write_text(meta),
+        os.path.join(folder, f"model_{step:06d}.pt"): lambda p: write_torch_state_dict(p, sd)})
+    log(f"{model}: {stage} step {step}, {dtype} embeddings")
+    return model
+
+# -------------------------------------------------------------------------------- command line
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # a bad flag: one line, not the whole usage
+        self.exit(2, f"error: {message} (python checkpoint.py export --help lists the flags)\n")
+
+
+def parse_args(argv=None):
+    p = Parser(description="Export a checkpoint as a nanochat base directory (docs/export.md).")
+    e = p.add_subparsers(dest="command", required=True).add_parser(
+        "export", help="write a checkpoint into a NANOCHAT_BASE_DIR that nanochat's scripts load")
+    e.add_argument("source", help="ours: a root (checkpoints), a stage folder or a step "
+                   "directory (newest rl, sft, base); or a nanochat checkpoint directory")
+    e.add_argument("dest", help="the nanochat base directory to write into (made if absent)")
+    e.add_argument("--step", type=int, help="the source's step (default: its newest)")
+    e.add_argument("--model-tag", help="nanochat's model tag (default: d<n_layer>)")
+    e.add_argument("--force", action="store_true", help="overwrite that step, and the tokenizer")
+    e.add_argument("--embeddings", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="wte and value_embeds dtype (auto: bfloat16 when exact, else float32)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    params, cfg, tok, stage, step, meta = load_for_export(args.source, args.step)
+    return export_nanochat(params, cfg, tok, args.dest, stage, step, meta, args.model_tag,
+                           args.force, args.embeddings)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError, pickle.UnpicklingError) as e:  # one line, no traceback
+        sys.exit(f"error: {e}")
