@@ -4107,7 +4107,7 @@ def test_documented_commands_parse():
     import shlex
     import bench
     parsers = {"train.py": train.parse_args, "evaluate.py": evaluate.parse_args,
-               "chat.py": chat.parse_args,
+               "chat.py": chat.parse_args, "checkpoint.py": checkpoint.parse_args,
                "bench.py": bench.parse_args, "scaling.py": scaling.parse_args}
     commands = documented_commands()
     # each script is documented, and no other
