@@ -22,6 +22,7 @@ import operator
 import os
 import pathlib
 import pickle
+import pickletools
 import platform
 import random
 import re
@@ -29,6 +30,7 @@ import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -2534,6 +2536,208 @@ def test_damaged_torch_checkpoints_are_one_line_errors(tmp_path):
         checkpoint.load_nanochat(str(fine))
     code, _, err = run_chat(["--nanochat-checkpoint", str(tmp_path / "short")])
     assert code == 1 and err.count("\n") == 1 and "storage 0 is shorter" in err
+
+
+# Export to nanochat: python checkpoint.py export SOURCE DEST (docs/export.md)
+
+NANOCHAT_D2 = TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"
+
+
+def pickle_globals(raw):
+    """The (module, name) of each GLOBAL and STACK_GLOBAL in a pickle (STACK_GLOBAL's from the
+    two strings pushed before it)."""
+    found, strings = set(), []
+    for op, arg, _ in pickletools.genops(raw):
+        if op.name == "GLOBAL":
+            found.add(tuple(arg.split(" ", 1)))
+        elif op.name == "STACK_GLOBAL":
+            found.add(tuple(strings[-2:]))
+        elif isinstance(arg, str):
+            strings.append(arg)
+    return found
+
+
+def test_export_round_trips_our_checkpoint(tmp_path, bpe_golden):
+    """An SFT checkpoint of ours (testdata's nanochat config, so that the programs its import test
+    compiled serve, with our own 512-token tokenizer), exported from its root as `checkpoint.py
+    export` does, reads back with load_nanochat bit for bit: weights, tokenizer, logits, greedy
+    reply; the meta holds nanochat's GPTConfig and what its scripts read. --embeddings bfloat16
+    rounds only wte and value_embeds, and says so."""
+    cfg = nc.Config(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=1, n_embd=64,
+                    window_pattern="L")
+    tok = data.train_tokenizer([bpe_golden["text"], MULTILINGUAL], cfg.vocab_size)
+    params = random_params(cfg, 11)
+    flags = {"device_batch_size": 4, "total_batch_size": -1, "embedding_lr": 0.3}
+    meta = {"stage": "sft", "step": 7, "config": dataclasses.asdict(cfg), "val_bpb": 1.25,
+            "tokenizer": "tokenizer.json", "args": flags}
+    root, dest = tmp_path / "checkpoints", tmp_path / "nanochat"
+    checkpoint.save_checkpoint(str(root / "sft"), 7, params, None, meta,
+                               files={"tokenizer.json": tok.save})
+    path = checkpoint.main(["export", str(root), str(dest)])
+    assert path == str(dest / "chatsft_checkpoints" / "d2" / "model_000007.pt")
+    got, got_cfg, got_tok = checkpoint.load_nanochat(str(dest))
+    assert got_cfg == cfg
+    assert all(jax.tree.leaves(jax.tree.map(
+        lambda a, b: a.dtype == b.dtype and np.array_equal(a, b), got, params)))
+    assert (got_tok.tokens, got_tok.pat_str, got_tok.special) == \
+        (tok.tokens, tok.pat_str, tok.special)
+    assert any(t[0] >= 0x80 for t in tok.tokens[256:])  # merges of UTF-8 bytes, as bytes
+    written = json.loads((dest / "chatsft_checkpoints" / "d2" / "meta_000007.json").read_text())
+    config = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "compute_dtype"}
+    assert written == {"step": 7, "val_bpb": 1.25, "model_config": config, "user_config": flags,
+                       "device_batch_size": 4, "max_seq_len": 128}  # no -1 batch: unknown
+    ids = np.array([[tok.bos, *tok.encode("Réponse courte, 東京 " * 9)][:64]] * 2)
+    np.testing.assert_array_equal(full_forward(got, ids, cfg), full_forward(params, ids, cfg))
+    prompt = [tok.bos, *tok.encode("Return the string")][:5]  # 5 tokens, as the import test's
+    reply = generated(got, cfg, prompt, max_tokens=20)[0][:, 0].tolist()
+    assert reply == generated(params, cfg, prompt, max_tokens=20)[0][:, 0].tolist()
+    assert got_tok.decode(reply) == tok.decode(reply)
+    said = []
+    checkpoint.export_nanochat(params, cfg, tok, str(dest), "sft", 7, force=True,
+                               embeddings="bfloat16", log=said.append)
+    assert said[0] == ("rounded value_embeds.1.weight, transformer.wte.weight from float32 to "
+                       "bfloat16 (--embeddings bfloat16)") and len(said) == 2
+    sd = checkpoint.read_torch_state_dict(path)
+    assert {k for k, v in sd.items() if v.dtype.name == "bfloat16"} == \
+        {"transformer.wte.weight", "value_embeds.1.weight"}
+    rounded, _, _ = checkpoint.load_nanochat(str(dest))
+    to_bf16 = lambda a: np.asarray(a).astype(jnp.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(rounded["wte"], to_bf16(params["wte"]))
+    np.testing.assert_array_equal(rounded["value_embeds"], to_bf16(params["value_embeds"]))
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, rounded["h"], params["h"])))
+
+
+def test_export_of_nanochat_checkpoint_gives_its_bytes_back(tmp_path):
+    """testdata's real nanochat checkpoint, imported and exported again: every tensor's bytes,
+    dtype (bf16 embeddings: they are exact in bf16) and shape, the meta's model_config and the
+    keys nanochat's scripts read, tokenizer.pkl byte for byte and token_bytes.pt's tensor; zips
+    that zipfile tests clean, with the real files' members in their order, each 64-byte aligned."""
+    real = TESTDATA / "nanochat_checkpoint"
+    params, cfg, tk, stage, step, meta = checkpoint.load_for_export(str(real))
+    assert (stage, step) == ("base", 100)
+    said = []
+    path = checkpoint.export_nanochat(params, cfg, tk, str(tmp_path), stage, step, meta,
+                                      log=said.append)
+    assert said == [f"{path}: base step 100, bfloat16 embeddings"]
+    a, b = checkpoint.read_torch_state_dict(NANOCHAT_D2 / "model_000100.pt"), \
+        checkpoint.read_torch_state_dict(path)
+    assert set(a) == set(b)
+    for k in a:
+        assert (a[k].dtype, a[k].shape, a[k].tobytes()) == \
+            (b[k].dtype, b[k].shape, b[k].tobytes()), k
+    written = json.loads((tmp_path / "base_checkpoints" / "d2" / "meta_000100.json").read_text())
+    assert list(written) == ["step", "val_bpb", "model_config", "user_config", "device_batch_size",
+                             "max_seq_len", "total_batch_size"]  # not the resume-only keys
+    assert written == {k: meta[k] for k in written}
+    ours, theirs = tmp_path / "tokenizer", real / "tokenizer"
+    assert (ours / "tokenizer.pkl").read_bytes() == (theirs / "tokenizer.pkl").read_bytes()
+    sizes = checkpoint.read_torch_tensor(ours / "token_bytes.pt")
+    assert sizes.dtype == np.int32 and np.array_equal(
+        sizes, checkpoint.read_torch_tensor(theirs / "token_bytes.pt"))
+    for mine, real_file in [(path, NANOCHAT_D2 / "model_000100.pt"),
+                            (ours / "token_bytes.pt", theirs / "token_bytes.pt")]:
+        with zipfile.ZipFile(mine) as z, zipfile.ZipFile(real_file) as r:
+            assert z.testzip() is None
+            assert [n.split("/", 1)[1] for n in z.namelist()] == \
+                [n.split("/", 1)[1] for n in r.namelist()]
+            assert z.namelist()[0].split("/")[0] == r.namelist()[0].split("/")[0]
+            for n in z.namelist()[1:4] + z.namelist()[-2:-1]:  # .format_version ... version
+                assert z.read(n) == r.read(n)
+            raw = pathlib.Path(mine).read_bytes()
+            for info in z.infolist():  # the local header's own name and extra lengths
+                name, extra = struct.unpack("<HH", raw[info.header_offset + 26:][:4])
+                assert (info.header_offset + 30 + name + extra) % 64 == 0, info.filename
+
+
+def test_exported_pickles_name_only_what_the_restricted_readers_allow(tmp_path):
+    """model_*.pt and token_bytes.pt's data.pkl name only TORCH_GLOBALS (the globals torch's own
+    weights_only loader allows for a state_dict), tokenizer.pkl only tiktoken.core.Encoding."""
+    real = TESTDATA / "nanochat_checkpoint"
+    params, cfg, tk, stage, step, meta = checkpoint.load_for_export(str(real))
+    checkpoint.export_nanochat(params, cfg, tk, str(tmp_path), stage, step, meta,
+                               embeddings="float32", log=lambda *_: None)
+    seen = {}
+    for pt in ("base_checkpoints/d2/model_000100.pt", "tokenizer/token_bytes.pt"):
+        with zipfile.ZipFile(tmp_path / pt) as z:
+            seen[pt] = pickle_globals(z.read(z.namelist()[0]))
+        assert seen[pt] <= set(checkpoint.TORCH_GLOBALS), pt
+    assert seen["base_checkpoints/d2/model_000100.pt"] == {
+        ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch", "FloatStorage")}  # --embeddings float32: no bf16 storage
+    assert ("torch", "IntStorage") in seen["tokenizer/token_bytes.pt"]
+    raw = (tmp_path / "tokenizer" / "tokenizer.pkl").read_bytes()
+    assert pickle_globals(raw) == {("tiktoken.core", "Encoding")}
+    assert pickle.loads(raw).encode("Return the") == tk.encode("Return the")  # tiktoken reads it
+
+
+def test_export_refuses_bad_input_and_leaves_dest_as_it_was(tmp_path, monkeypatch):
+    """An unknown source, a step that is there (no force), a tokenizer whose vocabulary is not the
+    model's, another tokenizer in dest, an unknown stage, a write failing midway: each a one-line
+    error, and dest (or its absence) as it was, no temporary tree left."""
+    real = TESTDATA / "nanochat_checkpoint"
+    params, cfg, tk, _, _, meta = checkpoint.load_for_export(str(real))
+    dest = tmp_path / "dest"
+    export = functools.partial(checkpoint.export_nanochat, params, cfg, log=lambda *_: None)
+    export(tk, str(dest), "base", 100)
+
+    def listing():
+        return sorted((str(p.relative_to(tmp_path)), p.stat().st_mtime_ns)
+                      for p in tmp_path.rglob("*"))
+
+    def broken_write(path, state_dict, archive=None):
+        if path.endswith("model_000200.pt"):
+            raise OSError("disk full")
+        write(path, state_dict, archive)
+
+    before, write = listing(), checkpoint.write_torch_state_dict
+    another = data.Tokenizer(tk.tokens, r"\s+|\S+")  # the same tokens, split otherwise
+    cases = [(lambda: checkpoint.load_for_export(str(tmp_path / "nowhere")), FileNotFoundError,
+              "no checkpoint in"),
+             (lambda: export(tk, str(dest), "base", 100), ValueError,
+              "model_000100.pt exists: pass --force"),
+             (lambda: export(data.byte_tokenizer(), str(dest), "base", 5), ValueError,
+              "the tokenizer has 265 tokens but the model vocab_size 512"),
+             (lambda: export(another, str(dest), "sft", 5), ValueError,
+              "tokenizer.pkl is another tokenizer than this model's"),
+             (lambda: export(tk, str(dest), "mid", 5), ValueError, "stage 'mid'"),
+             (lambda: export(tk, str(dest), "base", 200, force=True), OSError, "disk full"),
+             (lambda: export(tk, str(tmp_path / "new"), "base", 200), OSError, "disk full")]
+    monkeypatch.setattr(checkpoint, "write_torch_state_dict", broken_write)
+    for call, error, message in cases:
+        with pytest.raises(error, match=message) as e:
+            call()
+        assert "\n" not in str(e.value) and listing() == before, message
+
+
+@pytest.mark.slow  # four checkpoint.py processes
+def test_export_cli(tmp_path):
+    """`python checkpoint.py export` from a stage folder of ours: one line saying what it wrote;
+    again, a step that exists, an unknown source, a checkpoint whose tokenizer is not its model's:
+    exit code 1, one stderr line each, dest unchanged."""
+    meta = {"stage": "base", "step": 3, "config": dataclasses.asdict(CHAT_CFG),
+            "tokenizer": "tokenizer.json"}
+    bt, other = data.byte_tokenizer(), data.Tokenizer([bytes([i]) for i in range(256)] + [b"ab"])
+    for run, t in (("good", bt), ("bad", other)):  # "bad": 266 tokens for a 265-token model
+        checkpoint.save_checkpoint(str(tmp_path / run / "base"), 3, random_params(CHAT_CFG, 1),
+                                   None, meta, files={"tokenizer.json": t.save})
+    dest = tmp_path / "dest"
+
+    def export(*args):
+        return subprocess.run([sys.executable, "checkpoint.py", "export", *args],
+                              cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
+                              timeout=300)
+    r = export(str(tmp_path / "good" / "base"), str(dest))
+    assert r.returncode == 0 and r.stdout == f"{dest}/base_checkpoints/d2/model_000003.pt: base " \
+        "step 3, float32 embeddings\n", r.stderr
+    listing = sorted((p, p.stat().st_mtime_ns) for p in dest.rglob("*"))
+    for args, message in [((str(tmp_path / "good"), str(dest)), "model_000003.pt exists"),
+                          ((str(tmp_path / "nowhere"), str(dest)), "no checkpoint in"),
+                          ((str(tmp_path / "bad"), str(dest), "--model-tag", "x"),
+                           "the tokenizer has 266 tokens but the model vocab_size 265")]:
+        r = export(*args)
+        assert r.returncode == 1 and len(r.stderr.splitlines()) == 1 and message in r.stderr, \
+            r.stderr
+        assert sorted((p, p.stat().st_mtime_ns) for p in dest.rglob("*")) == listing
 
 
 @pytest.mark.slow  # five saving processes, each killed after a wait
