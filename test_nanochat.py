@@ -1,7 +1,7 @@
 """Tests for nanochat-jax, CPU-only and offline.
 
-    python -m pytest -q -n 2 -m "not slow" test_nanochat.py  # the quick tier, between changes
-    python -m pytest -q test_nanochat.py                      # everything, as CI runs it
+    python -m pytest -q -n 2 -m "not slow" test_nanochat.py    # the quick tier, between changes
+    python -m pytest -q -n 2 --dist worksteal test_nanochat.py  # everything, as CI runs it
 
 The slow tests (several processes, a browser, the whole pipeline, server soaks, sweeps, and
 programs compiled for one test alone) carry the `slow` marker. Golden numbers in testdata/ come
@@ -10,7 +10,6 @@ their fp32-vs-fp64 reruns justify.
 """
 
 import ast
-import atexit
 import collections
 import dataclasses
 import functools
@@ -61,15 +60,24 @@ import scaling_fits
 import tasks
 import train
 
-# The processes the tests start (train.py, chat.py, sweep workers) share one XLA compilation cache,
-# fresh each session: a program one of them compiled, such as the same step of the same tiny model,
-# is read by the next instead of compiled again. This process keeps none of its own (jax read the
-# variable at import): its tests count compiles.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="nanochat-test-xla-")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 TESTDATA = pathlib.Path(__file__).parent / "testdata"
+
+# Every program jit had not cached in memory is lowered once, whether XLA then compiles it or reads
+# it from the persistent cache: what the no-recompile tests count.
+LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_compile_cache(tmp_path_factory):
+    """One XLA compilation cache, fresh each session, for this process, the other pytest-xdist
+    workers and every process the tests start (train.py, chat.py, sweep workers): the suite's time
+    is compiles, and the same program (a tiny model's step, say) is compiled once, then read."""
+    base = tmp_path_factory.getbasetemp()  # a worker's is popen-gwN under the session's folder
+    path = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla-cache")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    kernels.use_compile_cache(path)
 GOLDEN_CFG = nc.Config(sequence_len=512, vocab_size=300, n_layer=4, n_head=2, n_kv_head=1,
                        n_embd=64,
                        window_pattern="SL")
@@ -684,6 +692,7 @@ def test_bits_per_byte(tiny_params):
     assert got == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.slow  # a T = 512 engine compiled for this test alone
 def test_task_evaluation_scores_exact_matches(monkeypatch):
     btok = data.byte_tokenizer()
     cfg = nc.Config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=1, n_kv_head=1,
@@ -722,7 +731,7 @@ def test_step_never_recompiles(tiny_params):
     x = jax.random.randint(jax.random.key(8), (2, 2, 16), 0, TINY.vocab_size)
     y = jnp.roll(x, -1, axis=2)
     losses, compiles = [], []
-    listen = lambda event, *_, **__: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    listen = lambda event, *_, **__: compiles.append(event) if event == LOWERED else None
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
         for i in range(4):
@@ -3051,6 +3060,7 @@ def test_api_streaming(server, chat_model):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == n_out
 
 
+@pytest.mark.slow  # three choices, stops, nucleus and logprobs: some 10 s of compiles on 2 cores
 def test_api_choices_stop_top_p_and_logprobs(server, chat_model):
     params, cfg, bt, _ = chat_model
     reply, n_out, _ = expected_reply(chat_model, HELLO)
@@ -3093,7 +3103,7 @@ def test_no_request_compiles(chat_model):
     srv = chat.make_server(*chat_model[:3], port=0, max_tokens=3)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     compiles = []
-    listen = lambda event, *_, **__: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    listen = lambda event, *_, **__: compiles.append(event) if event == LOWERED else None
     try:
         assert json.loads(request(srv, "GET", "/health")[2])["compiled"] is False
         chat.warm_up(srv)
@@ -4272,6 +4282,7 @@ CHEAP_COMMANDS = [
     "python evaluate.py --eval-bundle testdata/core_eval/eval_bundle --checkpoint checkpoints/base",
     "python evaluate.py --eval-bundle testdata/core_eval/eval_bundle "
     "--nanochat-checkpoint testdata/nanochat_checkpoint",
+    "python checkpoint.py export checkpoints ~/nanochat_out",
 ]
 
 
@@ -4323,11 +4334,11 @@ def test_documented_commands_parse():
             assert e.code == 0 and "--help" in argv, f"{name}: `{shlex.join(['python', *argv])}` does not parse"
 
 
-@pytest.mark.slow  # three chat.py and evaluate.py processes
+@pytest.mark.slow  # a chat.py, two evaluate.py and a checkpoint.py process
 def test_documented_commands_run(tmp_path):
-    """The cheap documented commands run as written: a chat reply, and nanochat's CORE of its
+    """The cheap documented commands run as written: a chat reply, nanochat's CORE of its
     checkpoint, read from its .pt and from a stage folder of ours (evaluate.py --checkpoint
-    checkpoints/base)."""
+    checkpoints/base), and that folder exported to nanochat's format."""
     import shlex
     documented = [argv for _, argv in documented_commands()]
     params, cfg, tok = checkpoint.load_nanochat(str(TESTDATA / "nanochat_checkpoint"))
@@ -4342,10 +4353,14 @@ def test_documented_commands_run(tmp_path):
     for command in CHEAP_COMMANDS:
         argv = shlex.split(command)[1:]
         assert argv in documented, f"{command!r} is no longer documented: update CHEAP_COMMANDS"
-        r = subprocess.run([sys.executable, str(pathlib.Path(__file__).parent / argv[0]), *argv[1:]], cwd=tmp_path,
-                           env=env, capture_output=True, text=True, timeout=300)
+        args = [str(tmp_path) + a[1:] if a.startswith("~/") else a for a in argv[1:]]  # as a shell
+        r = subprocess.run([sys.executable, str(pathlib.Path(__file__).parent / argv[0]), *args],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, f"{command}:\n{r.stderr[-2000:]}"
         if argv[0] == "evaluate.py":
             assert json.loads(r.stdout.splitlines()[-1])["core"]["core_metric"] == pytest.approx(expected, abs=1e-6)
         else:
             assert r.stdout.strip(), command
+    # the export is testdata's checkpoint again, as nanochat's scripts would find it
+    exported, _, _ = checkpoint.load_nanochat(str(tmp_path / "nanochat_out"))
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, exported, params)))
