@@ -6,21 +6,17 @@
   renamed, and whatever it replaces or prunes is renamed away before it is deleted: a failed write
   or a kill -9 at any moment leaves each step directory complete or absent.
 - nanochat's (PyTorch): model_<step>.pt (a torch.save zip) and meta_<step>.json, with
-  tokenizer/tokenizer.pkl (a pickled tiktoken Encoding), read without torch. A restricted
-  unpickler resolves only the globals that tensors and the tokenizer's state need, so a pickle
-  naming anything else (os.system, ...) is refused before it can run. Storages are raw
-  little-endian fp32, bf16, ... . `python checkpoint.py export SOURCE DEST` writes them without
-  torch too (docs/export.md): protocol-2 pickles emitted opcode by opcode (pickle names no global
-  it cannot import), zip members 64-byte aligned as torch aligns them for torch.load(mmap=True).
+  tokenizer/tokenizer.pkl (a pickled tiktoken Encoding), read without torch (torch_files.py: a
+  restricted unpickler resolves only the globals that tensors and the tokenizer's state need, so a
+  pickle naming anything else is refused before it can run). `python checkpoint.py export SOURCE
+  DEST` writes them without torch too (docs/export.md).
 - nanochat's state_dict names and PyTorch's (out, in) layout, to and from our params (the one
   place the two layouts meet).
 """
 
 import argparse
-import collections
 import dataclasses
 import glob
-import itertools
 import json
 import math
 import os
@@ -28,9 +24,7 @@ import pathlib
 import pickle
 import re
 import shutil
-import struct
 import sys
-import zipfile
 import zlib
 
 import jax
@@ -42,6 +36,7 @@ from jax.experimental import multihost_utils
 
 import data
 import nanochat as nc
+import torch_files
 
 # ----------------------------------------------------------------------------- trees of arrays
 
@@ -275,96 +270,6 @@ def from_nanochat_state_dict(state_dict, cfg):
 # ---------------------------------------------------------------------------- nanochat's files
 
 
-class _Unpickler(pickle.Unpickler):
-    """Resolves only the globals in `allowed`; anything else is refused before it can be called."""
-
-    def __init__(self, file, path, allowed, storage=None):
-        super().__init__(file)
-        self.path, self.allowed, self.storage = path, allowed, storage
-
-    def find_class(self, module, name):
-        if (module, name) not in self.allowed:
-            raise pickle.UnpicklingError(
-                f"{self.path}: refusing to load {module}.{name}: nanochat's files hold only "
-                "tensors, dicts and tokenizer state, so this one is corrupt or malicious")
-        return self.allowed[module, name]
-
-    def persistent_load(self, pid):
-        storage = isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-        if self.storage is None or not storage:
-            raise pickle.UnpicklingError(f"{self.path}: unexpected persistent id; not a torch "
-                                         "checkpoint")
-        return self.storage(*pid[1:])
-
-
-def _rebuild_tensor(storage, offset, size, stride, *_):
-    """torch._utils._rebuild_tensor_v2 for numpy: a copy of the strided view, bounds-checked."""
-    end = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1 if all(size) else offset
-    if offset < 0 or min(stride, default=0) < 0 or end > storage.size:
-        raise pickle.UnpicklingError("corrupt checkpoint: a tensor runs past its storage")
-    strides = [s * storage.itemsize for s in stride]
-    return np.array(np.lib.stride_tricks.as_strided(storage[offset:], size, strides))
-
-
-STORAGES = {name: np.dtype(dt).newbyteorder("<") for name, dt in (
-    ("FloatStorage", np.float32), ("BFloat16Storage", jnp.bfloat16), ("HalfStorage", np.float16),
-    ("DoubleStorage", np.float64), ("IntStorage", np.int32), ("LongStorage", np.int64))}
-TORCH_GLOBALS = {("collections", "OrderedDict"): collections.OrderedDict,
-                 ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-                 **{("torch", name): dtype for name, dtype in STORAGES.items()}}
-
-
-def read_torch_state_dict(path):
-    """A `torch.save`d state_dict (zip format) as {name: numpy array}, without torch and without
-    running code; a damaged or foreign file is a ValueError naming it."""
-    sd = _read_torch_file(path)
-    if not isinstance(sd, dict) or not all(isinstance(v, np.ndarray) for v in sd.values()):
-        raise ValueError(f"{path}: not a state_dict of tensors")
-    return dict(sd)
-
-
-def read_torch_tensor(path):
-    """One `torch.save`d tensor (tokenizer/token_bytes.pt) as numpy, as read_torch_state_dict."""
-    a = _read_torch_file(path)
-    if not isinstance(a, np.ndarray):
-        raise ValueError(f"{path}: not a single tensor")
-    return a
-
-
-def _read_torch_file(path):
-    try:
-        return _read_torch_zip(path)
-    except (zipfile.BadZipFile, KeyError, EOFError, pickle.UnpicklingError, ValueError) as e:
-        said = str(e)  # our own errors name the file already
-        if not said.startswith(f"{path}: "):
-            said = f"{path}: a damaged torch checkpoint ({type(e).__name__}: {said})"
-        raise ValueError(said) from None
-
-
-def _read_torch_zip(path):
-    with zipfile.ZipFile(path) as z:
-        pkl = next((n for n in z.namelist() if n.endswith("/data.pkl")), None)
-        if pkl is None:
-            raise ValueError(f"{path}: not a torch zip checkpoint (no data.pkl); re-save it with "
-                             "torch >= 1.6")
-        prefix = pkl[:-len("data.pkl")]
-        if prefix + "byteorder" in z.namelist() and z.read(prefix + "byteorder") != b"little":
-            raise ValueError(f"{path}: a big-endian checkpoint; convert it on a little-endian "
-                             "machine")
-
-        def storage(dtype, key, location, numel):
-            if not isinstance(dtype, np.dtype):
-                raise pickle.UnpicklingError(f"{path}: a storage of unknown type")
-            raw = z.read(f"{prefix}data/{key}")
-            if len(raw) < numel * dtype.itemsize:
-                raise pickle.UnpicklingError(f"{path}: storage {key} is shorter than its {numel} "
-                                             "elements")
-            return np.frombuffer(raw, dtype, count=numel)
-
-        with z.open(pkl) as f:
-            return _Unpickler(f, path, TORCH_GLOBALS, storage).load()
-
-
 class _EncodingState:
     """Stands in for tiktoken.core.Encoding while unpickling: keeps the state dict, runs nothing."""
 
@@ -376,7 +281,8 @@ def load_nanochat_tokenizer(path):
     """nanochat's tokenizer.pkl (a pickled tiktoken Encoding) as a data.Tokenizer, read without
     unpickling code."""
     with open(path, "rb") as f:
-        state = _Unpickler(f, path, {("tiktoken.core", "Encoding"): _EncodingState}).load()
+        allowed = {("tiktoken.core", "Encoding"): _EncodingState}
+        state = torch_files.Unpickler(f, path, allowed).load()
     st = getattr(state, "state", None)
     if not isinstance(st, dict) or not all(isinstance(st.get(k), dict)
                                            for k in ("mergeable_ranks", "special_tokens")):
@@ -426,7 +332,7 @@ def load_nanochat(path, step=None):
         config = {"window_pattern": "L", **json.load(f)["model_config"]}  # nanochat's patch
     fields = [f.name for f in dataclasses.fields(nc.Config) if f.name in config]
     cfg = nc.Config(**{name: config[name] for name in fields})
-    sd = read_torch_state_dict(os.path.join(path, f"model_{step:06d}.pt"))
+    sd = torch_files.read_torch_state_dict(os.path.join(path, f"model_{step:06d}.pt"))
     sd = {k.removeprefix("_orig_mod."): v for k, v in sd.items()}  # saved from torch.compile
     sd.setdefault("resid_lambdas", np.ones(cfg.n_layer, np.float32))  # more of build_model's
     sd.setdefault("x0_lambdas", np.zeros(cfg.n_layer, np.float32))  # patches
@@ -441,64 +347,6 @@ def load_nanochat(path, step=None):
         raise ValueError(f"{found[0]}: {tok.n_vocab} tokens, but the model has vocab_size "
                          f"{cfg.vocab_size}")
     return params, cfg, tok
-
-# ------------------------------------------------------------------ nanochat's files, written
-
-
-def _ops(x):
-    """x as pickle opcodes: bytes as is, str, int (LONG1 from 2**31) or a tuple of these."""
-    if isinstance(x, bytes):
-        return x
-    if isinstance(x, str):
-        return pickle.BINUNICODE + struct.pack("<I", len(x.encode())) + x.encode()
-    if isinstance(x, tuple):
-        return pickle.MARK + b"".join(_ops(item) for item in x) + pickle.TUPLE
-    return pickle.BININT + struct.pack("<i", x) if x < 2**31 else pickle.LONG1 + b"\x08" + \
-        struct.pack("<q", x)
-
-
-def torch_pickle(obj):
-    """(data.pkl, arrays) of torch.save(obj), obj a dict name -> array or one array."""
-    kinds = {dt.name: name for name, dt in STORAGES.items()}
-    ordered_dict = pickle.GLOBAL + b"collections\nOrderedDict\n" + pickle.EMPTY_TUPLE + \
-        pickle.REDUCE  # OrderedDict()
-
-    def tensor(a, key):  # _rebuild_tensor_v2(storage, 0, shape, strides, False, OrderedDict())
-        if a.dtype.name not in kinds:
-            raise ValueError(f"cannot write a {a.dtype} tensor; cast it to one of {list(kinds)}")
-        kind = pickle.GLOBAL + f"torch\n{kinds[a.dtype.name]}\n".encode()
-        storage = _ops(("storage", kind, key, "cpu", a.size)) + pickle.BINPERSID  # data/<key>
-        strides = tuple(math.prod(a.shape[i + 1:]) for i in range(a.ndim))  # C order, elements
-        return pickle.GLOBAL + b"torch._utils\n_rebuild_tensor_v2\n" + \
-            _ops((storage, 0, a.shape, strides, pickle.NEWFALSE, ordered_dict)) + pickle.REDUCE
-    arrays = [np.asarray(a) for a in (obj.values() if isinstance(obj, dict) else [obj])]
-    if isinstance(obj, dict):
-        items = [_ops(k) + tensor(a, str(i)) for i, (k, a) in enumerate(zip(obj, arrays))]
-        body = ordered_dict + pickle.MARK + b"".join(items) + pickle.SETITEMS
-    else:
-        body = tensor(arrays[0], "0")
-    return pickle.PROTO + b"\x02" + body + pickle.STOP, arrays
-
-
-def write_torch_state_dict(path, state_dict, archive=None):
-    """torch.save(state_dict, path) without torch; members under archive/ (torch: path's stem)."""
-    pkl, arrays = torch_pickle(state_dict)
-    head = [("data.pkl", pkl), (".format_version", b"1"), (".storage_alignment", b"64"),
-            ("byteorder", b"little")]
-    storages = ((f"data/{i}", a.astype(a.dtype.newbyteorder("<")).tobytes())  # one at a time
-                for i, a in enumerate(arrays))
-    tail = [("version", b"3\n"),  # torch writes a random 20 digits and a CRC: any 40 do
-            (".data/serialization_id", f"{zlib.crc32(pkl):040d}".encode())]
-    archive = archive or os.path.splitext(os.path.basename(path))[0]
-    with open(path, "wb") as f, zipfile.ZipFile(f, "w") as z:
-        for name, raw in itertools.chain(head, storages, tail):
-            info = zipfile.ZipInfo(f"{archive}/{name}")  # stored: no compression
-            # torch's padding, extra field "FB" + length + "Z"s; zipfile's zip64 field past 2 GB
-            zip64 = 20 if len(raw) * 1.05 > zipfile.ZIP64_LIMIT else 0
-            pad = -(f.tell() + 30 + len(info.filename) + 4 + zip64) % 64
-            info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
-            z.writestr(info, raw)
-
 
 def tokenizer_pickle(tok):
     """tokenizer.pkl's bytes as nanochat's RustBPETokenizer.save writes them for tok."""
@@ -605,10 +453,11 @@ def export_nanochat(params, cfg, tok, dest, stage, step, meta_extra=None, model_
     meta = json.dumps({k: known[k] for k in META_KEYS if known.get(k) is not None}, indent=2)
     write_files(dest, {  # the model last: nanochat looks for model_<step>.pt files
         "tokenizer/tokenizer.pkl": lambda p: pathlib.Path(p).write_bytes(tokenizer_pickle(tok)),
-        "tokenizer/token_bytes.pt": lambda p: write_torch_state_dict(p, tok.token_bytes(),
-                                                                     "archive"),
+        "tokenizer/token_bytes.pt": lambda p: torch_files.write_torch_state_dict(
+            p, tok.token_bytes(), "archive"),
         os.path.join(folder, f"meta_{step:06d}.json"): lambda p: pathlib.Path(p).write_text(meta),
-        os.path.join(folder, f"model_{step:06d}.pt"): lambda p: write_torch_state_dict(p, sd)})
+        os.path.join(folder, f"model_{step:06d}.pt"):
+            lambda p: torch_files.write_torch_state_dict(p, sd)})
     log(f"{model}: {stage} step {step}, {dtype} embeddings")
     return model
 

@@ -58,6 +58,7 @@ import rl
 import scaling
 import scaling_fits
 import tasks
+import torch_files
 import train
 
 
@@ -476,7 +477,7 @@ def test_muon_trains_a_model_that_is_not_the_gpt():
 
 IMPORTS = {  # each module of ours: the modules of ours it imports (nanochat.py and muon.py: none)
     "nanochat": set(), "muon": set(), "data": set(), "execution": set(), "kernels": {"nanochat"},
-    "tasks": {"data", "execution"}, "checkpoint": {"data", "nanochat"},
+    "tasks": {"data", "execution"}, "checkpoint": {"data", "nanochat", "torch_files"}, "torch_files": set(),
     "evaluate": {"checkpoint", "data", "kernels", "nanochat", "tasks"},
     "report": {"data", "evaluate", "nanochat"},
     "rl": {"checkpoint", "data", "evaluate", "kernels", "nanochat", "tasks"},
@@ -2464,7 +2465,7 @@ def test_nanochat_checkpoint_import():
     model_dir = root / "base_checkpoints" / "d2"  # the model directory itself works too
     again, _, _ = checkpoint.load_nanochat(str(model_dir))
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, again, params)))
-    sd = checkpoint.read_torch_state_dict(model_dir / "model_000100.pt")
+    sd = torch_files.read_torch_state_dict(model_dir / "model_000100.pt")
     assert sd["transformer.wte.weight"].dtype.name == "bfloat16" and sd["lm_head.weight"].dtype == np.float32
 
 
@@ -2484,7 +2485,7 @@ def test_malicious_pickles_are_refused(tmp_path):
         z.writestr("model_000001/data.pkl", evil)
         z.writestr("model_000001/byteorder", "little")
     with pytest.raises(ValueError, match=r"model_000001.pt: refusing to load posix\.system"):
-        checkpoint.read_torch_state_dict(tmp_path / "model_000001.pt")
+        torch_files.read_torch_state_dict(tmp_path / "model_000001.pt")
     (tmp_path / "tokenizer").mkdir()
     (tmp_path / "tokenizer" / "tokenizer.pkl").write_bytes(pickle.dumps(_Evil(marker)))
     with pytest.raises(pickle.UnpicklingError, match="refusing"):
@@ -2529,9 +2530,9 @@ def test_damaged_torch_checkpoints_are_one_line_errors(tmp_path):
               "a damaged torch checkpoint")]
     for d, message in cases:
         with pytest.raises(ValueError, match=re.escape(f"{d / 'model_000100.pt'}: {message}")):
-            checkpoint.read_torch_state_dict(d / "model_000100.pt")
+            torch_files.read_torch_state_dict(d / "model_000100.pt")
     with pytest.raises(pickle.UnpicklingError, match="a tensor runs past its storage"):
-        checkpoint._rebuild_tensor(np.zeros(4, np.float32), 2, (3,), (1,))
+        torch_files._rebuild_tensor(np.zeros(4, np.float32), 2, (3,), (1,))
     # a whole checkpoint, but no tokenizer above it, then a tokenizer of another size
     fine = broken("fine")
     with pytest.raises(FileNotFoundError,
@@ -2608,7 +2609,7 @@ def test_export_round_trips_our_checkpoint(tmp_path, bpe_golden):
                                embeddings="bfloat16", log=said.append)
     assert said[0] == ("rounded value_embeds.1.weight, transformer.wte.weight from float32 to "
                        "bfloat16 (--embeddings bfloat16)") and len(said) == 2
-    sd = checkpoint.read_torch_state_dict(path)
+    sd = torch_files.read_torch_state_dict(path)
     assert {k for k, v in sd.items() if v.dtype.name == "bfloat16"} == \
         {"transformer.wte.weight", "value_embeds.1.weight"}
     rounded, _, _ = checkpoint.load_nanochat(str(dest))
@@ -2630,8 +2631,8 @@ def test_export_of_nanochat_checkpoint_gives_its_bytes_back(tmp_path):
     path = checkpoint.export_nanochat(params, cfg, tk, str(tmp_path), stage, step, meta,
                                       log=said.append)
     assert said == [f"{path}: base step 100, bfloat16 embeddings"]
-    a, b = checkpoint.read_torch_state_dict(NANOCHAT_D2 / "model_000100.pt"), \
-        checkpoint.read_torch_state_dict(path)
+    a, b = torch_files.read_torch_state_dict(NANOCHAT_D2 / "model_000100.pt"), \
+        torch_files.read_torch_state_dict(path)
     assert set(a) == set(b)
     for k in a:
         assert (a[k].dtype, a[k].shape, a[k].tobytes()) == \
@@ -2642,9 +2643,9 @@ def test_export_of_nanochat_checkpoint_gives_its_bytes_back(tmp_path):
     assert written == {k: meta[k] for k in written}
     ours, theirs = tmp_path / "tokenizer", real / "tokenizer"
     assert (ours / "tokenizer.pkl").read_bytes() == (theirs / "tokenizer.pkl").read_bytes()
-    sizes = checkpoint.read_torch_tensor(ours / "token_bytes.pt")
+    sizes = torch_files.read_torch_tensor(ours / "token_bytes.pt")
     assert sizes.dtype == np.int32 and np.array_equal(
-        sizes, checkpoint.read_torch_tensor(theirs / "token_bytes.pt"))
+        sizes, torch_files.read_torch_tensor(theirs / "token_bytes.pt"))
     for mine, real_file in [(path, NANOCHAT_D2 / "model_000100.pt"),
                             (ours / "token_bytes.pt", theirs / "token_bytes.pt")]:
         with zipfile.ZipFile(mine) as z, zipfile.ZipFile(real_file) as r:
@@ -2671,7 +2672,7 @@ def test_exported_pickles_name_only_what_the_restricted_readers_allow(tmp_path):
     for pt in ("base_checkpoints/d2/model_000100.pt", "tokenizer/token_bytes.pt"):
         with zipfile.ZipFile(tmp_path / pt) as z:
             seen[pt] = pickle_globals(z.read(z.namelist()[0]))
-        assert seen[pt] <= set(checkpoint.TORCH_GLOBALS), pt
+        assert seen[pt] <= set(torch_files.TORCH_GLOBALS), pt
     assert seen["base_checkpoints/d2/model_000100.pt"] == {
         ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"),
         ("torch", "FloatStorage")}  # --embeddings float32: no bf16 storage
@@ -2700,7 +2701,7 @@ def test_export_refuses_bad_input_and_leaves_dest_as_it_was(tmp_path, monkeypatc
             raise OSError("disk full")
         write(path, state_dict, archive)
 
-    before, write = listing(), checkpoint.write_torch_state_dict
+    before, write = listing(), torch_files.write_torch_state_dict
     another = data.Tokenizer(tk.tokens, r"\s+|\S+")  # the same tokens, split otherwise
     cases = [(lambda: checkpoint.load_for_export(str(tmp_path / "nowhere")), FileNotFoundError,
               "no checkpoint in"),
@@ -2713,7 +2714,7 @@ def test_export_refuses_bad_input_and_leaves_dest_as_it_was(tmp_path, monkeypatc
              (lambda: export(tk, str(dest), "mid", 5), ValueError, "stage 'mid'"),
              (lambda: export(tk, str(dest), "base", 200, force=True), OSError, "disk full"),
              (lambda: export(tk, str(tmp_path / "new"), "base", 200), OSError, "disk full")]
-    monkeypatch.setattr(checkpoint, "write_torch_state_dict", broken_write)
+    monkeypatch.setattr(torch_files, "write_torch_state_dict", broken_write)
     for call, error, message in cases:
         with pytest.raises(error, match=message) as e:
             call()
