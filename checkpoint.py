@@ -133,6 +133,14 @@ def gather_states(states):
     return [s for row in rows for s in json.loads(bytes(row).decode())]
 
 
+def gather_tree(tree):
+    """A tree of (possibly sharded) arrays whole on this host, as numpy: what a process writes. On
+    several hosts a collective: every process calls it."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
 def load_checkpoint(path, optimizer=True):
     """(params, opt_state or None, meta) of a step directory written by save_checkpoint."""
     if not os.path.isfile(os.path.join(path, "meta.json")):

@@ -103,8 +103,11 @@ def map_rows(fn, rows, pad, split=None, batch_tokens=1 << 14):
 
 
 def local(params):
-    """This process's own replica of replicated params (what sampling and generation run on)."""
-    return jax.tree.map(lambda x: x.addressable_data(0), params)
+    """This process's own copy of the params (what sampling and generation run on): its replica,
+    or the whole of sharded ones (train.py --shard full), gathered."""
+    if all(x.is_fully_replicated for x in jax.tree.leaves(params)):
+        return jax.tree.map(lambda x: x.addressable_data(0), params)
+    return jax.device_put(checkpoint.gather_tree(params), jax.local_devices()[0])
 
 
 def complete(params, cfg, tok, prompt, n=1, max_tokens=512, temperature=0.0, top_k=50, key=None):

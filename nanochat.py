@@ -282,27 +282,29 @@ def unstack(params, cfg):
     return {"layers": layers, **{k: params[k] for k in rest}}
 
 
-def trunk(p, tokens, x, cfg, attn, caches=None, pos=0):
+def trunk(p, tokens, x, cfg, attn, caches=None, pos=0, remat=False):
     """The layers, backout and final norm over the smeared embeddings x (B, T, C) of tokens at
-    positions pos, pos + 1, ...; p is unstacked. Returns (normed hidden states, layer caches)."""
+    positions pos, pos + 1, ...; p is unstacked. Returns (normed hidden states, layer caches).
+    remat: the backward pass recomputes each block's activations instead of keeping them."""
     cos, sin = rotary(pos + jnp.arange(tokens.shape[1]), cfg.head_dim)
     caches = caches or [None] * cfg.n_layer
     x0, x_backout = x, None
+    layer_fn = jax.checkpoint(block, static_argnums=(6, 7)) if remat else block  # window, attn
     for i, (layer, window) in enumerate(zip(p["layers"], window_sizes(cfg))):
         ve = layer["value_embed"][tokens] if "value_embed" in layer else None
-        x, caches[i] = block(layer, x, x0, ve, cos, sin, window, attn, caches[i], pos)
+        x, caches[i] = layer_fn(layer, x, x0, ve, cos, sin, window, attn, caches[i], pos)
         if i == cfg.n_layer // 2:
             x_backout = x
     x = x - p["backout_lambda"] * x_backout  # backout: remove part of the mid-network residual
     return rms_norm(x), caches
 
 
-def hidden(params, tokens, cfg, attn=causal_attention):
+def hidden(params, tokens, cfg, attn=causal_attention, remat=False):
     """The transformer trunk: tokens (B, T) -> final normed hidden states (B, T, C)."""
     p = unstack(jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params), cfg)
     x = rms_norm(p["wte"][tokens])  # (B, T, C)
     x = smear(x, p["smear_gate"], p["smear_lambda"])
-    return trunk(p, tokens, x, cfg, attn)[0]
+    return trunk(p, tokens, x, cfg, attn, remat=remat)[0]
 
 
 def logits_from_hidden(params, x, cfg):
@@ -317,9 +319,9 @@ def forward(params, tokens, cfg, attn=causal_attention):
     return logits_from_hidden(params, hidden(params, tokens, cfg, attn), cfg)
 
 
-def loss_fn(params, tokens, targets, cfg, reduction="mean", attn=causal_attention):
+def loss_fn(params, tokens, targets, cfg, reduction="mean", attn=causal_attention, remat=False):
     """Cross-entropy, ignoring targets < 0: the mean over valid targets, or (B, T) with 'none'."""
-    x = hidden(params, tokens, cfg, attn)
+    x = hidden(params, tokens, cfg, attn, remat)
     logits = logits_from_hidden(params, x.reshape(-1, x.shape[-1]), cfg)  # (B*T, V): one 2-D matmul
     t = targets.reshape(-1)
     valid = t >= 0

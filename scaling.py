@@ -56,6 +56,7 @@ import time
 import numpy as np
 
 import scaling_fits
+import sharding
 
 # jax and the modules of ours on it are imported where they are used: --fit-only needs numpy only,
 # and a --jobs worker is pinned to its cores before JAX starts its threads.
@@ -234,14 +235,14 @@ def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_r
     together=True as one vmapped program (train_together; an interrupted group starts over).
     optim: train.plan's keyword values (the batch is `batch`); model: train.model_config's more
     keywords (window_pattern, dtype); run: train.run_stage's (attention, data_shards, debug);
-    distributed: train.init_distributed's; restart: kernels.tune_process's."""
+    distributed: sharding.init_distributed's; restart: kernels.tune_process's."""
     import jax
     import checkpoint
     import data
     import kernels
     import train
     kernels.tune_process(compile_cache, restart)  # as train.main: a resumed sweep skips compiles
-    train.init_distributed(**(distributed or {}))  # on a pod every host runs the sweep
+    sharding.init_distributed(**(distributed or {}))  # on a pod every host runs the sweep
     tok = data.tokenizer_for(out, data_paths, vocab_size, tokenizer_max_chars,
                              write=jax.process_index() == 0)  # one tokenizer for every run
     optim, run = {**(optim or {}), "total_batch_size": batch}, run or {}

@@ -481,13 +481,14 @@ IMPORTS = {  # each module of ours: the modules of ours it imports (nanochat.py 
     "evaluate": {"checkpoint", "data", "kernels", "nanochat", "tasks"},
     "report": {"data", "evaluate", "nanochat"},
     "rl": {"checkpoint", "data", "evaluate", "kernels", "nanochat", "tasks"},
+    "sharding": set(),
     "train": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "report", "rl",
-              "tasks"},
+              "sharding", "tasks"},
     "chat": {"checkpoint", "data", "kernels", "nanochat"},
     "bench": {"data", "kernels", "muon", "nanochat", "report", "train"},
     "scaling_fits": set(),
     "scaling": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "scaling_fits",
-                "train"},
+                "sharding", "train"},
 }
 
 

@@ -13,9 +13,10 @@
   trains on; `run_stage` runs one with devices, data, evaluation and checkpoints (with the loader's
   position, so that --resume is exact).
 - RL (rl.py) is the same train step, with per-token weights: the rollouts' advantages.
-- Data parallel with `jax.sharding`: a "data" mesh axis splits the batch, the params are
-  replicated; several hosts join through `jax.distributed.initialize`, each process packing its
-  own shard of the documents.
+- Data parallel with `jax.sharding`: a "data" mesh axis splits the batch; --shard splits the
+  optimizer state (the default on several devices) or it and the params (FSDP) over it too
+  (sharding.py); --remat recomputes each block in the backward pass. Several hosts join through
+  `jax.distributed.initialize`, each process packing its own shard of the documents.
 - --debug runs the same step un-jitted with NaN checks, so print() and breakpoint() work inside.
 """
 
@@ -44,6 +45,7 @@ import muon
 import nanochat as nc
 import report
 import rl
+import sharding
 import tasks
 
 # -------------------------------------------------------------------------------------- the step
@@ -67,22 +69,25 @@ def schedules(step, s):
     return lrm, momentum, weight_decay
 
 
-def weighted_loss(params, cfg, inputs, targets, weights=None, attn=nc.causal_attention):
+def weighted_loss(params, cfg, inputs, targets, weights=None, attn=nc.causal_attention,
+                  remat=False):
     """The mean cross-entropy over valid targets; with per-token weights (RL's advantages)
     sum(nll * w) / valid, nanochat's chat_rl objective with DAPO's token-level normalization."""
     if weights is None:
-        return nc.loss_fn(params, inputs, targets, cfg, attn=attn)
-    nll = nc.loss_fn(params, inputs, targets, cfg, "none", attn)  # -log p of each sampled token
+        return nc.loss_fn(params, inputs, targets, cfg, attn=attn, remat=remat)
+    nll = nc.loss_fn(params, inputs, targets, cfg, "none", attn, remat)  # -log p of each token
     return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(targets >= 0), 1)
 
 
-def train_step(params, opt_state, batch, step, sched, lrs, cfg, attn=nc.causal_attention):
+def train_step(params, opt_state, batch, step, sched, lrs, cfg, attn=nc.causal_attention,
+               remat=False, mesh=None, shard="none"):
     """Forward, backward over A micro-batches and one MuonAdamW update. batch: (inputs, targets),
     int (A, B, T) each, and RL's per-token weights (A, B, T); sched: `schedules`' constants; lrs:
-    the base learning rates (`learning_rates`); attn: the model's attention (kernels.py)."""
+    the base learning rates (`learning_rates`); attn: the model's attention (kernels.py); remat:
+    recompute each block in the backward pass; mesh, shard: the state's layout (sharding.py)."""
     def micro(grads, b):
-        loss, g = jax.value_and_grad(weighted_loss)(params, cfg, *b, attn=attn)
-        return jax.tree.map(jnp.add, grads, g), loss
+        loss, g = jax.value_and_grad(weighted_loss)(params, cfg, *b, attn=attn, remat=remat)
+        return sharding.constrain(jax.tree.map(jnp.add, grads, g), mesh, shard == "full"), loss
 
     grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), batch)
     grads = jax.tree.map(lambda g: g / batch[0].shape[0], grads)  # nanochat divides each by A
@@ -90,12 +95,14 @@ def train_step(params, opt_state, batch, step, sched, lrs, cfg, attn=nc.causal_a
     labels, groups = nc.param_groups(params, lrm, momentum, weight_decay,
                                      muon_dtype=cfg.compute_dtype, **lrs)
     params, opt_state = muon.update(grads, opt_state, params, labels, groups)
+    params = sharding.constrain(params, mesh, shard == "full")  # as they came in: no recompile
+    opt_state = sharding.constrain(opt_state, mesh, shard != "none")
     finite = jnp.isfinite(losses).all()
     finite &= jnp.all(jnp.array([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
     return params, opt_state, {"loss": losses.mean(), "lrm": lrm, "finite": finite}
 
 
-jit_train_step = jax.jit(train_step, static_argnames=("cfg", "attn"),
+jit_train_step = jax.jit(train_step, static_argnames=("cfg", "attn", "remat", "mesh", "shard"),
                          donate_argnames=("params", "opt_state"))
 
 
@@ -159,13 +166,14 @@ def ctrl_c_flag():
 
 def train_loop(params, opt_state, next_batch, states, step, sched, lrs, cfg, *,
                attn=nc.causal_attention, before_step=lambda *a: None, save=lambda *a: None,
-               save_every=-1, stop=(), log=lambda record: None, debug=False):
+               save_every=-1, stop=(), log=lambda record: None, debug=False, layout=None):
     """Train from `step` to sched["num_iterations"]: (params, opt_state, this call's losses).
 
     next_batch(params, step) -> (batch, data states after it) (RL samples it from the params);
     before_step(params, step, last) runs before each step and at the end; save(params, opt_state,
     step, states) -> its path, every save_every steps and at the end. Raises FloatingPointError on
-    a non-finite loss, and KeyboardInterrupt (after saving) once `stop` is non-empty anywhere."""
+    a non-finite loss, and KeyboardInterrupt (after saving) once `stop` is non-empty anywhere.
+    layout: train_step's remat, mesh and shard."""
     steps, start, last_saved, losses, smooth = sched["num_iterations"], step, None, [], 0.0
     step_fn, flops = train_step if debug else jit_train_step, nc.estimate_flops(cfg)
     t_run = time.perf_counter()
@@ -185,7 +193,7 @@ def train_loop(params, opt_state, next_batch, states, step, sched, lrs, cfg, *,
         t0 = time.perf_counter()
         with jax.disable_jit(debug), jax.debug_nans(debug):
             params, opt_state, m = step_fn(params, opt_state, batch, step, sched, lrs, cfg=cfg,
-                                           attn=attn)
+                                           attn=attn, **(layout or {}))
         loss, dt = float(m["loss"]), time.perf_counter() - t0
         if not bool(m["finite"]):
             saved = (f"the last good checkpoint is {last_saved} (--resume continues from it)"
@@ -291,32 +299,35 @@ def resume_or_init(stage, cfg, out_dir, resume, sched, lrs):
     return 0, params, muon.init(params, *nc.param_groups(params)), sched, lrs, None
 
 
-def describe(name, cfg, sched, shape, attention, lr_scale):
-    """The startup line: the model, its size, the steps, the devices, the attention kernel."""
+def describe(name, cfg, sched, shape, attention, lr_scale, layout=""):
+    """The startup line: the model, its size, the steps, the devices, the kernel, the layout."""
     route = kernels.route(attention, jax.default_backend(), jnp.dtype(cfg.compute_dtype),
                           cfg.sequence_len, cfg.head_dim)
     print(f"{name}: {cfg}\n{nc.num_scaling_params(cfg)['total']:,} params, "
           f"{sched['num_iterations']} steps of {shape}, {jax.device_count()} devices, attention "
-          f"{route}, lr scale {lr_scale:.3f}, Muon wd {sched['weight_decay']:.3g}")
+          f"{route}, lr scale {lr_scale:.3f}, Muon wd {sched['weight_decay']:.3g}\n{layout}")
 
 
 def run_stage(name, stage, tok, out, device_batch_size=16, optim=None, evals=None, resume=False,
-              keep=3, save_every=-1, debug=False, data_shards=0, attention="auto", record=None):
+              keep=3, save_every=-1, debug=False, data_shards=0, attention="auto", record=None,
+              shard=None, remat=False):
     """Run a stage (base_stage, sft_stage, rl_stage) to its horizon, or on from its newest
     checkpoint under out/name: (params, cfg, this run's losses, info). optim: `plan`'s keyword
     values; evals: evaluate.during_training's; attention: a route of kernels.ROUTES; record: more
-    to save in each checkpoint's meta (train.py: its flags)."""
+    to save in each checkpoint's meta (train.py: its flags); shard, remat: --shard, --remat."""
     cfg, out_dir = stage["cfg"], os.path.join(out, name)
+    shard = sharding.choose_mode(shard, jax.device_count())
     T, rows = cfg.sequence_len, device_batch_size * jax.device_count()
     sched, lrs, batch, lr_scale = plan(cfg, rows, stage["iterations"], stage.get("lr_frac", 1.0),
                                        stage.get("sched"), **(optim or {}))
-    if batch % (rows * T):
+    if rows < 1 or batch % (rows * T):  # (at least a row on each device of the mesh)
         raise ValueError(f"--total-batch-size {batch} must be a multiple of {rows * T} (device "
-                         "batch x devices x T)")
+                         f"batch {device_batch_size}, at least 1, x devices x T)")
     step, params, opt_state, sched, lrs, states = resume_or_init(stage, cfg, out_dir, resume,
                                                                  sched, lrs)
     mesh = Mesh(np.array(jax.devices()), ("data",))
-    params, opt_state = jax.device_put((params, opt_state), NamedSharding(mesh, P()))  # replicated
+    params, opt_state = sharding.place(params, opt_state, mesh, shard)
+    layout = dict(remat=remat, mesh=mesh if shard != "none" else None, shard=shard)
     split = NamedSharding(mesh, P(None, "data"))
     if "next_batch" in stage:  # RL: sampled from the params
         next_batch = functools.partial(stage["next_batch"], split=split)
@@ -327,7 +338,8 @@ def run_stage(name, stage, tok, out, device_batch_size=16, optim=None, evals=Non
         def next_batch(params, step):  # (RL's batches depend on the params, these do not)
             return next(batches)
     shape = stage.get("shape", f"{batch:,} tokens ({batch // (rows * T)} x {rows} x {T})")
-    describe(name, cfg, sched, shape, attention, lr_scale)
+    describe(name, cfg, sched, shape, attention, lr_scale,
+             sharding.describe(params, opt_state, jax.device_count(), shard))
     os.makedirs(out_dir, exist_ok=True)
     meta = {"stage": name, "config": dataclasses.asdict(cfg), "tokenizer": "tokenizer.json",
             "schedule": sched, "lrs": lrs, "args": record or {}}
@@ -336,6 +348,7 @@ def run_stage(name, stage, tok, out, device_batch_size=16, optim=None, evals=Non
     def save(params, opt_state, step, states):
         info = {**meta, "step": step, "data_states": checkpoint.gather_states(states),
                 "val_bpb": results["val_bpb"]}
+        params, opt_state = checkpoint.gather_tree((params, opt_state))  # every process joins
         if jax.process_index() == 0:  # the tokenizer inside the atomic write: chat.py needs it
             return checkpoint.save_checkpoint(out_dir, step, params, opt_state, info, keep,
                                               {"tokenizer.json": tok.save})
@@ -354,7 +367,7 @@ def run_stage(name, stage, tok, out, device_batch_size=16, optim=None, evals=Non
         params, _, losses = train_loop(params, opt_state, next_batch, states, step, sched, lrs,
                                        cfg, attn=kernels.attention(attention), before_step=before,
                                        save=save, save_every=save_every, stop=stop, log=log,
-                                       debug=debug)
+                                       debug=debug, layout=layout)
     info = {**results, "steps": sched["num_iterations"], "time": time.perf_counter() - t}
     return params, cfg, losses, info
 
@@ -367,14 +380,6 @@ CACHE = os.path.expanduser("~/.cache/nanochat_jax/xla")
 OPTIM = ("total_batch_size", "target_flops", "target_param_data_ratio", "batch_lr_scale",
          "weight_decay", "warmup_steps", "warmdown_ratio", "final_lr_frac", "embedding_lr",
          "unembedding_lr", "matrix_lr", "scalar_lr")  # the flags that are plan()'s keywords
-
-
-def init_distributed(coordinator=None, num_processes=None, process_id=None, distributed=False):
-    """Join the other processes of a multi-host run (a coordinator, or distributed: found by
-    jax.distributed.initialize on TPU pods and under SLURM); alone, do nothing."""
-    if coordinator or distributed:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPUs; others ignore it
-        jax.distributed.initialize(coordinator, num_processes, process_id)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -408,6 +413,7 @@ def add_model_flags(p):
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
       help="compute dtype (auto: float32 on a CPU, bfloat16 on a GPU or TPU)")
     a("--attention", default="auto", choices=kernels.ROUTES, help="attention kernel (kernels.py)")
+    a("--remat", action="store_true", help="recompute each block in the backward: less memory")
 
 
 def add_optim_flags(p):
@@ -448,19 +454,10 @@ def add_eval_flags(p):
     a("--compile-cache", default=CACHE, help="persistent XLA compilation cache ('': none)")
 
 
-def add_scale_flags(p):
-    a = p.add_argument_group("scale out (docs/scaling-out.md)").add_argument
-    a("--data-shards", type=int, default=0, help="document shards (0: one per process)")
-    a("--coordinator", default=None, help="host:port of process 0, for multi-host jax.distributed")
-    a("--num-processes", type=int, default=None, help="processes of a --coordinator run")
-    a("--process-id", type=int, default=None, help="this process's rank, 0 to --num-processes - 1")
-    a("--distributed", action="store_true", help="jax.distributed.initialize() on TPU pods, SLURM")
-
-
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=HelpFormatter)
     for add in (add_run_flags, add_model_flags, add_optim_flags, rl.add_flags, add_eval_flags,
-                add_scale_flags):
+                sharding.add_flags):
         add(p)
     args = p.parse_args(argv)
     for k, v in rl.DEFAULTS.items():  # the RL flags not given: ours, or nanochat's on GSM8K
@@ -471,7 +468,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     kernels.tune_process(args.compile_cache, restart=argv is None)
-    init_distributed(args.coordinator, args.num_processes, args.process_id, args.distributed)
+    sharding.init_distributed(args.coordinator, args.num_processes, args.process_id,
+                              args.distributed)
     t, results = time.perf_counter(), {}
     tok = data.tokenizer_for(args.out, args.data, args.vocab_size, args.tokenizer_max_chars,
                              retrain=args.stage == "tokenizer", write=jax.process_index() == 0)
@@ -501,7 +499,8 @@ def main(argv=None):
         params, cfg, losses, info = run_stage(
             name, stage, tok, args.out, args.device_batch_size, optim, evals, resume=args.resume,
             keep=args.keep, save_every=args.save_every, debug=args.debug,
-            data_shards=args.data_shards, attention=args.attention, record=vars(args))
+            data_shards=args.data_shards, attention=args.attention, record=vars(args),
+            shard=args.shard, remat=args.remat)
         results[name] = report.evaluate_stage(name, params, cfg, tok, losses, info, args.out,
                                               argv or sys.argv[1:], args.eval_tasks, questions,
                                               (args.eval_bundle, bundle),

@@ -1,0 +1,112 @@
+"""Where the training state lives on a one-axis "data" mesh: train.py's --shard modes.
+
+- none: parameters and optimizer state replicated on every device (plain data parallel).
+- optimizer (ZeRO-1/2, arXiv 1910.02054): the optimizer state split over the devices; each
+  updates its share of the moments and parameters, and XLA gathers the new parameters.
+- full (FSDP): the parameters and the gradients split the same way too; XLA gathers each
+  layer's weights where the forward and backward use them and reduce-scatters the gradients.
+One rule splits every leaf: its leading axis, when that divides the device count. For Muon's
+leaves that is the stack axis (per-layer matrices stacked), so no matrix is cut across its own
+dimensions and Polar Express runs on whole matrices; for AdamW's, the first dimension (the vocab
+of wte, the width of lm_head). A leaf whose leading axis does not divide (the scalars, a stack of
+fewer layers than devices) stays replicated. The collectives are the compiler's (GSPMD): only the
+shardings of the step's inputs and outputs are given; the model and optimizer name no mesh axis.
+Several hosts join one mesh through `jax.distributed.initialize` (`init_distributed`).
+"""
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+MODES = ("none", "optimizer", "full")
+
+
+def leaf_spec(shape, n, split=True):
+    """A leaf's PartitionSpec: its leading axis over "data" when split and it divides the n
+    devices, else replicated."""
+    if split and n > 1 and len(shape) > 0 and shape[0] % n == 0:
+        return P("data")
+    return P()
+
+
+def state_specs(params, opt_state, n, mode):
+    """The PartitionSpecs of (params, opt_state), trees of arrays or shapes, under a mode."""
+    def specs(tree, split):
+        return jax.tree.map(lambda a: leaf_spec(a.shape, n, split), tree)
+    return specs(params, mode == "full"), specs(opt_state, mode != "none")
+
+
+def bytes_per_device(tree, specs, n):
+    """The bytes each of n devices holds of a tree (arrays or shapes) split as specs say."""
+    sizes = [math.prod(a.shape) * np.dtype(a.dtype).itemsize // (n if s != P() else 1)
+             for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=is_spec))]
+    return sum(sizes)
+
+
+def is_spec(x):
+    return isinstance(x, P)
+
+
+def memory(params, opt_state, n, mode):
+    """Bytes per device of the parameters, the gradients (sharded as the params) and the
+    optimizer state."""
+    p_specs, o_specs = state_specs(params, opt_state, n, mode)
+    p = bytes_per_device(params, p_specs, n)
+    return {"params": p, "grads": p, "optimizer": bytes_per_device(opt_state, o_specs, n)}
+
+
+def constrain(tree, mesh, split):
+    """Inside the jitted step: tree laid out by leaf_spec on mesh (nothing without a mesh)."""
+    if mesh is None:
+        return tree
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
+        a, NamedSharding(mesh, leaf_spec(a.shape, mesh.size, split))), tree)
+
+
+def place(params, opt_state, mesh, mode):
+    """(params, opt_state) from host or device arrays onto mesh, split as mode says."""
+    p_specs, o_specs = state_specs(params, opt_state, mesh.size, mode)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), (p_specs, o_specs),
+                             is_leaf=is_spec)
+    return jax.device_put((params, opt_state), shardings)
+
+
+def choose_mode(mode, n, log=print):
+    """The mode a run uses: optimizer by default on several devices (nanochat's), none on one."""
+    if mode is None:
+        return "optimizer" if n > 1 else "none"
+    if mode not in MODES:
+        raise ValueError(f"--shard {mode!r}: pass one of {', '.join(MODES)}")
+    if mode != "none" and n == 1:
+        log(f"warning: --shard {mode} needs several devices; this run has one, so --shard none")
+        return "none"
+    return mode
+
+
+def describe(params, opt_state, n, mode):
+    """The startup line's words on the mode and the bytes per device."""
+    mib = {k: f"{v / 2**20:,.1f}" for k, v in memory(params, opt_state, n, mode).items()}
+    return (f"--shard {mode}: per device {mib['params']} MiB params, {mib['grads']} MiB grads, "
+            f"{mib['optimizer']} MiB optimizer state")
+
+
+def init_distributed(coordinator=None, num_processes=None, process_id=None, distributed=False):
+    """Join the other processes of a multi-host run (a coordinator, or distributed: found by
+    jax.distributed.initialize on TPU pods and under SLURM); alone, do nothing."""
+    if coordinator or distributed:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPUs; others ignore it
+        jax.distributed.initialize(coordinator, num_processes, process_id)
+
+
+def add_flags(p):
+    """train.py's flags of this file: the layout, and the processes of a multi-host run."""
+    a = p.add_argument_group("scale out (docs/scaling-out.md)").add_argument
+    a("--shard", default=None, choices=MODES,
+      help="split the optimizer state, or it and the params (default: optimizer on >1 device)")
+    a("--data-shards", type=int, default=0, help="document shards (0: one per process)")
+    a("--coordinator", default=None, help="host:port of process 0, for multi-host jax.distributed")
+    a("--num-processes", type=int, default=None, help="processes of a --coordinator run")
+    a("--process-id", type=int, default=None, help="this process's rank, 0 to --num-processes - 1")
+    a("--distributed", action="store_true", help="jax.distributed.initialize() on TPU pods, SLURM")
