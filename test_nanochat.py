@@ -57,6 +57,7 @@ import report
 import rl
 import scaling
 import scaling_fits
+import sharding
 import tasks
 import torch_files
 import train
@@ -1105,6 +1106,117 @@ def test_four_devices_equal_one(train_root, tmp_path, capsys):
                              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
         assert f"(1 x 8 x 128), 4 devices, attention {route}," in out4
         np.testing.assert_allclose(four, one, rtol=1e-5)
+
+
+# 8 stacked layers, width 64, vocab 320: every layer stack and first dimension divides 8 but the
+# value embeddings' stack of 4 and the (1,) scalars; TINY_MODEL's stacks of 2 layers do not divide
+SHARD_MODELS = {"d8": dict(depth=8, aspect_ratio=8), "d2": {}}
+SHARD_CHILD = """
+import json, os, shutil, sys
+import test_nanochat as t
+root, out = sys.argv[1], {}
+for name, model in t.SHARD_MODELS.items():
+    for mode in ("none", "optimizer", "full"):
+        d = t.fresh_root(t.pathlib.Path(root), t.pathlib.Path(root) / f"{name}-{mode}")
+        steps, save = (6, 3) if name == "d2" else (4, -1)
+        out[name, mode] = t.run_base(d, steps, model=model, device_batch_size=1, shard=mode,
+                                     save_every=save)[2]
+shutil.rmtree(os.path.join(root, "d2-full", "base", "step_000006"))  # cut at step 3
+print(json.dumps({" ".join(k): v for k, v in out.items()}))
+"""
+
+
+def emulated_devices(n, *cmd):
+    """(the last stdout line as JSON, stdout) of python cmd in a child with n emulated devices."""
+    r = subprocess.run([sys.executable, *cmd], cwd=pathlib.Path(__file__).parent, text=True,
+                       capture_output=True, timeout=600,
+                       env={**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.splitlines()[-1]), r.stdout
+
+
+@pytest.mark.slow  # two processes of 8 and 4 emulated devices
+def test_shard_modes_equal_one_device_and_resume_on_others(train_root, tmp_path):
+    """--shard none, optimizer and full on 8 devices train to the same losses (rtol 1e-5: the
+    gradient's sum is reduced in another order), and to one device's (rtol 3e-3), over 4 steps of a model whose stacks divide 8 and
+    6 of one whose do not; the full run, cut at step 3, resumes under none on 1 device and under
+    optimizer on 4 with the losses of the uninterrupted run."""
+    one = {name: run_base(fresh_root(train_root, tmp_path / name), 4 if name == "d8" else 6,
+                          model=model)[2] for name, model in SHARD_MODELS.items()}
+    root = fresh_root(train_root, tmp_path / "eight")
+    eight, out = emulated_devices(8, "-c", SHARD_CHILD, root)
+    assert "--shard optimizer: per device" in out and "--shard full: per device" in out
+    for key, losses in eight.items():  # the modes agree with plain data parallel to fp32 noise
+        name = key.split()[0]
+        np.testing.assert_allclose(losses, eight[f"{name} none"], rtol=1e-5, err_msg=key)
+        # one device sums 2 micro-batches of 4 rows, 8 devices 8 rows at once: these tiny models'
+        # large lrs and Muon wd amplify that reordering to some 1e-3 in 4-6 steps (--shard none's
+        # gap as well: plain data parallel's, not the sharding's)
+        np.testing.assert_allclose(losses, one[name], rtol=3e-3, err_msg=key)
+    cut = os.path.join(root, "d2-full")
+    for n, mode in ((1, "none"), (4, "optimizer")):
+        shutil.copytree(cut, tmp_path / mode)
+        if n == 1:
+            rest = run_base(str(tmp_path / mode), 6, resume=True, shard=mode)[2]
+        else:
+            rest, out = emulated_devices(4, "-c", "import json, sys, test_nanochat as t; print(json."
+                                         "dumps(t.run_base(sys.argv[1], 6, device_batch_size=2, "
+                                         "resume=True, shard='optimizer')[2]))", str(tmp_path / mode))
+            assert "--shard optimizer: per device" in out
+        np.testing.assert_allclose(rest, eight["d2 full"][3:], rtol=3e-3, err_msg=mode)
+
+
+def test_sharded_state_bytes_per_device():
+    """Per device, --shard full holds at most 1/8 of the replicated params and optimizer state plus
+    the leaves that stay replicated (a leading axis that does not divide 8), --shard optimizer the
+    same of the optimizer state alone; counted from shapes, no devices needed. A mode that needs
+    several devices falls back to none on one, with a warning."""
+    for model in (dict(depth=16, aspect_ratio=4), *SHARD_MODELS.values()):
+        params = nc.param_shapes(train.model_config(300, **{**TINY_MODEL, **model}))
+        opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
+        replicated = sharding.memory(params, opt, 8, "none")
+        p_specs, o_specs = sharding.state_specs(params, opt, 8, "full")
+        kept = [sum(a.size * a.dtype.itemsize for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(
+            specs, is_leaf=sharding.is_spec)) if s == jax.sharding.PartitionSpec())
+            for tree, specs in ((params, p_specs), (opt, o_specs))]  # the leaves left whole
+        full, optimizer = (sharding.memory(params, opt, 8, m) for m in ("full", "optimizer"))
+        assert full["params"] + full["optimizer"] <= \
+            (replicated["params"] + replicated["optimizer"]) / 8 + sum(kept)
+        assert optimizer["optimizer"] <= replicated["optimizer"] / 8 + kept[1]
+        assert optimizer["params"] == optimizer["grads"] == replicated["params"]
+        assert full["grads"] == full["params"] < replicated["params"]
+        if model.get("depth") == 16:  # every stack divides: only the (1,) scalars stay whole
+            assert sum(kept) < 64 and full["params"] * 8 - replicated["params"] < 64
+    # Muon's stacks split along the stack axis only, never across a matrix
+    assert sharding.leaf_spec((8, 64, 256), 8) == jax.sharding.PartitionSpec("data")
+    assert sharding.leaf_spec((2, 64, 256), 8) == jax.sharding.PartitionSpec()
+    said = []
+    assert sharding.choose_mode("full", 1, said.append) == "none" and "warning" in said[0]
+    assert sharding.choose_mode(None, 8) == "optimizer" and sharding.choose_mode(None, 1) == "none"
+
+
+def test_remat_leaves_the_losses(train_root, tmp_path):
+    _, _, plain, _ = run_base(fresh_root(train_root, tmp_path / "plain"), 3)
+    _, _, remat, _ = run_base(fresh_root(train_root, tmp_path / "remat"), 3, remat=True)
+    np.testing.assert_allclose(remat, plain, rtol=1e-6)
+
+
+@pytest.mark.slow  # two compiles of a step 50x the tiny one's activations, 20 s
+def test_remat_lowers_the_step_temp_bytes():
+    """jax.checkpoint around each block lowers XLA's temp bytes of the train step. CPU XLA's
+    default scheduler orders for concurrency and keeps every activation either way, so the step is
+    compiled with its memory-optimized scheduler, as a memory-bound accelerator's would order it."""
+    cfg = train.model_config(300, depth=3, aspect_ratio=32, head_dim=32, max_seq_len=128)
+    params = nc.param_shapes(cfg)
+    opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
+    x = jax.ShapeDtypeStruct((1, 8, 128), jnp.int32)
+    temp = {}
+    for remat in (False, True):
+        lowered = train.jit_train_step.lower(params, opt, (x, x), 0, train.base_schedule(10),
+                                             train.learning_rates(), cfg=cfg, remat=remat)
+        compiled = lowered.compile({"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"})
+        temp[remat] = compiled.memory_analysis().temp_size_in_bytes
+    assert temp[True] < 0.95 * temp[False], temp
 
 
 def two_process_cmd(root, iterations):
