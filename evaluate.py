@@ -38,12 +38,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpoint
 import data
 import kernels
 import nanochat as nc
+import sharding
 import tasks as tk
 
 # ---------------------------------------------------------------------------------- scoring rows
@@ -486,7 +487,7 @@ def main(argv=None):
     if tok.n_vocab != cfg.vocab_size:
         raise ValueError(f"the checkpoint's tokenizer has {tok.n_vocab} tokens but its model "
                          f"{cfg.vocab_size}")
-    mesh = Mesh(np.array(jax.devices()), ("data",))  # params replicated, each batch's rows split
+    mesh = sharding.data_mesh()  # params replicated, each batch's rows split
     params, rows = jax.device_put(params, NamedSharding(mesh, P())), NamedSharding(mesh, P("data"))
     print(f"{cfg}, {jax.device_count()} devices")
     results = {}

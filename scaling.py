@@ -334,7 +334,7 @@ def train_together(stages, tok, device_batch_size, optim, val_docs, eval_steps, 
     one by one."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
     import data
     import evaluate
     import kernels
@@ -350,7 +350,7 @@ def train_together(stages, tok, device_batch_size, optim, val_docs, eval_steps, 
     lrs = stack(lrs or [base_lrs] * len(stages))  # {name: (runs,)}
     inits = [s["init"]() for s in stages]
     params, opt_state = stack(inits), stack([muon.init(p, *nc.param_groups(p)) for p in inits])
-    split = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P(None, "data"))
+    split = NamedSharding(sharding.data_mesh(), P(None, "data"))
     streams = [train.sharded_batches(tok, s, batch // (rows * T), rows, T, split)[0]
                for s in stages]
     step = functools.partial(train.train_step, cfg=cfg, attn=kernels.attention(attention))

@@ -18,7 +18,7 @@ import math
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MODES = ("none", "optimizer", "full")
 
@@ -65,12 +65,19 @@ def constrain(tree, mesh, split):
         a, NamedSharding(mesh, leaf_spec(a.shape, mesh.size, split))), tree)
 
 
-def place(params, opt_state, mesh, mode):
-    """(params, opt_state) from host or device arrays onto mesh, split as mode says."""
+def data_mesh():
+    """Every device of every process on one "data" axis: the mesh training and evaluation use."""
+    return Mesh(np.array(jax.devices()), ("data",))
+
+
+def place(params, opt_state, mesh, mode=None):
+    """(params, opt_state, mode): host or device arrays put onto mesh, split as the mode
+    (choose_mode's) says."""
+    mode = choose_mode(mode, mesh.size)
     p_specs, o_specs = state_specs(params, opt_state, mesh.size, mode)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), (p_specs, o_specs),
                              is_leaf=is_spec)
-    return jax.device_put((params, opt_state), shardings)
+    return *jax.device_put((params, opt_state), shardings), mode
 
 
 def choose_mode(mode, n, log=print):

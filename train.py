@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpoint
 import data
@@ -308,6 +308,15 @@ def describe(name, cfg, sched, shape, attention, lr_scale, layout=""):
           f"{route}, lr scale {lr_scale:.3f}, Muon wd {sched['weight_decay']:.3g}\n{layout}")
 
 
+def stage_batches(tok, stage, A, rows, T, mesh, data_shards=0, states=None):
+    """(next_batch(params, step), loader states): RL's sampled from the params, else packed."""
+    split = NamedSharding(mesh, P(None, "data"))  # rows over the devices
+    if "next_batch" in stage:
+        return functools.partial(stage["next_batch"], split=split), states
+    batches, states = sharded_batches(tok, stage, A, rows, T, split, data_shards, states)
+    return (lambda params, step: next(batches)), states
+
+
 def run_stage(name, stage, tok, out, device_batch_size=16, optim=None, evals=None, resume=False,
               keep=3, save_every=-1, debug=False, data_shards=0, attention="auto", record=None,
               shard=None, remat=False):
@@ -316,7 +325,6 @@ def run_stage(name, stage, tok, out, device_batch_size=16, optim=None, evals=Non
     values; evals: evaluate.during_training's; attention: a route of kernels.ROUTES; record: more
     to save in each checkpoint's meta (train.py: its flags); shard, remat: --shard, --remat."""
     cfg, out_dir = stage["cfg"], os.path.join(out, name)
-    shard = sharding.choose_mode(shard, jax.device_count())
     T, rows = cfg.sequence_len, device_batch_size * jax.device_count()
     sched, lrs, batch, lr_scale = plan(cfg, rows, stage["iterations"], stage.get("lr_frac", 1.0),
                                        stage.get("sched"), **(optim or {}))
@@ -325,18 +333,11 @@ def run_stage(name, stage, tok, out, device_batch_size=16, optim=None, evals=Non
                          f"batch {device_batch_size}, at least 1, x devices x T)")
     step, params, opt_state, sched, lrs, states = resume_or_init(stage, cfg, out_dir, resume,
                                                                  sched, lrs)
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    params, opt_state = sharding.place(params, opt_state, mesh, shard)
+    mesh = sharding.data_mesh()
+    params, opt_state, shard = sharding.place(params, opt_state, mesh, shard)
     layout = dict(remat=remat, mesh=mesh if shard != "none" else None, shard=shard)
-    split = NamedSharding(mesh, P(None, "data"))
-    if "next_batch" in stage:  # RL: sampled from the params
-        next_batch = functools.partial(stage["next_batch"], split=split)
-    else:
-        batches, states = sharded_batches(tok, stage, batch // (rows * T), rows, T, split,
-                                          data_shards, states)
-
-        def next_batch(params, step):  # (RL's batches depend on the params, these do not)
-            return next(batches)
+    next_batch, states = stage_batches(tok, stage, batch // (rows * T), rows, T, mesh,
+                                       data_shards, states)
     shape = stage.get("shape", f"{batch:,} tokens ({batch // (rows * T)} x {rows} x {T})")
     describe(name, cfg, sched, shape, attention, lr_scale,
              sharding.describe(params, opt_state, jax.device_count(), shard))
@@ -477,7 +478,7 @@ def main(argv=None):
     questions = tasks.load_questions(args.questions) if graded else ()
     bundle = evaluate.load_bundle(args.eval_bundle, args.eval_max) if args.eval_bundle else None
     chat_tasks = tasks.load_chat_tasks(args.chat_data, args.eval_max) if args.chat_data else {}
-    rows = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P("data"))  # the train mesh
+    rows = NamedSharding(sharding.data_mesh(), P("data"))  # evaluations' rows over the devices
     docs, key = data.corpus(args.data, "train", seed=args.seed), jax.random.key(args.seed)
     evals = dict(val_docs=data.corpus(args.data, "val"), eval_every=args.eval_every,
                  eval_steps=args.eval_steps, sample_every=args.sample_every)
