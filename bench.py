@@ -4,6 +4,9 @@
     python bench.py decode       # KV-cache generation: 16-token prompt, 200 new tokens, batch 1, 8
     python bench.py train        # the whole training step (fwd, bwd, MuonAdamW) of three models
     python bench.py accel        # on a GPU or TPU: nanochat's d12 and d20 (T 2048, bf16)
+    python bench.py memory --depth 26 --devices 8 --shard full --fit 16 32 80
+                                 # per-device memory of nanochat's d26 train step, compiled for 8
+                                 # emulated devices; the largest device batch fitting each GB
 
 Speed is measured here, never in a timed unit test; docs/performance.md has the method and the
 numbers.
@@ -29,11 +32,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
 import data
 import kernels
 import muon
 import nanochat as nc
 import report
+import sharding
 import train
 
 # The models PyTorch nanochat was measured on beside us (docs/performance.md), and their batches.
@@ -228,6 +234,78 @@ def bench_accel(depths=(12, 20), steps=10):
                               "depth": depth, **timing}), flush=True)
 
 
+MEMORY_NOTE = ("XLA's CPU buffer assignment, memory-optimized schedule: an estimate of an "
+               "accelerator's, whose compiler fuses and schedules differently")
+
+
+def step_memory(cfg, devices, device_batch_size, shard="optimizer", remat=False,
+                attention="splash"):
+    """The training step of cfg compiled for `devices` emulated CPU devices from abstract shapes
+    (no weights allocated): the exact bytes per device of params, gradients and optimizer state
+    (from the shardings), and the compiled step's arguments, outputs, temporaries and total.
+    attention: a route of kernels.ROUTES; splash (interpreted here) keeps what a fused attention
+    keeps for the backward, q, k, v, the output and the softmax statistics."""
+    mesh = Mesh(np.array(jax.devices("cpu")[:devices]), ("data",))
+    params = nc.param_shapes(cfg)
+    opt_state = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
+    shard = sharding.choose_mode(shard, devices, log=lambda line: None)
+
+    def abstract(tree, specs):
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                              sharding=NamedSharding(mesh, s)),
+                            tree, specs)
+    state_kinds = muon.state_kinds(*nc.param_groups(params))
+    p_specs, o_specs = sharding.state_specs(params, opt_state, devices, shard, state_kinds)
+    rows = jax.ShapeDtypeStruct((1, device_batch_size * devices, cfg.sequence_len), jnp.int32,
+                                sharding=NamedSharding(mesh, P(None, "data")))
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):  # (splash's shard_map)
+        lowered = train.jit_train_step.lower(
+            abstract(params, p_specs), abstract(opt_state, o_specs), (rows, rows), 0,
+            train.base_schedule(1000, weight_decay=0.2), train.learning_rates(), cfg=cfg,
+            attn=kernels.attention(attention), remat=remat,
+            mesh=mesh if shard != "none" else None, shard=shard)
+        # CPU XLA's default schedule is for concurrency and keeps every activation alive
+        compiled = lowered.compile({"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"})
+    m = compiled.memory_analysis()
+    state = sharding.memory(params, opt_state, devices, shard, state_kinds)
+    state = {f"{k}_bytes": v for k, v in state.items()}
+    step = {"arguments_bytes": m.argument_size_in_bytes, "outputs_bytes": m.output_size_in_bytes,
+            "aliased_bytes": m.alias_size_in_bytes, "temporaries_bytes": m.temp_size_in_bytes}
+    total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    total += m.temp_size_in_bytes
+    return {"shard": shard, **state, **step, "total_bytes": total,
+            "total_gb": round(total / 1e9, 3), "compile_s": round(time.perf_counter() - t0, 1)}
+
+
+def bench_memory(cfg, devices, device_batch_size, shard, remat, attention, fit=()):
+    """One JSON line: step_memory of cfg, per device. With fit (GB, 10^9 bytes): the device batch
+    doubled from 1 while it fits the largest, a line each, then a line with the largest power of
+    two fitting each (nanochat's total batch of 2^19 tokens needs one), 0 where none does."""
+    head = {"bench": "memory", "depth": cfg.n_layer, "params": nc.num_scaling_params(cfg)["total"],
+            "devices": devices, "max_seq_len": cfg.sequence_len, "remat": remat,
+            "attention": attention}
+
+    def measure(batch):
+        r = step_memory(cfg, devices, batch, shard, remat, attention)
+        print(json.dumps({**head, "device_batch_size": batch, **r, "estimate": MEMORY_NOTE}),
+              flush=True)
+        return r
+    if not fit:
+        measure(device_batch_size)
+        return
+    batch, totals = 1, {}
+    while batch <= 1024 and (not totals or totals[max(totals)] <= max(fit) * 1e9):
+        r = measure(batch)
+        totals[batch] = r["total_bytes"]
+        batch *= 2
+    largest = {f"{gb:g}": max((b for b, t in totals.items() if t <= gb * 1e9), default=0)
+               for gb in fit}
+    print(json.dumps({**head, "shard": r["shard"], "fits": largest,
+                      "total_gb": {str(b): round(t / 1e9, 3) for b, t in totals.items()},
+                      "estimate": MEMORY_NOTE}), flush=True)
+
+
 def bench_train_child(config, steps):
     """One model's training step timed in this process (bench_train runs it in a fresh one)."""
     os.environ.setdefault("BENCH_START", repr(START))
@@ -235,7 +313,7 @@ def bench_train_child(config, steps):
     print(json.dumps(train_step_timing(CONFIGS[config], BATCH[config][0], steps)))
 
 
-MODES = ("tokenizer", "decode", "train", "train-child", "accel")
+MODES = ("tokenizer", "decode", "train", "train-child", "accel", "memory")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -255,13 +333,32 @@ def parse_args(argv=None):
                    "warm-up steps")
     p.add_argument("--depths", type=int, nargs="*", default=[12, 20],
                    help="accel: nanochat depths (T 2048, bf16)")
+    m = p.add_argument_group("memory (docs/scaling-out.md)").add_argument
+    m("--depth", type=int, default=20, help="nanochat's depth (vocab 32768, bf16 compute)")
+    m("--devices", type=int, default=8, help="emulated devices of the data mesh")
+    m("--device-batch-size", type=int, default=1, help="rows per device")
+    m("--max-seq-len", type=int, default=2048, help="T")
+    m("--shard", choices=sharding.MODES, default="optimizer", help="train.py's --shard")
+    m("--remat", action="store_true", help="train.py's --remat")
+    m("--attention", choices=kernels.ROUTES, default="splash",
+      help="route whose memory is estimated (splash: a fused kernel's, interpreted)")
+    m("--fit", type=float, nargs="*", default=[],
+      help="GB per device: the largest power-of-two device batch fitting each")
     return p.parse_args(argv)
 
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.mode == "tokenizer":
+    if args.mode == "memory":
+        if args.devices < 1 or args.device_batch_size < 1:
+            raise SystemExit("bench.py memory: --devices and --device-batch-size must be >= 1")
+        jax.config.update("jax_num_cpu_devices", args.devices)  # before the CPU backend starts
+        cfg = nc.config_for_depth(args.depth, 32768, sequence_len=args.max_seq_len,
+                                  compute_dtype="bfloat16")  # nanochat's recipe's model
+        bench_memory(cfg, args.devices, args.device_batch_size, args.shard, args.remat,
+                     args.attention, args.fit)
+    elif args.mode == "tokenizer":
         bench_tokenizer(args.mb, args.vocab_size, args.repeats)
     elif args.mode == "decode":
         bench_decode(args.configs or ("nano", "d6"), args.repeats)

@@ -52,6 +52,19 @@ def init(params, labels, groups):
             "var": jax.tree.map(second, params, labels)}
 
 
+def leaf_kinds(labels, groups):
+    """How each leaf's update may split across devices (sharding.leaf_spec's kinds): a Muon
+    leaf's only along the stack axis, so Polar Express sees whole matrices; an AdamW leaf's,
+    elementwise, along any axis."""
+    return jax.tree.map(lambda label: "stack" if groups[label]["kind"] == "muon" else "any", labels)
+
+
+def state_kinds(labels, groups):
+    """leaf_kinds for each leaf of init's state."""
+    leaf = leaf_kinds(labels, groups)
+    return {"step": "any", "mom": leaf, "var": leaf}
+
+
 def polar_express(x):
     """Approximate the orthogonal polar factor U V^T of a stack of matrices x (K, m, n)."""
     m, n = x.shape[-2:]

@@ -266,7 +266,9 @@ def unstack(params, cfg):
     it. Inside jit each slice is a copy, small beside a training step but large beside a decode
     step, so `generate` unstacks once, outside jit."""
     keys = ("h", "value_embeds", "resid_lambdas", "x0_lambdas")
-    s = jax.tree.map(list, {k: params[k] for k in keys})  # list(a): every slice in one op
+    # one split op, whose gradient is one concatenate (slices' would be a full-size pad each)
+    s = jax.tree.map(lambda a: [x.reshape(a.shape[1:]) for x in jnp.split(a, len(a))],
+                     {k: params[k] for k in keys})
     h, layers = s["h"], []
     for i in range(cfg.n_layer):
         layer = {"attn": {k: h["attn"][k][i] for k in ("c_q", "c_k", "c_v", "c_proj")},

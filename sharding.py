@@ -5,12 +5,17 @@
   updates its share of the moments and parameters, and XLA gathers the new parameters.
 - full (FSDP): the parameters and the gradients split the same way too; XLA gathers each
   layer's weights where the forward and backward use them and reduce-scatters the gradients.
-One rule splits every leaf: its leading axis, when that divides the device count. For Muon's
-leaves that is the stack axis (per-layer matrices stacked), so no matrix is cut across its own
-dimensions and Polar Express runs on whole matrices; for AdamW's, the first dimension (the vocab
-of wte, the width of lm_head). A leaf whose leading axis does not divide (the scalars, a stack of
-fewer layers than devices) stays replicated. The collectives are the compiler's (GSPMD): only the
-shardings of the step's inputs and outputs are given; the model and optimizer name no mesh axis.
+Each leaf splits on one axis of its own, the first of those its kind allows that divides the
+device count. Muon's state splits only on the stack axis (per-layer matrices stacked), so no
+matrix is cut across its own dimensions and Polar Express runs on whole matrices; AdamW's state,
+updated elementwise, on any axis (the vocab of wte and of the value embeddings, the width of
+lm_head). Under full, the parameters and gradients split on a matrix's own first dimension (the
+axis after a stack's), so one layer sliced out of a stack is still split and XLA gathers one
+layer's weights at a time (split on the stack axis, each slice would gather the whole stack);
+the update's inputs and outputs are resharded between the two layouts, as nanochat's optimizer
+reduce-scatters gradients to the rank owning each matrix. A leaf with no axis that divides (the
+scalars, a stack of fewer layers than devices) stays replicated. The collectives are the compiler's (GSPMD): only the shardings of the step's inputs
+and outputs are given; the model and optimizer name no mesh axis.
 Several hosts join one mesh through `jax.distributed.initialize` (`init_distributed`).
 """
 
@@ -23,19 +28,36 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 MODES = ("none", "optimizer", "full")
 
 
-def leaf_spec(shape, n, split=True):
-    """A leaf's PartitionSpec: its leading axis over "data" when split and it divides the n
-    devices, else replicated."""
-    if split and n > 1 and len(shape) > 0 and shape[0] % n == 0:
-        return P("data")
+def leaf_spec(shape, n, kind):
+    """A leaf's PartitionSpec over n devices on the "data" axis: its first axis, in the order its
+    kind allows, that divides n. "stack": the leading one (Muon's state); "matrix": a matrix's own
+    two, then a stack's (full's params and gradients); "any": every one (AdamW's state). None
+    keeps it whole, as does a leaf with no axis that divides."""
+    axes = range(len(shape))
+    allowed = {None: [], "stack": axes[:1], "matrix": [*axes[-2:], *axes[:-2]], "any": axes}
+    for axis in allowed[kind]:
+        if n > 1 and shape[axis] % n == 0:
+            return P(*[None] * axis, "data")
     return P()
 
 
-def state_specs(params, opt_state, n, mode):
+def specs(tree, n, kinds):
+    """leaf_spec of every leaf of tree (arrays or shapes); kinds: one kind, or a tree of them."""
+    if kinds is None or isinstance(kinds, str):
+        return jax.tree.map(lambda a: leaf_spec(a.shape, n, kinds), tree)
+    return jax.tree.map(lambda a, kind: leaf_spec(a.shape, n, kind), tree, kinds)
+
+
+def kinds(mode, state_kinds):
+    """The kinds of (params and gradients, optimizer state) under a --shard mode; state_kinds: the
+    optimizer's own (muon.state_kinds)."""
+    return ("matrix" if mode == "full" else None), (None if mode == "none" else state_kinds)
+
+
+def state_specs(params, opt_state, n, mode, state_kinds):
     """The PartitionSpecs of (params, opt_state), trees of arrays or shapes, under a mode."""
-    def specs(tree, split):
-        return jax.tree.map(lambda a: leaf_spec(a.shape, n, split), tree)
-    return specs(params, mode == "full"), specs(opt_state, mode != "none")
+    p_kind, o_kinds = kinds(mode, state_kinds)
+    return specs(params, n, p_kind), specs(opt_state, n, o_kinds)
 
 
 def bytes_per_device(tree, specs, n):
@@ -49,20 +71,20 @@ def is_spec(x):
     return isinstance(x, P)
 
 
-def memory(params, opt_state, n, mode):
+def memory(params, opt_state, n, mode, state_kinds):
     """Bytes per device of the parameters, the gradients (sharded as the params) and the
     optimizer state."""
-    p_specs, o_specs = state_specs(params, opt_state, n, mode)
+    p_specs, o_specs = state_specs(params, opt_state, n, mode, state_kinds)
     p = bytes_per_device(params, p_specs, n)
     return {"params": p, "grads": p, "optimizer": bytes_per_device(opt_state, o_specs, n)}
 
 
-def constrain(tree, mesh, split):
-    """Inside the jitted step: tree laid out by leaf_spec on mesh (nothing without a mesh)."""
+def constrain(tree, mesh, kinds):
+    """Inside the jitted step: tree laid out by its kinds (specs') on mesh (nothing without one)."""
     if mesh is None:
         return tree
-    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
-        a, NamedSharding(mesh, leaf_spec(a.shape, mesh.size, split))), tree)
+    return jax.tree.map(lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)),
+                        tree, specs(tree, mesh.size, kinds))
 
 
 def data_mesh():
@@ -70,11 +92,11 @@ def data_mesh():
     return Mesh(np.array(jax.devices()), ("data",))
 
 
-def place(params, opt_state, mesh, mode=None):
+def place(params, opt_state, state_kinds, mesh, mode=None):
     """(params, opt_state, mode): host or device arrays put onto mesh, split as the mode
     (choose_mode's) says."""
     mode = choose_mode(mode, mesh.size)
-    p_specs, o_specs = state_specs(params, opt_state, mesh.size, mode)
+    p_specs, o_specs = state_specs(params, opt_state, mesh.size, mode, state_kinds)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), (p_specs, o_specs),
                              is_leaf=is_spec)
     return *jax.device_put((params, opt_state), shardings), mode
@@ -92,9 +114,10 @@ def choose_mode(mode, n, log=print):
     return mode
 
 
-def describe(params, opt_state, n, mode):
+def describe(params, opt_state, state_kinds, n, mode):
     """The startup line's words on the mode and the bytes per device."""
-    mib = {k: f"{v / 2**20:,.1f}" for k, v in memory(params, opt_state, n, mode).items()}
+    mib = {k: f"{v / 2**20:,.1f}" for k, v in memory(params, opt_state, n, mode,
+                                                      state_kinds).items()}
     return (f"--shard {mode}: per device {mib['params']} MiB params, {mib['grads']} MiB grads, "
             f"{mib['optimizer']} MiB optimizer state")
 

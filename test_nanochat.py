@@ -486,7 +486,7 @@ IMPORTS = {  # each module of ours: the modules of ours it imports (nanochat.py 
     "train": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "report", "rl",
               "sharding", "tasks"},
     "chat": {"checkpoint", "data", "kernels", "nanochat"},
-    "bench": {"data", "kernels", "muon", "nanochat", "report", "train"},
+    "bench": {"data", "kernels", "muon", "nanochat", "report", "sharding", "train"},
     "scaling_fits": set(),
     "scaling": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "scaling_fits",
                 "sharding", "train"},
@@ -1168,31 +1168,89 @@ def test_shard_modes_equal_one_device_and_resume_on_others(train_root, tmp_path)
 
 def test_sharded_state_bytes_per_device():
     """Per device, --shard full holds at most 1/8 of the replicated params and optimizer state plus
-    the leaves that stay replicated (a leading axis that does not divide 8), --shard optimizer the
-    same of the optimizer state alone; counted from shapes, no devices needed. A mode that needs
-    several devices falls back to none on one, with a warning."""
+    the leaves that stay replicated (no axis their kind allows divides 8), --shard optimizer the
+    same of the optimizer state alone; counted from shapes, no devices needed. Muon's state splits
+    only on the stack axis, AdamW's on any, full's params on a matrix's own dimensions. A mode that
+    needs several devices falls back to none on one, with a warning."""
+    P = jax.sharding.PartitionSpec
     for model in (dict(depth=16, aspect_ratio=4), *SHARD_MODELS.values()):
-        params = nc.param_shapes(train.model_config(300, **{**TINY_MODEL, **model}))
+        params = nc.param_shapes(train.model_config(320, **{**TINY_MODEL, **model}))
+        kinds = muon.state_kinds(*nc.param_groups(params))
         opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
-        replicated = sharding.memory(params, opt, 8, "none")
-        p_specs, o_specs = sharding.state_specs(params, opt, 8, "full")
+        replicated = sharding.memory(params, opt, 8, "none", kinds)
+        p_specs, o_specs = sharding.state_specs(params, opt, 8, "full", kinds)
         kept = [sum(a.size * a.dtype.itemsize for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(
-            specs, is_leaf=sharding.is_spec)) if s == jax.sharding.PartitionSpec())
+            specs, is_leaf=sharding.is_spec)) if s == P())
             for tree, specs in ((params, p_specs), (opt, o_specs))]  # the leaves left whole
-        full, optimizer = (sharding.memory(params, opt, 8, m) for m in ("full", "optimizer"))
+        full, optimizer = (sharding.memory(params, opt, 8, m, kinds) for m in ("full", "optimizer"))
         assert full["params"] + full["optimizer"] <= \
             (replicated["params"] + replicated["optimizer"]) / 8 + sum(kept)
         assert optimizer["optimizer"] <= replicated["optimizer"] / 8 + kept[1]
         assert optimizer["params"] == optimizer["grads"] == replicated["params"]
         assert full["grads"] == full["params"] < replicated["params"]
+        # value embeddings: 2 or 8 tables; vocab 320 divides 8
+        assert p_specs["value_embeds"] == P(None, "data")
+        assert o_specs["mom"]["value_embeds"] == (P("data") if model.get("depth") == 16
+                                                  else P(None, "data"))
         if model.get("depth") == 16:  # every stack divides: only the (1,) scalars stay whole
             assert sum(kept) < 64 and full["params"] * 8 - replicated["params"] < 64
     # Muon's stacks split along the stack axis only, never across a matrix
-    assert sharding.leaf_spec((8, 64, 256), 8) == jax.sharding.PartitionSpec("data")
-    assert sharding.leaf_spec((2, 64, 256), 8) == jax.sharding.PartitionSpec()
+    assert sharding.leaf_spec((8, 64, 256), 8, "stack") == P("data")
+    assert sharding.leaf_spec((2, 64, 256), 8, "stack") == P()
+    assert sharding.leaf_spec((2, 64, 256), 8, "any") == P(None, "data")
+    assert sharding.leaf_spec((8, 64, 256), 8, "matrix") == P(None, "data")
+    assert sharding.leaf_spec((8, 60, 256), 8, "matrix") == P(None, None, "data")
+    assert sharding.leaf_spec((), 8, "any") == sharding.leaf_spec((8, 64), 8, None) == P()
     said = []
     assert sharding.choose_mode("full", 1, said.append) == "none" and "warning" in said[0]
     assert sharding.choose_mode(None, 8) == "optimizer" and sharding.choose_mode(None, 1) == "none"
+
+
+MEMORY_CFG = nc.Config(sequence_len=16, vocab_size=256, n_layer=8, n_head=4, n_kv_head=2,
+                       n_embd=256)  # wide and short: the weights outweigh the activations
+MEMORY_CHILD = """
+import json, bench, test_nanochat as t
+out = {mode: bench.step_memory(t.MEMORY_CFG, 4, 1, mode, attention="plain")
+       for mode in ("none", "optimizer", "full")}
+one, two = (bench.step_memory(t.MEMORY_CFG, 4, b, "full", attention="plain")["total_bytes"]
+            for b in (1, 2))
+bench.bench_memory(t.MEMORY_CFG, 4, 1, "full", False, "plain", fit=(one / 2e9, one / 1e9, two / 1e9))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # a child of 4 emulated devices, 8 compiles
+def test_bench_memory():
+    """bench.py memory's numbers on 4 emulated devices: the state bytes are sharding.memory's,
+    the arguments alias the params and optimizer state (donated), the total adds XLA's parts;
+    from none to optimizer to full the total falls, and full's temporaries are at most 0.7 of
+    none's (0.49 measured; with whole stacks gathered for each layer, 0.91). --fit doubles the
+    batch while it fits and names the largest power of two for each budget; the README's
+    command parses."""
+    out, stdout = emulated_devices(4, "-c", MEMORY_CHILD)
+    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"bench"')]
+    params = nc.param_shapes(MEMORY_CFG)
+    opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
+    kinds = muon.state_kinds(*nc.param_groups(params))
+    for mode, r in out.items():
+        state = sharding.memory(params, opt, 4, mode, kinds)
+        assert [r["params_bytes"], r["grads_bytes"], r["optimizer_bytes"]] == \
+            [state["params"], state["grads"], state["optimizer"]], mode
+        assert r["aliased_bytes"] == state["params"] + state["optimizer"], mode
+        assert r["arguments_bytes"] >= r["aliased_bytes"] + 2 * 4 * 16 * 4 // 4  # + the rows
+        assert r["total_bytes"] == (r["arguments_bytes"] + r["outputs_bytes"]
+                                    - r["aliased_bytes"] + r["temporaries_bytes"])
+    assert out["none"]["total_bytes"] > out["optimizer"]["total_bytes"] > out["full"]["total_bytes"]
+    assert out["full"]["temporaries_bytes"] < 0.7 * out["none"]["temporaries_bytes"]
+    *measured, summary = lines
+    totals = {r["device_batch_size"]: r["total_bytes"] for r in measured}
+    assert list(totals) == [1, 2, 4] and totals[1] == out["full"]["total_bytes"]
+    assert totals[1] < totals[2] < totals[4]  # it stopped past the largest budget
+    assert list(summary["fits"].values()) == [0, 1, 2] and summary["shard"] == "full"
+    import bench
+    args = bench.parse_args(["memory", "--depth", "26", "--shard", "full", "--remat", "--fit",
+                             "16", "32", "80"])
+    assert (args.depth, args.devices, args.max_seq_len, args.fit) == (26, 8, 2048, [16, 32, 80])
 
 
 def test_remat_leaves_the_losses(train_root, tmp_path):
