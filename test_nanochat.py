@@ -1289,7 +1289,7 @@ def two_process_cmd(root, iterations):
             "--num-processes", "2"]
 
 
-@pytest.mark.slow  # three train.py processes
+@pytest.mark.slow  # two train.py processes (jax.distributed)
 def test_two_processes_equal_one(train_root, tmp_path):
     # one process reading both shards, accumulating two micro-batches of 4 rows
     _, _, one, _ = run_base(fresh_root(train_root, tmp_path / "one"), 3, data_shards=2)
