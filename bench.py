@@ -254,7 +254,7 @@ def step_memory(cfg, devices, device_batch_size, shard="optimizer", remat=False,
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                               sharding=NamedSharding(mesh, s)),
                             tree, specs)
-    state_kinds = muon.state_kinds(*nc.param_groups(params))
+    state_kinds = muon.state_kinds(*nc.param_groups(params))[1]
     p_specs, o_specs = sharding.state_specs(params, opt_state, devices, shard, state_kinds)
     rows = jax.ShapeDtypeStruct((1, device_batch_size * devices, cfg.sequence_len), jnp.int32,
                                 sharding=NamedSharding(mesh, P(None, "data")))
@@ -266,7 +266,8 @@ def step_memory(cfg, devices, device_batch_size, shard="optimizer", remat=False,
             attn=kernels.attention(attention), remat=remat,
             mesh=mesh if shard != "none" else None, shard=shard)
         # CPU XLA's default schedule is for concurrency and keeps every activation alive
-        compiled = lowered.compile({"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"})
+        scheduler = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+        compiled = lowered.compile(scheduler)
     m = compiled.memory_analysis()
     state = sharding.memory(params, opt_state, devices, shard, state_kinds)
     state = {f"{k}_bytes": v for k, v in state.items()}

@@ -52,17 +52,12 @@ def init(params, labels, groups):
             "var": jax.tree.map(second, params, labels)}
 
 
-def leaf_kinds(labels, groups):
-    """How each leaf's update may split across devices (sharding.leaf_spec's kinds): a Muon
-    leaf's only along the stack axis, so Polar Express sees whole matrices; an AdamW leaf's,
-    elementwise, along any axis."""
-    return jax.tree.map(lambda label: "stack" if groups[label]["kind"] == "muon" else "any", labels)
-
-
 def state_kinds(labels, groups):
-    """leaf_kinds for each leaf of init's state."""
-    leaf = leaf_kinds(labels, groups)
-    return {"step": "any", "mom": leaf, "var": leaf}
+    """(per param, per leaf of init's state): how each may split across devices, in
+    sharding.leaf_spec's kinds. A Muon leaf only along its stack axis, so Polar Express sees whole
+    matrices; an AdamW leaf, updated elementwise, along any axis."""
+    leaf = jax.tree.map(lambda label: "stack" if groups[label]["kind"] == "muon" else "any", labels)
+    return leaf, {"step": "any", "mom": leaf, "var": leaf}
 
 
 def polar_express(x):

@@ -14,8 +14,9 @@ axis after a stack's), so one layer sliced out of a stack is still split and XLA
 layer's weights at a time (split on the stack axis, each slice would gather the whole stack);
 the update's inputs and outputs are resharded between the two layouts, as nanochat's optimizer
 reduce-scatters gradients to the rank owning each matrix. A leaf with no axis that divides (the
-scalars, a stack of fewer layers than devices) stays replicated. The collectives are the compiler's (GSPMD): only the shardings of the step's inputs
-and outputs are given; the model and optimizer name no mesh axis.
+scalars, a stack of fewer layers than devices) stays replicated. The collectives are the
+compiler's (GSPMD): only the shardings of the step's inputs and outputs are given; the model and
+optimizer name no mesh axis.
 Several hosts join one mesh through `jax.distributed.initialize` (`init_distributed`).
 """
 

@@ -1175,7 +1175,7 @@ def test_sharded_state_bytes_per_device():
     P = jax.sharding.PartitionSpec
     for model in (dict(depth=16, aspect_ratio=4), *SHARD_MODELS.values()):
         params = nc.param_shapes(train.model_config(320, **{**TINY_MODEL, **model}))
-        kinds = muon.state_kinds(*nc.param_groups(params))
+        kinds = muon.state_kinds(*nc.param_groups(params))[1]
         opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
         replicated = sharding.memory(params, opt, 8, "none", kinds)
         p_specs, o_specs = sharding.state_specs(params, opt, 8, "full", kinds)
@@ -1231,7 +1231,7 @@ def test_bench_memory():
     lines = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"bench"')]
     params = nc.param_shapes(MEMORY_CFG)
     opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
-    kinds = muon.state_kinds(*nc.param_groups(params))
+    kinds = muon.state_kinds(*nc.param_groups(params))[1]
     for mode, r in out.items():
         state = sharding.memory(params, opt, 4, mode, kinds)
         assert [r["params_bytes"], r["grads_bytes"], r["optimizer_bytes"]] == \

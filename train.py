@@ -88,8 +88,8 @@ def train_step(params, opt_state, batch, step, sched, lrs, cfg, attn=nc.causal_a
     lrm, momentum, weight_decay = schedules(step, sched)
     labels, groups = nc.param_groups(params, lrm, momentum, weight_decay,
                                      muon_dtype=cfg.compute_dtype, **lrs)
-    p_kind, o_kinds = sharding.kinds(shard, muon.state_kinds(labels, groups))
-    update_kinds = muon.leaf_kinds(labels, groups)  # where each device's share is updated
+    update_kinds, state_kinds = muon.state_kinds(labels, groups)  # where each share is updated
+    p_kind, o_kinds = sharding.kinds(shard, state_kinds)
 
     def micro(grads, b):
         loss, g = jax.value_and_grad(weighted_loss)(params, cfg, *b, attn=attn, remat=remat)
@@ -339,7 +339,7 @@ def run_stage(name, stage, tok, out, device_batch_size=16, optim=None, evals=Non
     step, params, opt_state, sched, lrs, states = resume_or_init(stage, cfg, out_dir, resume,
                                                                  sched, lrs)
     mesh = sharding.data_mesh()
-    state_kinds = muon.state_kinds(*nc.param_groups(params))
+    state_kinds = muon.state_kinds(*nc.param_groups(params))[1]
     params, opt_state, shard = sharding.place(params, opt_state, state_kinds, mesh, shard)
     layout = dict(remat=remat, mesh=mesh if shard != "none" else None, shard=shard)
     next_batch, states = stage_batches(tok, stage, batch // (rows * T), rows, T, mesh,
