@@ -145,7 +145,7 @@ def evaluate_bpb(params, cfg, batches, token_bytes, steps):
         sums += [float(x) for x in _bpb_sums(params, inputs, targets, token_bytes, cfg)]
     if jax.process_count() > 1:
         sums = multihost_utils.process_allgather(sums).sum(0)
-    return sums[0] / (math.log(2) * max(sums[1], 1))
+    return float(sums[0] / (math.log(2) * max(sums[1], 1)))
 
 
 def evaluate_tasks(params, cfg, tok, n=50, questions=(), seed=0, max_tokens=160):
@@ -169,7 +169,8 @@ def during_training(name, tok, cfg, results, log, device_batch_size, val_docs=No
                     eval_every=100, eval_steps=8, sample_every=100, stage_eval=None):
     """train.train_loop's before_step for stage `name`: val bits per byte (of val_docs, by default
     the default corpus's val split) every eval_every steps, a sample every sample_every steps, and
-    the stage's own evaluation, stage_eval(params, step, last, results, log) (RL's pass@k)."""
+    the stage's own evaluation, stage_eval(params, step, last, results, log) (RL's pass@k), given
+    the params as training holds them (sharded under --shard full)."""
     token_bytes = jnp.asarray(tok.token_bytes())
     val_docs = val_docs or data.corpus(None, "val")
     text = "The " if name == "base" else "Who are you?"
@@ -180,10 +181,13 @@ def during_training(name, tok, cfg, results, log, device_batch_size, val_docs=No
         prompt = data.render_for_completion(tok, chat)
 
     def before_step(params, step, last):
-        p = local(params)
         if stage_eval is not None:
-            stage_eval(p, step, last, results, log)
-        if eval_every > 0 and (step % eval_every == 0 or last):
+            stage_eval(params, step, last, results, log)
+        val_due = eval_every > 0 and (step % eval_every == 0 or last)
+        sample_due = sample_every > 0 and step > 0 and (step % sample_every == 0 or last)
+        if val_due or sample_due:  # gathered only then: sharded, they are the whole model
+            p = local(params)
+        if val_due:
             shard = data.every_nth(val_docs, jax.process_index(), jax.process_count())
             val = data.pretrain_batches(tok, shard, device_batch_size, cfg.sequence_len)
             results["val_bpb"] = evaluate_bpb(p, cfg, val, token_bytes, eval_steps)
@@ -193,7 +197,7 @@ def during_training(name, tok, cfg, results, log, device_batch_size, val_docs=No
                 recall = data.sft_batches(tok, lambda _: tk.recall_conversations("test"),
                                           device_batch_size, cfg.sequence_len)
                 results["recall_bpb"] = evaluate_bpb(p, cfg, recall, token_bytes, eval_steps)
-        if sample_every > 0 and step > 0 and (step % sample_every == 0 or last):
+        if sample_due:
             sample = complete(p, cfg, tok, prompt, 1, 24)[0]
             print(f"  sample: {text!r} -> {tok.decode(sample)!r}")
     return before_step

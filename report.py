@@ -191,17 +191,17 @@ def evaluate_stage(name, params, cfg, tok, losses, info, out, argv, eval_tasks=5
     r = dict(final_loss=losses[-1] if losses else None, minutes=info["time"] / 60,
              **{k: v for k, v in info.items() if k != "time"})
     (bundle_dir, bundle), (chat_dir, chat_tasks) = bundle, chat_tasks
+    own = evaluate.local(params)  # sharded params gathered: a collective, so every process joins
     if name == "base" and bundle:
         r["core"] = dict(evaluate.evaluate_core(params, cfg, tok, bundle, rows), data=bundle_dir)
     if name != "base" and eval_tasks > 0:
-        r["tasks"], r["questions"] = evaluate.evaluate_tasks(evaluate.local(params), cfg, tok,
-                                                             eval_tasks, questions)
+        r["tasks"], r["questions"] = evaluate.evaluate_tasks(own, cfg, tok, eval_tasks, questions)
     if name != "base" and chat_tasks:
         results = evaluate.evaluate_chat(params, cfg, tok, chat_tasks, rows)
         r["chatcore"] = dict(results, data=chat_dir)
     if jax.process_index() == 0:
         section = dict(r, config=dataclasses.asdict(cfg), argv=argv,
-                       samples=samples(evaluate.local(params), cfg, tok, name))
+                       samples=samples(own, cfg, tok, name))
         save_section(out, name, section)
         print(f"report card: {write_report(out)}")
     return r

@@ -115,7 +115,7 @@ def rl_stage(out, tok, key, task_names=("spelling", "counting"), seed=0, chat_da
 
     def passk(params, step, last, results, log):  # nanochat's, on 8 samples (its device batch)
         if eval_n > 0 and (step == 0 or last or eval_every > 0 and step % eval_every == 0):
-            r = evaluate_passk(params, cfg, tok, rl_tasks, eval_n, min(samples, 8),
+            r = evaluate_passk(evaluate.local(params), cfg, tok, rl_tasks, eval_n, min(samples, 8),
                                jax.random.key(1), max_tokens)
             results["pass@k" if last else "pass@k before" if step == 0 else f"pass@k {step}"] = r
             print(f"step {step:5d} | {json.dumps(r)}")

@@ -1093,19 +1093,24 @@ def run_cli(root, *extra, env=None):
 def test_four_devices_equal_one(train_root, tmp_path, capsys):
     """Data parallel on a 4-device mesh trains to the losses of one device, through the CPU route
     and through TPU's splash-attention route (interpreted here, run per device by shard_map); the
-    startup line names the route."""
-    args = ("--max-seq-len", "128", "--device-batch-size", "2", "--total-batch-size", "1024")
+    startup line names the route. The val loss and the sample at the last step run on one device
+    of the four (outside the step's mesh) and agree between the routes."""
+    args = ("--max-seq-len", "128", "--device-batch-size", "2", "--total-batch-size", "1024",
+            "--eval-every", "3", "--eval-steps", "1", "--sample-every", "3")
     _, _, one, _ = run_base(fresh_root(train_root, tmp_path / "one"), 3,
                             model={"max_seq_len": 128}, optim={"total_batch_size": 1024},
                             device_batch_size=2)
     # one device accumulates 4 micro-batches of 2 rows; four devices take 2 rows each of one
     # micro-batch of 8
     assert "(4 x 2 x 128), 1 devices, attention cpu," in capsys.readouterr().out
+    val = {}
     for route in ("cpu", "splash"):
         four, out4 = run_cli(fresh_root(train_root, tmp_path / route), *args, "--attention", route,
                              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
-        assert f"(1 x 8 x 128), 4 devices, attention {route}," in out4
+        assert f"(1 x 8 x 128), 4 devices, attention {route}," in out4 and "sample:" in out4
         np.testing.assert_allclose(four, one, rtol=1e-5)
+        val[route] = float(re.search(r"^step +3 \| val bpb (\S+)$", out4, re.M)[1])
+    assert val["cpu"] == pytest.approx(val["splash"], rel=1e-4)
 
 
 # 8 stacked layers, width 64, vocab 320: every layer stack and first dimension divides 8 but the
@@ -1138,8 +1143,8 @@ def emulated_devices(n, *cmd):
 @pytest.mark.slow  # two processes of 8 and 4 emulated devices
 def test_shard_modes_equal_one_device_and_resume_on_others(train_root, tmp_path):
     """--shard none, optimizer and full on 8 devices train to the same losses (rtol 1e-5: the
-    gradient's sum is reduced in another order), and to one device's (rtol 3e-3), over 4 steps of a model whose stacks divide 8 and
-    6 of one whose do not; the full run, cut at step 3, resumes under none on 1 device and under
+    gradient's sum is reduced in another order), and to one device's (rtol 3e-3), over 4 steps
+    of a model whose stacks divide 8 and 6 of one whose do not; the full run, cut at step 3, resumes under none on 1 device and under
     optimizer on 4 with the losses of the uninterrupted run."""
     one = {name: run_base(fresh_root(train_root, tmp_path / name), 4 if name == "d8" else 6,
                           model=model)[2] for name, model in SHARD_MODELS.items()}
@@ -1290,19 +1295,29 @@ def two_process_cmd(root, iterations):
 
 
 @pytest.mark.slow  # two train.py processes (jax.distributed)
-def test_two_processes_equal_one(train_root, tmp_path):
+@pytest.mark.parametrize("shard", ["optimizer", "full"])
+def test_two_processes_equal_one(train_root, tmp_path, shard):
+    """Two processes of one device each train as one process does, in both sharded modes; the
+    val loss and the sample at the last step and the report card (which gather the params under
+    full: a collective every process must join) finish on both."""
     # one process reading both shards, accumulating two micro-batches of 4 rows
     _, _, one, _ = run_base(fresh_root(train_root, tmp_path / "one"), 3, data_shards=2)
     root = fresh_root(train_root, tmp_path / "two")
-    cmd = two_process_cmd(root, 3)
+    cmd = two_process_cmd(root, 3) + ["--shard", shard, "--eval-every", "3", "--eval-steps", "1",
+                                      "--sample-every", "3"]
     procs = [subprocess.Popen(cmd + ["--process-id", str(i)], cwd=pathlib.Path(__file__).parent,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert f"--shard {shard}: per device" in outs[0][0]
     with open(os.path.join(root, "base", "metrics.jsonl")) as f:
-        two = [json.loads(line)["loss"] for line in f]
+        lines = [json.loads(line) for line in f]
+    two = [entry["loss"] for entry in lines if "loss" in entry]
     assert len(two) == 3  # one line per step: only process 0 writes the log
     np.testing.assert_allclose(two, one, rtol=1e-5)
+    assert [entry["step"] for entry in lines if "val_bpb" in entry] == [0, 3]
+    assert "sample:" in outs[0][0] and "sample:" in outs[1][0]
 
 
 @pytest.mark.slow  # three train.py processes

@@ -171,14 +171,16 @@ def ctrl_c_flag():
 
 def train_loop(params, opt_state, next_batch, states, step, sched, lrs, cfg, *,
                attn=nc.causal_attention, before_step=lambda *a: None, save=lambda *a: None,
-               save_every=-1, stop=(), log=lambda record: None, debug=False, layout=None):
+               save_every=-1, stop=(), log=lambda record: None, debug=False, layout=None,
+               mesh=None):
     """Train from `step` to sched["num_iterations"]: (params, opt_state, this call's losses).
 
     next_batch(params, step) -> (batch, data states after it) (RL samples it from the params);
     before_step(params, step, last) runs before each step and at the end; save(params, opt_state,
     step, states) -> its path, every save_every steps and at the end. Raises FloatingPointError on
     a non-finite loss, and KeyboardInterrupt (after saving) once `stop` is non-empty anywhere.
-    layout: train_step's remat, mesh and shard."""
+    layout: train_step's remat, mesh and shard; mesh: the context mesh of each step (splash's
+    shard_map reads it), not of before_step and next_batch, which may run on one device."""
     steps, start, last_saved, losses, smooth = sched["num_iterations"], step, None, [], 0.0
     step_fn, flops = train_step if debug else jit_train_step, nc.estimate_flops(cfg)
     t_run = time.perf_counter()
@@ -196,7 +198,8 @@ def train_loop(params, opt_state, next_batch, states, step, sched, lrs, cfg, *,
             return params, opt_state, losses
         batch, next_states = next_batch(params, step)
         t0 = time.perf_counter()
-        with jax.disable_jit(debug), jax.debug_nans(debug):
+        context = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+        with jax.disable_jit(debug), jax.debug_nans(debug), context:
             params, opt_state, m = step_fn(params, opt_state, batch, step, sched, lrs, cfg=cfg,
                                            attn=attn, **(layout or {}))
         loss, dt = float(m["loss"]), time.perf_counter() - t0
@@ -363,7 +366,7 @@ def run_stage(name, stage, tok, out, device_batch_size=16, optim=None, evals=Non
 
     t = time.perf_counter()
     metrics = os.path.join(out_dir, "metrics.jsonl") if jax.process_index() == 0 else os.devnull
-    with open(metrics, "a") as f, ctrl_c_flag() as stop, jax.set_mesh(mesh):  # (splash's mesh)
+    with open(metrics, "a") as f, ctrl_c_flag() as stop:
         def log(entry):
             f.write(json.dumps(entry) + "\n")
             if "dt" in entry and entry["step"] > step + 1:  # for MFU; the first step compiled
@@ -374,7 +377,7 @@ def run_stage(name, stage, tok, out, device_batch_size=16, optim=None, evals=Non
         params, _, losses = train_loop(params, opt_state, next_batch, states, step, sched, lrs,
                                        cfg, attn=kernels.attention(attention), before_step=before,
                                        save=save, save_every=save_every, stop=stop, log=log,
-                                       debug=debug, layout=layout)
+                                       debug=debug, layout=layout, mesh=mesh)
     info = {**results, "steps": sched["num_iterations"], "time": time.perf_counter() - t}
     return params, cfg, losses, info
 
