@@ -93,6 +93,9 @@ def rl_stage(out, tok, key, task_names=("spelling", "counting"), seed=0, chat_da
     if jax.process_count() > 1:
         raise ValueError("the RL stage runs in one process (any number of its devices); run it "
                          "without --coordinator")
+    if samples % jax.device_count():  # a question's replies are one micro-batch, split by rows
+        raise ValueError(f"--rl-samples {samples} must be a multiple of the {jax.device_count()} "
+                         "devices (each takes an equal share of a question's replies)")
     params, cfg = checkpoint.load_stage(out, "sft", tok)
 
     def fits(messages):  # room to answer

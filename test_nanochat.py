@@ -1171,6 +1171,45 @@ def test_shard_modes_equal_one_device_and_resume_on_others(train_root, tmp_path)
         np.testing.assert_allclose(rest, eight["d2 full"][3:], rtol=3e-3, err_msg=mode)
 
 
+BAD_SHARD_CHILD = """
+import hashlib, json, os, pathlib, sys
+import jax, rl, train, test_nanochat as t
+root, errors = sys.argv[1], {}
+base = ["--stage", "base", "--out", root, *t.TRAIN_ARGS, "--num-iterations", "2",
+        "--total-batch-size", "512", "--shard", "full"]
+train.main(base)  # a checkpoint to resume
+
+
+def files():  # every file under root with its contents' hash
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(pathlib.Path(root).rglob("*")) if p.is_file()}
+before = files()
+for name, run in {
+        "model": lambda: train.main(base + ["--resume", "--depth", "3"]),
+        "batch": lambda: train.main(base + ["--total-batch-size", "256"]),
+        "samples": lambda: rl.rl_stage(root, None, jax.random.key(0), samples=6)}.items():
+    try:
+        run()
+    except ValueError as e:
+        errors[name] = str(e)
+print(json.dumps({"errors": errors, "unchanged": files() == before}))
+"""
+
+
+@pytest.mark.slow  # a process of 4 emulated devices
+def test_bad_input_under_shard_on_four_devices(train_root, tmp_path):
+    """Under --shard full on 4 devices, each bad input is one line that says what to do, and no
+    file is written or changed: a checkpoint of another model to resume, a total batch that is not
+    a multiple of the rows the mesh takes at once, RL samples that do not split over the devices."""
+    out, _ = emulated_devices(4, "-c", BAD_SHARD_CHILD, fresh_root(train_root, tmp_path))
+    errors = out["errors"]
+    assert set(errors) == {"model", "batch", "samples"} and out["unchanged"]
+    assert "resume with the flags it was trained with, or train into another --out" in errors["model"]
+    assert errors["batch"].startswith("--total-batch-size 256 must be a multiple of 512 ")
+    assert errors["samples"].startswith("--rl-samples 6 must be a multiple of the 4 devices")
+    assert all("\n" not in e for e in errors.values())
+
+
 def test_sharded_state_bytes_per_device():
     """Per device, --shard full holds at most 1/8 of the replicated params and optimizer state plus
     the leaves that stay replicated (no axis their kind allows divides 8), --shard optimizer the
