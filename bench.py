@@ -254,8 +254,7 @@ def step_memory(cfg, devices, device_batch_size, shard="optimizer", remat=False,
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                               sharding=NamedSharding(mesh, s)),
                             tree, specs)
-    state_kinds = muon.state_kinds(*nc.param_groups(params))[1]
-    p_specs, o_specs = sharding.state_specs(params, opt_state, devices, shard, state_kinds)
+    p_specs, o_specs = sharding.state_specs(params, opt_state, devices, shard)
     rows = jax.ShapeDtypeStruct((1, device_batch_size * devices, cfg.sequence_len), jnp.int32,
                                 sharding=NamedSharding(mesh, P(None, "data")))
     t0 = time.perf_counter()
@@ -269,7 +268,7 @@ def step_memory(cfg, devices, device_batch_size, shard="optimizer", remat=False,
         scheduler = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
         compiled = lowered.compile(scheduler)
     m = compiled.memory_analysis()
-    state = sharding.memory(params, opt_state, devices, shard, state_kinds)
+    state = sharding.memory(params, opt_state, devices, shard)
     state = {f"{k}_bytes": v for k, v in state.items()}
     step = {"arguments_bytes": m.argument_size_in_bytes, "outputs_bytes": m.output_size_in_bytes,
             "aliased_bytes": m.alias_size_in_bytes, "temporaries_bytes": m.temp_size_in_bytes}

@@ -52,14 +52,6 @@ def init(params, labels, groups):
             "var": jax.tree.map(second, params, labels)}
 
 
-def state_kinds(labels, groups):
-    """(per param, per leaf of init's state): how each may split across devices, in
-    sharding.leaf_spec's kinds. A Muon leaf only along its stack axis, so Polar Express sees whole
-    matrices; an AdamW leaf, updated elementwise, along any axis."""
-    leaf = jax.tree.map(lambda label: "stack" if groups[label]["kind"] == "muon" else "any", labels)
-    return leaf, {"step": "any", "mom": leaf, "var": leaf}
-
-
 def polar_express(x):
     """Approximate the orthogonal polar factor U V^T of a stack of matrices x (K, m, n)."""
     m, n = x.shape[-2:]
@@ -110,8 +102,12 @@ def adamw_step(p, g, m, v, t, lr, beta1, beta2, weight_decay, eps=1e-10):
     return p - (lr / (1 - beta1**t)) * m / denom, m, v
 
 
-def update(grads, state, params, labels, groups):
-    """One MuonAdamW step: each leaf by the group its label names. Returns (params, state)."""
+def update(grads, state, params, labels, groups, shards=1, place=None):
+    """One MuonAdamW step: each leaf by the group its label names. Returns (params, state).
+    shards, place: split each Muon stack over `shards` devices, padded with zero matrices to a
+    multiple of them (zeros stay zeros through the step) and laid out by place(stack), the
+    caller's sharding hint: each device then orthogonalizes whole matrices of its share, as
+    nanochat's ranks do, whatever the layer count."""
     t, treedef = state["step"] + 1, jax.tree.structure(params)
     trees = (params, grads, state["mom"], state["var"], labels)
     p, g, m, v, names = (treedef.flatten_up_to(tree) for tree in trees)
@@ -127,11 +123,17 @@ def update(grads, state, params, labels, groups):
     for (name, _), idx in stacks.items():
         hp = groups[name]
 
+        sizes = [math.prod(p[i].shape[:-2]) for i in idx]
+
         def cat(xs):
-            return jnp.concatenate([xs[i].reshape(-1, *xs[i].shape[-2:]) for i in idx])
+            x = jnp.concatenate([xs[i].reshape(-1, *xs[i].shape[-2:]) for i in idx])
+            if shards > 1:
+                x = place(jnp.pad(x, ((0, -len(x) % shards), (0, 0), (0, 0))))
+            return x
         stack = muon_step(cat(p), cat(g), cat(m), cat(v), hp["lr"], hp["momentum"],
                           hp["weight_decay"], hp["beta2"], hp["dtype"])
-        splits = list(itertools.accumulate(math.prod(p[i].shape[:-2]) for i in idx))[:-1]
+        stack = [a[:sum(sizes)] for a in stack]  # the padding dropped
+        splits = list(itertools.accumulate(sizes))[:-1]
         for i, *parts in zip(idx, *(jnp.split(a, splits) for a in stack)):
             out[i] = tuple(a.reshape(like.shape) for a, like in zip(parts, (p[i], m[i], v[i])))
     new_p, new_m, new_v = (treedef.unflatten([o[k] for o in out]) for k in range(3))

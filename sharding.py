@@ -6,17 +6,19 @@
 - full (FSDP): the parameters and the gradients split the same way too; XLA gathers each
   layer's weights where the forward and backward use them and reduce-scatters the gradients.
 Each leaf splits on one axis of its own, the first of those its kind allows that divides the
-device count. Muon's state splits only on the stack axis (per-layer matrices stacked), so no
-matrix is cut across its own dimensions and Polar Express runs on whole matrices; AdamW's state,
-updated elementwise, on any axis (the vocab of wte and of the value embeddings, the width of
-lm_head). Under full, the parameters and gradients split on a matrix's own first dimension (the
-axis after a stack's), so one layer sliced out of a stack is still split and XLA gathers one
+device count. The optimizer state is kept split on any axis (the stack of per-layer matrices,
+else a matrix's dimension: the vocab of wte and of the value embeddings, the width of lm_head);
+AdamW updates it elementwise where it lies, while Muon's update regroups each stack of matrices
+(padded with zero matrices to a multiple of the devices) so that each device orthogonalizes
+whole matrices, as nanochat's ranks do: Polar Express never runs on a split matrix, whatever the
+layer count. Under full, the parameters and gradients split on a matrix's own first dimension
+(the axis after a stack's), so one layer sliced out of a stack is still split and XLA gathers one
 layer's weights at a time (split on the stack axis, each slice would gather the whole stack);
-the update's inputs and outputs are resharded between the two layouts, as nanochat's optimizer
+the update's inputs and outputs are resharded between the layouts, as nanochat's optimizer
 reduce-scatters gradients to the rank owning each matrix. A leaf with no axis that divides (the
-scalars, a stack of fewer layers than devices) stays replicated. The collectives are the
-compiler's (GSPMD): only the shardings of the step's inputs and outputs are given; the model and
-optimizer name no mesh axis.
+(1,) scalars) stays replicated. The collectives are the compiler's (GSPMD): only the shardings of
+the step's inputs and outputs, and of Muon's stacks, are given; the model and optimizer name no
+mesh axis.
 Several hosts join one mesh through `jax.distributed.initialize` (`init_distributed`).
 """
 
@@ -31,9 +33,9 @@ MODES = ("none", "optimizer", "full")
 
 def leaf_spec(shape, n, kind):
     """A leaf's PartitionSpec over n devices on the "data" axis: its first axis, in the order its
-    kind allows, that divides n. "stack": the leading one (Muon's state); "matrix": a matrix's own
-    two, then a stack's (full's params and gradients); "any": every one (AdamW's state). None
-    keeps it whole, as does a leaf with no axis that divides."""
+    kind allows, that divides n. "stack": the leading one (Muon's stacks while it updates them);
+    "matrix": a matrix's own two, then a stack's (full's params and gradients); "any": every one
+    (the optimizer state). None keeps it whole, as does a leaf with no axis that divides."""
     axes = range(len(shape))
     allowed = {None: [], "stack": axes[:1], "matrix": [*axes[-2:], *axes[:-2]], "any": axes}
     for axis in allowed[kind]:
@@ -42,23 +44,20 @@ def leaf_spec(shape, n, kind):
     return P()
 
 
-def specs(tree, n, kinds):
-    """leaf_spec of every leaf of tree (arrays or shapes); kinds: one kind, or a tree of them."""
-    if kinds is None or isinstance(kinds, str):
-        return jax.tree.map(lambda a: leaf_spec(a.shape, n, kinds), tree)
-    return jax.tree.map(lambda a, kind: leaf_spec(a.shape, n, kind), tree, kinds)
+def specs(tree, n, kind):
+    """leaf_spec of every leaf of tree (arrays or shapes), all of one kind."""
+    return jax.tree.map(lambda a: leaf_spec(a.shape, n, kind), tree)
 
 
-def kinds(mode, state_kinds):
-    """The kinds of (params and gradients, optimizer state) under a --shard mode; state_kinds: the
-    optimizer's own (muon.state_kinds)."""
-    return ("matrix" if mode == "full" else None), (None if mode == "none" else state_kinds)
+def kinds(mode):
+    """The kinds of (params and gradients, optimizer state) under a --shard mode."""
+    return ("matrix" if mode == "full" else None), (None if mode == "none" else "any")
 
 
-def state_specs(params, opt_state, n, mode, state_kinds):
+def state_specs(params, opt_state, n, mode):
     """The PartitionSpecs of (params, opt_state), trees of arrays or shapes, under a mode."""
-    p_kind, o_kinds = kinds(mode, state_kinds)
-    return specs(params, n, p_kind), specs(opt_state, n, o_kinds)
+    p_kind, o_kind = kinds(mode)
+    return specs(params, n, p_kind), specs(opt_state, n, o_kind)
 
 
 def bytes_per_device(tree, specs, n):
@@ -72,20 +71,21 @@ def is_spec(x):
     return isinstance(x, P)
 
 
-def memory(params, opt_state, n, mode, state_kinds):
+def memory(params, opt_state, n, mode):
     """Bytes per device of the parameters, the gradients (sharded as the params) and the
     optimizer state."""
-    p_specs, o_specs = state_specs(params, opt_state, n, mode, state_kinds)
+    p_specs, o_specs = state_specs(params, opt_state, n, mode)
     p = bytes_per_device(params, p_specs, n)
     return {"params": p, "grads": p, "optimizer": bytes_per_device(opt_state, o_specs, n)}
 
 
-def constrain(tree, mesh, kinds):
-    """Inside the jitted step: tree laid out by its kinds (specs') on mesh (nothing without one)."""
+def constrain(tree, mesh, kind):
+    """Inside the jitted step: tree laid out as its kind says (specs') on mesh (nothing without
+    one)."""
     if mesh is None:
         return tree
     return jax.tree.map(lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)),
-                        tree, specs(tree, mesh.size, kinds))
+                        tree, specs(tree, mesh.size, kind))
 
 
 def data_mesh():
@@ -93,11 +93,11 @@ def data_mesh():
     return Mesh(np.array(jax.devices()), ("data",))
 
 
-def place(params, opt_state, state_kinds, mesh, mode=None):
+def place(params, opt_state, mesh, mode=None):
     """(params, opt_state, mode): host or device arrays put onto mesh, split as the mode
     (choose_mode's) says."""
     mode = choose_mode(mode, mesh.size)
-    p_specs, o_specs = state_specs(params, opt_state, mesh.size, mode, state_kinds)
+    p_specs, o_specs = state_specs(params, opt_state, mesh.size, mode)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), (p_specs, o_specs),
                              is_leaf=is_spec)
     return *jax.device_put((params, opt_state), shardings), mode
@@ -115,10 +115,9 @@ def choose_mode(mode, n, log=print):
     return mode
 
 
-def describe(params, opt_state, state_kinds, n, mode):
+def describe(params, opt_state, n, mode):
     """The startup line's words on the mode and the bytes per device."""
-    mib = {k: f"{v / 2**20:,.1f}" for k, v in memory(params, opt_state, n, mode,
-                                                      state_kinds).items()}
+    mib = {k: f"{v / 2**20:,.1f}" for k, v in memory(params, opt_state, n, mode).items()}
     return (f"--shard {mode}: per device {mib['params']} MiB params, {mib['grads']} MiB grads, "
             f"{mib['optimizer']} MiB optimizer state")
 

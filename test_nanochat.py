@@ -562,6 +562,26 @@ def test_muon_stacks_do_not_mix():
         np.testing.assert_allclose(together[j], jnp.concatenate([a[j] for a in alone]), atol=1e-6)
 
 
+def test_muon_update_padded_for_devices_is_the_same(tiny_params):
+    """update's shards pad each Muon stack with zero matrices to a multiple of the devices (the
+    stacks of 2 layers to 8) and hand it to place: the same step, the padding gone."""
+    labels, groups = nc.param_groups(tiny_params)
+    grads = jax.tree.map(lambda w: jnp.cos(w * 3.0 + 1.0), tiny_params)
+    state = muon.init(tiny_params, labels, groups)
+    placed = []
+
+    def place(stack):
+        placed.append(stack.shape)
+        return stack
+    plain = muon.update(grads, state, tiny_params, labels, groups)
+    padded = muon.update(grads, state, tiny_params, labels, groups, 8, place)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(padded)):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert placed and all(shape[0] % 8 == 0 for shape in placed)
+    assert any(shape[0] > 2 * tiny_params["h"]["mlp"]["c_fc"].shape[0] for shape in placed)
+
+
 def test_adamw_matches_numpy():
     rng = np.random.default_rng(0)
     p0 = rng.normal(size=(5, 7)).astype(np.float32)
@@ -1213,20 +1233,20 @@ def test_bad_input_under_shard_on_four_devices(train_root, tmp_path):
 def test_sharded_state_bytes_per_device():
     """Per device, --shard full holds at most 1/8 of the replicated params and optimizer state plus
     the leaves that stay replicated (no axis their kind allows divides 8), --shard optimizer the
-    same of the optimizer state alone; counted from shapes, no devices needed. Muon's state splits
-    only on the stack axis, AdamW's on any, full's params on a matrix's own dimensions. A mode that
-    needs several devices falls back to none on one, with a warning."""
+    same of the optimizer state alone; counted from shapes, no devices needed. The optimizer state
+    splits on any axis (a stack of 2 layers on a matrix's), full's params on a matrix's own
+    dimensions first. A mode that needs several devices falls back to none on one, with a
+    warning."""
     P = jax.sharding.PartitionSpec
     for model in (dict(depth=16, aspect_ratio=4), *SHARD_MODELS.values()):
         params = nc.param_shapes(train.model_config(320, **{**TINY_MODEL, **model}))
-        kinds = muon.state_kinds(*nc.param_groups(params))[1]
         opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
-        replicated = sharding.memory(params, opt, 8, "none", kinds)
-        p_specs, o_specs = sharding.state_specs(params, opt, 8, "full", kinds)
+        replicated = sharding.memory(params, opt, 8, "none")
+        p_specs, o_specs = sharding.state_specs(params, opt, 8, "full")
         kept = [sum(a.size * a.dtype.itemsize for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(
             specs, is_leaf=sharding.is_spec)) if s == P())
             for tree, specs in ((params, p_specs), (opt, o_specs))]  # the leaves left whole
-        full, optimizer = (sharding.memory(params, opt, 8, m, kinds) for m in ("full", "optimizer"))
+        full, optimizer = (sharding.memory(params, opt, 8, m) for m in ("full", "optimizer"))
         assert full["params"] + full["optimizer"] <= \
             (replicated["params"] + replicated["optimizer"]) / 8 + sum(kept)
         assert optimizer["optimizer"] <= replicated["optimizer"] / 8 + kept[1]
@@ -1236,9 +1256,15 @@ def test_sharded_state_bytes_per_device():
         assert p_specs["value_embeds"] == P(None, "data")
         assert o_specs["mom"]["value_embeds"] == (P("data") if model.get("depth") == 16
                                                   else P(None, "data"))
+        # the Muon stacks split on the stack axis where it divides, else on a matrix's
+        assert o_specs["mom"]["h"]["mlp"]["c_fc"] == (P("data") if model.get("depth") in (8, 16)
+                                                      else P(None, "data"))
+        whole = [a.shape for a, s in zip(jax.tree.leaves(opt), jax.tree.leaves(
+            o_specs, is_leaf=sharding.is_spec)) if s == P()]
+        assert all(d % 8 for shape in whole for d in shape)  # only where no axis divides
         if model.get("depth") == 16:  # every stack divides: only the (1,) scalars stay whole
             assert sum(kept) < 64 and full["params"] * 8 - replicated["params"] < 64
-    # Muon's stacks split along the stack axis only, never across a matrix
+    # Muon's stacks, while updated, split along the stack axis only, never across a matrix
     assert sharding.leaf_spec((8, 64, 256), 8, "stack") == P("data")
     assert sharding.leaf_spec((2, 64, 256), 8, "stack") == P()
     assert sharding.leaf_spec((2, 64, 256), 8, "any") == P(None, "data")
@@ -1275,9 +1301,8 @@ def test_bench_memory():
     lines = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"bench"')]
     params = nc.param_shapes(MEMORY_CFG)
     opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
-    kinds = muon.state_kinds(*nc.param_groups(params))[1]
     for mode, r in out.items():
-        state = sharding.memory(params, opt, 4, mode, kinds)
+        state = sharding.memory(params, opt, 4, mode)
         assert [r["params_bytes"], r["grads_bytes"], r["optimizer_bytes"]] == \
             [state["params"], state["grads"], state["optimizer"]], mode
         assert r["aliased_bytes"] == state["params"] + state["optimizer"], mode

@@ -88,8 +88,7 @@ def train_step(params, opt_state, batch, step, sched, lrs, cfg, attn=nc.causal_a
     lrm, momentum, weight_decay = schedules(step, sched)
     labels, groups = nc.param_groups(params, lrm, momentum, weight_decay,
                                      muon_dtype=cfg.compute_dtype, **lrs)
-    update_kinds, state_kinds = muon.state_kinds(labels, groups)  # where each share is updated
-    p_kind, o_kinds = sharding.kinds(shard, state_kinds)
+    p_kind, o_kind = sharding.kinds(shard)
 
     def micro(grads, b):
         loss, g = jax.value_and_grad(weighted_loss)(params, cfg, *b, attn=attn, remat=remat)
@@ -97,11 +96,15 @@ def train_step(params, opt_state, batch, step, sched, lrs, cfg, attn=nc.causal_a
 
     grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), batch)
     grads = jax.tree.map(lambda g: g / batch[0].shape[0], grads)  # nanochat divides each by A
-    # (with a mesh) the gradients reduce-scattered, the params sliced to the state's layout
-    grads, params = (sharding.constrain(t, mesh, update_kinds) for t in (grads, params))
-    params, opt_state = muon.update(grads, opt_state, params, labels, groups)
+    # (with a mesh) the gradients reduce-scattered, the params sliced to the state's layout, and
+    # Muon's stacks split into whole matrices per device
+    grads, params = (sharding.constrain(t, mesh, o_kind) for t in (grads, params))
+    split = (1, None)
+    if mesh is not None:
+        split = (mesh.size, lambda stack: sharding.constrain(stack, mesh, "stack"))
+    params, opt_state = muon.update(grads, opt_state, params, labels, groups, *split)
     params = sharding.constrain(params, mesh, p_kind)  # as they came in: no recompile
-    opt_state = sharding.constrain(opt_state, mesh, o_kinds)
+    opt_state = sharding.constrain(opt_state, mesh, o_kind)
     finite = jnp.isfinite(losses).all()
     finite &= jnp.all(jnp.array([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
     return params, opt_state, {"loss": losses.mean(), "lrm": lrm, "finite": finite}
@@ -342,14 +345,13 @@ def run_stage(name, stage, tok, out, device_batch_size=16, optim=None, evals=Non
     step, params, opt_state, sched, lrs, states = resume_or_init(stage, cfg, out_dir, resume,
                                                                  sched, lrs)
     mesh = sharding.data_mesh()
-    state_kinds = muon.state_kinds(*nc.param_groups(params))[1]
-    params, opt_state, shard = sharding.place(params, opt_state, state_kinds, mesh, shard)
+    params, opt_state, shard = sharding.place(params, opt_state, mesh, shard)
     layout = dict(remat=remat, mesh=mesh if shard != "none" else None, shard=shard)
     next_batch, states = stage_batches(tok, stage, batch // (rows * T), rows, T, mesh,
                                        data_shards, states)
     shape = stage.get("shape", f"{batch:,} tokens ({batch // (rows * T)} x {rows} x {T})")
     describe(name, cfg, sched, shape, attention, lr_scale,
-             sharding.describe(params, opt_state, state_kinds, jax.device_count(), shard))
+             sharding.describe(params, opt_state, jax.device_count(), shard))
     os.makedirs(out_dir, exist_ok=True)
     meta = {"stage": name, "config": dataclasses.asdict(cfg), "tokenizer": "tokenizer.json",
             "schedule": sched, "lrs": lrs, "args": record or {}}
