@@ -121,9 +121,7 @@ def update(grads, state, params, labels, groups, shards=1, place=None):
             stacks.setdefault((name, p[i].shape[-2:]), []).append(i)
     # Muon: the matrices of one group and shape in one stack, stepped once, scattered back
     for (name, _), idx in stacks.items():
-        hp = groups[name]
-
-        sizes = [math.prod(p[i].shape[:-2]) for i in idx]
+        hp, sizes = groups[name], [math.prod(p[i].shape[:-2]) for i in idx]
 
         def cat(xs):
             x = jnp.concatenate([xs[i].reshape(-1, *xs[i].shape[-2:]) for i in idx])
