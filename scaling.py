@@ -351,8 +351,8 @@ def train_together(stages, tok, device_batch_size, optim, val_docs, eval_steps, 
     inits = [s["init"]() for s in stages]
     params, opt_state = stack(inits), stack([muon.init(p, *nc.param_groups(p)) for p in inits])
     split = NamedSharding(sharding.data_mesh(), P(None, "data"))
-    streams = [train.sharded_batches(tok, s, batch // (rows * T), rows, T, split)[0]
-               for s in stages]
+    streams = [sharding.sharded_batches(s["packer"], tok, s["docs"], batch // (rows * T), rows, T,
+                                        split)[0] for s in stages]
     step = functools.partial(train.train_step, cfg=cfg, attn=kernels.attention(attention))
     step_fn = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, None, None, 0)), donate_argnums=(0, 1))
     losses = []

@@ -19,7 +19,8 @@ reduce-scatters gradients to the rank owning each matrix. A leaf with no axis th
 (1,) scalars) stays replicated. The collectives are the compiler's (GSPMD): only the shardings of
 the step's inputs and outputs, and of Muon's stacks, are given; the model and optimizer name no
 mesh axis.
-Several hosts join one mesh through `jax.distributed.initialize` (`init_distributed`).
+Several hosts join one mesh through `jax.distributed.initialize` (`init_distributed`), each
+process packing its own shard of the documents (`sharded_batches`).
 """
 
 import math
@@ -27,6 +28,8 @@ import math
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import data
 
 MODES = ("none", "optimizer", "full")
 
@@ -120,6 +123,33 @@ def describe(params, opt_state, n, mode):
     mib = {k: f"{v / 2**20:,.1f}" for k, v in memory(params, opt_state, n, mode).items()}
     return (f"--shard {mode}: per device {mib['params']} MiB params, {mib['grads']} MiB grads, "
             f"{mib['optimizer']} MiB optimizer state")
+
+
+def sharded_batches(packer, tok, docs, A, rows, T, split, data_shards=0, states=None):
+    """(global batches, this process's loader states): packer(tok, docs, rows, T, state)'s
+    batches as (A, rows, T) inputs and targets split over the devices by `split`. The documents
+    (epoch -> texts) are cut into data_shards shards (0: one per process), each packed by its
+    process into its share of the rows. A checkpoint's states hold every shard's loader
+    position, in shard order."""
+    n_shards = data_shards or jax.process_count()
+    if n_shards % jax.process_count() or rows % n_shards:
+        raise ValueError(f"--data-shards {n_shards} must be a multiple of the "
+                         f"{jax.process_count()} processes and divide the {rows} rows of a "
+                         "micro-batch")
+    per_process = n_shards // jax.process_count()
+    shards = range(jax.process_index() * per_process, (jax.process_index() + 1) * per_process)
+    states = [None] * per_process if states is None else states[shards.start:shards.stop]
+    its = [packer(tok, data.every_nth(docs, r, n_shards), A * rows // n_shards, T, state)
+           for r, state in zip(shards, states)]
+
+    def batches():
+        while True:
+            parts = [next(it) for it in its]
+            x, y = (np.concatenate([p[i].reshape(A, rows // n_shards, T) for p in parts], axis=1)
+                    for i in (0, 1))
+            arrays = tuple(jax.make_array_from_process_local_data(split, a) for a in (x, y))
+            yield arrays, [p[2] for p in parts]
+    return batches(), states
 
 
 def init_distributed(coordinator=None, num_processes=None, process_id=None, distributed=False):

@@ -482,7 +482,7 @@ IMPORTS = {  # each module of ours: the modules of ours it imports (nanochat.py 
     "evaluate": {"checkpoint", "data", "kernels", "nanochat", "sharding", "tasks"},
     "report": {"data", "evaluate", "nanochat"},
     "rl": {"checkpoint", "data", "evaluate", "kernels", "nanochat", "tasks"},
-    "sharding": set(),
+    "sharding": {"data"},
     "train": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "report", "rl",
               "sharding", "tasks"},
     "chat": {"checkpoint", "data", "kernels", "nanochat"},

@@ -255,32 +255,6 @@ def sft_stage(out, tok, documents, seed=0, conversations=(), text_every=8, itera
                 iterations=iterations, lr_frac=lr_frac, sched=sched)
 
 
-def sharded_batches(tok, stage, A, rows, T, split, data_shards=0, states=None):
-    """(global batches, (A, rows, T) inputs and targets split over the devices; this process's
-    loader states) of a stage's documents: cut into data_shards shards (0: one per process), each
-    packed into its share of the rows. A checkpoint's states hold every shard's loader position,
-    in shard order."""
-    n_shards = data_shards or jax.process_count()
-    if n_shards % jax.process_count() or rows % n_shards:
-        raise ValueError(f"--data-shards {n_shards} must be a multiple of the "
-                         f"{jax.process_count()} processes and divide the {rows} rows of a "
-                         "micro-batch")
-    per_process = n_shards // jax.process_count()
-    shards = range(jax.process_index() * per_process, (jax.process_index() + 1) * per_process)
-    states = [None] * per_process if states is None else states[shards.start:shards.stop]
-    its = [stage["packer"](tok, data.every_nth(stage["docs"], r, n_shards), A * rows // n_shards,
-                           T, state) for r, state in zip(shards, states)]
-
-    def batches():
-        while True:
-            parts = [next(it) for it in its]
-            x, y = (np.concatenate([p[i].reshape(A, rows // n_shards, T) for p in parts], axis=1)
-                    for i in (0, 1))
-            arrays = tuple(jax.make_array_from_process_local_data(split, a) for a in (x, y))
-            yield arrays, [p[2] for p in parts]
-    return batches(), states
-
-
 def plan(cfg, rows, iterations, lr_frac=1.0, overrides=None, *, total_batch_size=-1,
          target_flops=-1.0, target_param_data_ratio=12.0, batch_lr_scale=1.0, weight_decay=0.28,
          warmup_steps=40, warmdown_ratio=0.65, final_lr_frac=0.05, embedding_lr=0.3,
@@ -324,7 +298,8 @@ def stage_batches(tok, stage, A, rows, T, mesh, data_shards=0, states=None):
     split = NamedSharding(mesh, P(None, "data"))  # rows over the devices
     if "next_batch" in stage:
         return functools.partial(stage["next_batch"], split=split), states
-    batches, states = sharded_batches(tok, stage, A, rows, T, split, data_shards, states)
+    batches, states = sharding.sharded_batches(stage["packer"], tok, stage["docs"], A, rows, T,
+                                              split, data_shards, states)
     return (lambda params, step: next(batches)), states
 
 
