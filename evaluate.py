@@ -485,15 +485,17 @@ def main(argv=None):
     if args.chat_data:
         chat_tasks = tk.load_chat_tasks(args.chat_data, args.max_problems, args.tasks)
     if args.nanochat_checkpoint:
-        params, cfg, tok = checkpoint.load_nanochat(args.nanochat_checkpoint)
+        source = args.nanochat_checkpoint
+        params, cfg, tok = checkpoint.load_nanochat(source)
     else:
-        params, cfg, tok = checkpoint.load_model(args.checkpoint)
+        source = checkpoint.find_step(args.checkpoint)  # a root or stage folder: its newest step
+        params, cfg, tok = checkpoint.load_model(source)
     if tok.n_vocab != cfg.vocab_size:
         raise ValueError(f"the checkpoint's tokenizer has {tok.n_vocab} tokens but its model "
                          f"{cfg.vocab_size}")
     mesh = sharding.data_mesh()  # params replicated, each batch's rows split
     params, rows = jax.device_put(params, NamedSharding(mesh, P())), NamedSharding(mesh, P("data"))
-    print(f"{cfg}, {jax.device_count()} devices")
+    print(f"{source}: {cfg}, {jax.device_count()} devices")
     results = {}
     if bundle:
         results["core"] = evaluate_core(params, cfg, tok, bundle, rows, args.batch_tokens)

@@ -4615,6 +4615,8 @@ def test_documented_commands_run(tmp_path):
         assert r.returncode == 0, f"{command}:\n{r.stderr[-2000:]}"
         if argv[0] == "evaluate.py":
             assert json.loads(r.stdout.splitlines()[-1])["core"]["core_metric"] == pytest.approx(expected, abs=1e-6)
+            scored = "checkpoints/base/step_000100" if "--checkpoint" in argv else argv[-1]
+            assert r.stdout.startswith(f"{scored}: Config("), r.stdout[:200]  # says what it scored
         else:
             assert r.stdout.strip(), command
     # the export is testdata's checkpoint again, as nanochat's scripts would find it
