@@ -19,6 +19,8 @@ import time
 START = float(os.environ.get("BENCH_START", time.time()))
 
 import argparse
+import collections
+import dataclasses
 import json
 import pathlib
 import resource
@@ -35,6 +37,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import data
+import engine
 import kernels
 import muon
 import nanochat as nc
@@ -94,7 +97,7 @@ def generate_timing(params, cfg, batch, prompt_len=16, new=200, repeats=3):
     attn = kernels.attention()
 
     def run():
-        steps = nc.generate(params, cfg, prompt, max_tokens=new, key=jax.random.key(1),
+        steps = engine.generate(params, cfg, prompt, max_tokens=new, key=jax.random.key(1),
                             num_samples=batch, attn=attn)
         return sum(1 for _ in steps)
     t0 = time.perf_counter()
@@ -104,13 +107,13 @@ def generate_timing(params, cfg, batch, prompt_len=16, new=200, repeats=3):
         t0 = time.perf_counter()
         steps = run()
         times.append(time.perf_counter() - t0)
-    p = nc.unstack(jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params), cfg)  # as generate
+    p = engine.prepare(params, cfg)  # as generate
     tokens = np.array([prompt], np.int32)
-    max_len = min(nc.bucket(prompt_len + new), cfg.sequence_len)
+    max_len = min(engine.bucket(prompt_len + new), cfg.sequence_len)
 
     def prefill():
-        out = nc.prefill(p, tokens, prompt_len, jax.random.key(1), (1.0, 0, 1.0), cfg, max_len,
-                         batch, attn)
+        out = engine.prefill(p, tokens, prompt_len, jax.random.key(1), (1.0, 0, 1.0), cfg=cfg,
+                             max_len=max_len, num_samples=batch, attn=attn)
         return jax.block_until_ready(out)
     prefill()
     t0 = time.perf_counter()
@@ -232,6 +235,241 @@ def bench_accel(depths=(12, 20), steps=10):
             timing = generate_timing(params, cfg, batch, prompt_len=1024, new=200, repeats=2)
             print(json.dumps({"bench": "accel", "what": "generate", "device": device.device_kind,
                               "depth": depth, **timing}), flush=True)
+
+
+# -------------------------------------------------------------------------- serving (engine.py)
+
+# HBM bandwidth per chip, bytes/s (nanochat's common.get_peak_bandwidth), matched as PEAK_BF16 is
+PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "H800": 3.35e12, "B200": 8.0e12,
+                  "A100": 2.0e12, "L4": 3.0e11, "TPU v4": 1.2e12, "TPU v5 lite": 8.19e11,
+                  "TPU v5": 2.76e12, "TPU v6 lite": 1.64e12}
+
+
+def peak_bandwidth():
+    """Bytes/s that MBU divides by: a known chip's, or on a CPU a measured streaming read."""
+    kind = jax.devices()[0].device_kind
+    if name := next((n for n in PEAK_BANDWIDTH if n.lower() in kind.lower()), None):
+        return PEAK_BANDWIDTH[name]
+    if jax.default_backend() != "cpu":
+        return None
+    x = jnp.ones(2**26, jnp.float32)  # 256 MiB, far past the caches
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    t = time.perf_counter()
+    for _ in range(10):
+        total(x).block_until_ready()
+    return 10 * x.nbytes / (time.perf_counter() - t)
+
+
+def decode_costs(cfg, context):
+    """nanochat's inference cost accounting (gpt.py): (weight bytes a decode step reads, in the
+    compute dtype; KV bytes stored per token; KV bytes read per step and row at `context`;
+    forward FLOPs per decoded token there: 2 per matmul weight plus attention)."""
+    itemsize = jnp.dtype(cfg.compute_dtype).itemsize
+    per_position = 2 * cfg.n_kv_head * cfg.head_dim * itemsize  # k and v, one layer
+    seen = [min(context, w) for w in nc.window_sizes(cfg)]  # a window reads only its own
+    flops = 2 * matmul_weights(cfg) + sum(4 * cfg.n_head * cfg.head_dim * s for s in seen)
+    weights = nc.count(nc.param_shapes(cfg)) * itemsize
+    return weights, per_position * cfg.n_layer, per_position * sum(seen), flops
+
+
+def matmul_weights(cfg):
+    """nanochat's num_matmul_params: the weights of its Linear layers (2 FLOPs each a token)."""
+    shapes = nc.param_shapes(cfg)
+    return nc.count(shapes["h"]) + nc.count(shapes["smear_gate"]) + nc.count(shapes["lm_head"])
+
+
+def timed(request):
+    """The time of each token event of a request as the engine hands it out."""
+    stamps = []
+    add = request.add
+
+    def add_timed(event):
+        if event.token is not None:
+            stamps.append(time.perf_counter())
+        add(event)
+    request.add = add_timed
+    return stamps
+
+
+def percentile(values, q):
+    return float(np.percentile(values, q)) if values else None
+
+
+def serve_streams(eng, prompts, new_tokens, temperature=1.0):
+    """prompts sent to the engine at once, each for new_tokens tokens with no stop id, the engine
+    driven in this thread as the server's engine thread drives it: aggregate tokens/s, time to
+    first token and time per output token (each chunk's gap over its tokens), over the streams."""
+    before = dict(eng.stats)
+    start = time.perf_counter()
+    sampling = [engine.Sampling(max_tokens=new_tokens, temperature=temperature, seed=i)
+                for i in range(len(prompts))]
+    requests = [eng.submit(p, s) for p, s in zip(prompts, sampling)]
+    stamps = [timed(r) for r in requests]
+    eng.drain()
+    wall = time.perf_counter() - start
+    tokens = sum(len(r.tokens[0]) for r in requests)
+    ttft = [s[0] - start for s in stamps]
+    tpot = []
+    for s in stamps:
+        chunks = collections.Counter(s[1:])  # tokens of one chunk share its hand-out time
+        times = sorted(chunks)
+        gaps = np.diff([s[0]] + times)
+        tpot += [g / chunks[t] for g, t in zip(gaps, times)]
+    calls = eng.stats["calls"] - before.get("calls", 0)
+    hops = eng.stats["hops"] - before.get("hops", 0)
+    return {"streams": len(prompts), "tokens": tokens,
+            "tok_per_s": round(tokens / wall, 1),
+            "ttft_ms_p50": round(1e3 * percentile(ttft, 50), 1),
+            "ttft_ms_p95": round(1e3 * percentile(ttft, 95), 1),
+            "tpot_ms_p50": round(1e3 * percentile(tpot, 50), 2),
+            "tpot_ms_p95": round(1e3 * percentile(tpot, 95), 2),
+            "device_calls_per_token": round(calls / tokens, 4),
+            "host_hops_per_token": round(hops / tokens, 4)}
+
+
+def count_compiles():
+    """A list that grows by one for each program lowered from now on."""
+    compiles = []
+
+    def listen(event, *_, **__):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            compiles.append(event)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    return compiles
+
+
+def bench_serve(configs=("nano", "d6"), slots=16, kmax=16, streams=(1, 4, 16), new=200, rounds=3):
+    """Concurrent streams through the slot engine (prompts of 16-64 random tokens, `new` tokens at
+    temperature 1, no stop ids), beside today's reference `generate` at batch 1 with the same
+    protocol: a JSON line per setting, the median of `rounds` runs, compiles after warm-up."""
+    attn = kernels.attention()
+    for name in configs:
+        cfg = CONFIGS[name]
+        params = nc.init_params(cfg, jax.random.key(0))
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, cfg.vocab_size, rng.integers(16, 65)).tolist()
+                   for _ in range(max(streams))]
+        head = {"bench": "serve", "config": name, "params": nc.num_scaling_params(cfg)["total"],
+                "device": jax.devices()[0].device_kind, "new_tokens": new}
+        # the reference host loop, one token a device call
+        for _ in range(2):  # compiles, then a warm run
+            engine.generate(params, cfg, prompts[0], max_tokens=4, key=jax.random.key(0),
+                            attn=attn)
+        runs = []
+        for i in range(rounds):
+            t = time.perf_counter()
+            steps = sum(1 for _ in engine.generate(params, cfg, prompts[0], max_tokens=new,
+                                                   key=jax.random.key(i), attn=attn))
+            runs.append(steps / (time.perf_counter() - t))
+        print(json.dumps({**head, "what": "generate", "streams": 1,
+                          "tok_per_s": round(statistics.median(runs), 1)}), flush=True)
+        eng = engine.Engine(params, cfg, slots=slots, kmax=kmax, attn=attn)
+        t = time.perf_counter()
+        eng.warm_up()
+        warm_up_s = time.perf_counter() - t
+        compiles = count_compiles()
+        for n in streams:
+            results = [serve_streams(eng, prompts[:n], new) for _ in range(rounds)]
+            median = sorted(results, key=lambda r: r["tok_per_s"])[len(results) // 2]
+            print(json.dumps({**head, "what": "engine", "slots": slots, "kmax": kmax, **median,
+                              "warm_up_s": round(warm_up_s, 1),
+                              "compiles_after_warm_up": len(compiles),
+                              "peak_rss_gb": round(peak_rss_gb(), 2)}), flush=True)
+
+
+def infer_bench_prompt(cfg, length):
+    """nanochat's infer_bench prompt is a paragraph repeated: a random model has no use for text,
+    so a fixed pseudo-random one of the same length."""
+    return np.random.default_rng(1).integers(0, cfg.vocab_size, length).tolist()
+
+
+def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most=128, kmax=16):
+    """nanochat's scripts/infer_bench.py protocol on the slot engine: a prompt of the context less
+    decode_tokens, decode_tokens greedy tokens for a batch of B choices of it; TTFT, the median
+    time per decode step, tokens/s, MBU and MFU by nanochat's formulas, peak memory. Prints its
+    lines, then its last line: one JSON document of nanochat's schema."""
+    cfg = CONFIGS[name] if name in CONFIGS else nc.config_for_depth(
+        int(name.lstrip("d")), 32768, sequence_len=2048, compute_dtype="bfloat16")
+    params = nc.init_params(cfg, jax.random.key(0))
+    attn = kernels.attention()
+    device = jax.devices()[0]
+    prompt_len = cfg.sequence_len - decode_tokens
+    prompt = infer_bench_prompt(cfg, prompt_len)
+    context_mid = prompt_len + decode_tokens // 2
+    w_bytes, kv_store, kv_read, flops = decode_costs(cfg, context_mid)
+    peak_bw = peak_bandwidth()
+    peak = report.peak_flops()[0]
+    stats = device.memory_stats() or {}
+    total_memory = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+        "SC_PHYS_PAGES")
+    payload = {"source": "random init", "step": 0, "model_config": dataclasses.asdict(cfg),
+               "gpu": device.device_kind, "peak_bandwidth_bytes_per_sec": peak_bw,
+               "total_vram_bytes": total_memory,
+               "num_params": nc.num_scaling_params(cfg)["total"],
+               "param_dtypes": {cfg.compute_dtype: nc.num_scaling_params(cfg)["total"]},
+               "weight_bytes": w_bytes, "kv_bytes_per_token": kv_store,
+               "kv_read_bytes_per_step": kv_read, "context_mid": context_mid,
+               "peak_flops_per_sec": peak, "decode_flops_per_token": flops,
+               "ceiling_bs1_tok_per_sec": round(peak_bw / (w_bytes + kv_read), 1),
+               "max_full_context_rows": int((total_memory - w_bytes)
+                                            / (kv_store * cfg.sequence_len)),
+               "prompt_tokens": prompt_len, "decode_tokens": decode_tokens, "temperature": 0.0,
+               "sweep": []}
+
+    def run(eng, batch, tokens):
+        """One request of `batch` choices: (TTFT, each decode step's time)."""
+        sampling = engine.Sampling(max_tokens=tokens, temperature=0.0)
+        start = time.perf_counter()
+        request = eng.submit(prompt, sampling, n=batch)
+        stamps = timed(request)
+        eng.drain()
+        steps = []
+        hand_outs = sorted(collections.Counter(stamps).items())
+        for (before, _), (t, count) in zip(hand_outs, hand_outs[1:]):
+            steps += [(t - before) / (count / batch)] * (count // batch)
+        return stamps[0] - start, steps
+
+    # prefill: batch 1, a single token (TTFT is the prefill)
+    eng = engine.Engine(params, cfg, slots=1, kmax=kmax, attn=attn)
+    run(eng, 1, 2)
+    prefill_s = run(eng, 1, 2)[0]
+    mfu = 100 * prefill_flops(cfg, prompt_len) / prefill_s / peak if peak else None
+    payload["prefill"] = {"tok_per_sec": round(prompt_len / prefill_s, 1),
+                          "mfu_percent": None if mfu is None else round(mfu, 2),
+                          "time_sec": round(prefill_s, 6)}
+    for batch in batch_sizes:
+        eng = engine.Engine(params, cfg, slots=min(batch, slots_most), kmax=kmax, attn=attn)
+        run(eng, batch, 8)  # warm-up: compiles
+        ttft, steps = run(eng, batch, decode_tokens)
+        tpot = sorted(steps)[len(steps) // 2]
+        row = {"batch_size": batch, "ttft_sec": round(ttft, 6), "tpot_sec": round(tpot, 6),
+               "tok_per_sec": round(batch * len(steps) / sum(steps), 1),
+               "mbu_percent": round(100 * (w_bytes + batch * kv_read) / tpot / peak_bw, 2),
+               "mfu_percent": round(100 * batch * flops / tpot / peak, 4) if peak else None,
+               "peak_vram_bytes": device_peak_bytes(device),
+               "decode_steps": len(steps)}
+        print(json.dumps({"bench": "infer", "config": name, **row}), flush=True)
+        payload["sweep"].append(row)
+    print(json.dumps(payload))
+
+
+def prefill_flops(cfg, n):
+    """nanochat's estimate_prefill_flops: 2 per matmul weight per token, attention causal within
+    each layer's window."""
+    attention = 0
+    for window in nc.window_sizes(cfg):
+        w = min(window, n)
+        attention += 4 * cfg.n_head * cfg.head_dim * (w * (w + 1) // 2 + (n - w) * w)
+    return 2 * matmul_weights(cfg) * n + attention
+
+
+def device_peak_bytes(device):
+    """The accelerator's peak bytes in use, or on a CPU the process's peak resident memory."""
+    stats = device.memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return stats["peak_bytes_in_use"]
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 MEMORY_NOTE = ("XLA's CPU buffer assignment, memory-optimized schedule: an estimate of an "

@@ -6,12 +6,11 @@
     python chat.py --checkpoint checkpoints/base -t 0
     python chat.py --nanochat-checkpoint ~/.cache/nanochat    # a PyTorch nanochat run, no torch
 
-- Engine: `nanochat.generate_rows` (KV cache, jitted prefill and decode) with nanochat's
-  calculator: when the model writes <|python_start|>expr<|python_end|>, the engine forces
-  <|output_start|>result<|output_end|> into the stream. A `Reply` turns the tokens into text and
-  parts (text, python, python_output, as render_conversation takes them back), so no special
-  token ever shows as text; a calculator step shows as `[expr = result] ` in the terminal and as
-  `expr = result` on the page.
+- Engine: engine.py's slot engine with nanochat's calculator: when the model writes
+  <|python_start|>expr<|python_end|>, the engine forces <|output_start|>result<|output_end|> into
+  the stream. A `Reply` turns the tokens into text and parts (text, python, python_output, as
+  render_conversation takes them back), so no special token ever shows as text; a calculator step
+  shows as `[expr = result] ` in the terminal and as `expr = result` on the page.
 - Terminal (nanochat's chat_cli): the conversation stays token ids across turns, tool calls
   included; an incremental UTF-8 decoder prints a character split over tokens whole. `clear`
   starts over, `quit` ends.
@@ -22,17 +21,20 @@
   OpenAI's API, errors included (an unknown model is a 404), so its clients work unchanged. Our
   additions: a message's (or a stream delta's) `parts`; the model's `context_length` and default
   `max_tokens` (-m); GET /health.
-- One lock around the model: requests queue, streams never interleave, and a client that goes
-  away stops its generation. At start-up `warm_up` compiles every shape a request can take
-  (sampling settings are traced values), so no request compiles. A client that stalls holds a
-  thread only until a timeout, and connections are capped. Served on 127.0.0.1, the server answers
-  only requests whose Host names it (no DNS rebinding) and pages of its own origin.
+- Many people at once: one engine thread owns the model and generates every request's replies
+  together, a slot each (--slots); handlers only submit and read their own stream. More requests
+  wait in a line of 4 per slot, then get a 503 with Retry-After. A client that goes away, or a
+  reply that hits a stop string, frees its slot within one device call. At start-up the engine
+  compiles every program a request can take (sampling settings are traced values), so no request
+  compiles. A client that stalls holds a thread only until a timeout, and connections are capped.
+  Served on 127.0.0.1, the server answers only requests whose Host names it (no DNS rebinding) and
+  pages of its own origin.
 """
 
 import argparse
 import codecs
-import collections
 import contextlib
+import dataclasses
 import http.server
 import json
 import os
@@ -46,13 +48,10 @@ import urllib.parse
 import uuid
 import zipfile
 
-import jax
-import numpy as np
-
 import checkpoint
 import data
+import engine
 import kernels
-import nanochat as nc
 
 MAX_BODY, MAX_MESSAGES, MAX_TOKENS, MAX_CHOICES = 1 << 20, 500, 4096, 8
 
@@ -123,23 +122,42 @@ class Reply:
         return text
 
 
-def sample_replies(params, cfg, tok, prompt, key, replies, rows=None, logits=False, **sampling):
-    """Sample the Replies together (the calculator on), feeding each its tokens until every one has
-    finished: yields (row, token id, content text made final, calculator part closed or None, the
-    step's logits row or None) per token; a reply cut off by max_tokens yields (row, None, its
-    held-back text, None, None) last. rows: the batch (at least the replies; a server keeps it
-    fixed, so nothing compiles); sampling: nanochat.generate's max_tokens, temperature, top_k..."""
-    for row, t, _, step in nc.generate_rows(
-            params, cfg, prompt, key=key, num_samples=rows or len(replies),
-            stop_ids=data.reply_stops(tok), tool=data.calculator_tool(tok), logits=logits,
-            attn=kernels.attention(), **sampling):
-        if row < len(replies) and not replies[row].finish:
-            yield row, t, *replies[row].add(t), step
+def chat_engine(params, cfg, tok, slots=1, waiting=None):
+    """The engine that chat.py samples from, not yet started: `slots` rows over the whole context,
+    the calculator's block ids, this backend's attention."""
+    sp = tok.special
+    python_ids = (sp["<|python_start|>"], sp["<|python_end|>"])
+    return engine.Engine(params, cfg, slots=slots, attn=kernels.attention(), python_ids=python_ids,
+                         waiting=waiting)
+
+
+def sample_replies(eng, tok, prompt, replies, sampling):
+    """Submit the Replies to a started engine, the calculator on: an iterator that feeds each reply
+    its tokens until every one has finished, yielding (choice, token id, content text made final,
+    calculator part closed or None, its logprobs or None) per token; a reply cut off by its budget
+    yields (choice, None, its held-back text, None, None) last. sampling: an engine.Sampling, whose
+    stop ids become the reply's. Closing the iterator cancels the request (engine.Busy is raised
+    here, before anything is read)."""
+    sampling = dataclasses.replace(sampling, stop_ids=data.reply_stops(tok))
+    request = eng.submit(prompt, sampling, n=len(replies), tool=data.calculator_tool(tok),
+                         stream=True)
+    return _read_replies(request, replies)
+
+
+def _read_replies(request, replies):
+    try:
+        for event in request:
+            reply = replies[event.choice]
+            if reply.finish:  # a stop string ended it: its tokens are no longer read
+                continue
+            if event.token is None:  # cut off
+                yield event.choice, None, reply.end(), None, None
+            else:
+                yield event.choice, event.token, *reply.add(event.token), event.logprobs
             if all(r.finish for r in replies):
                 return
-    for row, r in enumerate(replies):
-        if not r.finish:
-            yield row, None, r.end(), None, None
+    finally:
+        request.cancel()  # frees its slots if it is still running
 
 # ------------------------------------------------------------------------------------ terminal
 
@@ -152,13 +170,12 @@ def _typed():
             return
 
 
-def _print_reply(params, cfg, tok, ids, key, max_tokens, temperature, top_k):
+def _print_reply(eng, tok, ids, sampling):
     """Stream one reply to the terminal, a calculator step as [expr = result]; returns the Reply."""
     print("\nAssistant: ", end="", flush=True)
-    reply, call = Reply(tok), None  # a calculator call waits for its result
-    for *_, piece, part, _ in sample_replies(params, cfg, tok, ids, key, [reply],
-                                             max_tokens=max_tokens, temperature=temperature,
-                                             top_k=top_k):
+    reply = Reply(tok)
+    call = None  # a calculator call waits for its result
+    for *_, piece, part, _ in sample_replies(eng, tok, ids, [reply], sampling):
         if part and part["type"] == "python":
             call = part["text"]
         elif part or (piece and call is not None):
@@ -169,10 +186,11 @@ def _print_reply(params, cfg, tok, ids, key, max_tokens, temperature, top_k):
     return reply
 
 
-def chat_cli(params, cfg, tok, prompt=None, max_tokens=256, temperature=0.6, top_k=50, seed=42):
-    """nanochat's chat_cli: read a turn, stream the reply; `clear` starts over, `quit` ends; with a
-    prompt: one shot."""
-    sp, key, conversation = tok.special, jax.random.key(seed), [tok.bos]
+def chat_cli(eng, tok, prompt=None, max_tokens=256, temperature=0.6, top_k=50, seed=42):
+    """nanochat's chat_cli on a started engine: read a turn, stream the reply; `clear` starts over,
+    `quit` ends; with a prompt: one shot. Turn t samples with seed + t."""
+    sp = tok.special
+    conversation = [tok.bos]
     if prompt is None:
         print("nanochat: type 'clear' to start a new conversation, 'quit' to end it")
     for turn, text in enumerate([prompt] if prompt is not None else _typed()):
@@ -188,12 +206,13 @@ def chat_cli(params, cfg, tok, prompt=None, max_tokens=256, temperature=0.6, top
         if not text:
             print("(type a message, 'clear' or 'quit')")
             continue
-        if len(ids) >= cfg.sequence_len:
-            print(f"(that makes {len(ids)} tokens and the context is {cfg.sequence_len}: type "
-                  "'clear' to start over)")
+        if len(ids) >= eng.cfg.sequence_len:
+            print(f"(that makes {len(ids)} tokens and the context is {eng.cfg.sequence_len}: "
+                  "type 'clear' to start over)")
             continue
-        reply = _print_reply(params, cfg, tok, ids, jax.random.fold_in(key, turn), max_tokens,
-                             temperature, top_k)
+        sampling = engine.Sampling(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                   seed=(seed + turn) % 2**32)
+        reply = _print_reply(eng, tok, ids, sampling)
         end = [] if reply.ids[-1:] == [sp["<|assistant_end|>"]] else [sp["<|assistant_end|>"]]
         conversation = ids + reply.ids + end
 
@@ -278,21 +297,26 @@ def parse_request(body, cfg, tok, defaults, model="nanochat"):
                      n=_option(req, "n", 1, MAX_CHOICES, 1, int), stop=stop,
                      max_tokens=asked or defaults["max_tokens"],
                      temperature=_option(req, "temperature", 0, 2, defaults["temperature"]),
-                     top_k=_option(req, "top_k", 0, nc.TOP_K_MAX, defaults["top_k"], int),
+                     top_k=_option(req, "top_k", 0, engine.TOP_K_MAX, defaults["top_k"], int),
                      top_p=_option(req, "top_p", 0, 1, 1.0), logprobs=req.get("logprobs", False),
                      top_logprobs=_option(req, "top_logprobs", 0, 20, 0, int),
                      usage=bool(usage and usage.get("include_usage")))
 
 
-def _logprobs(tok, row, t, top):
-    """OpenAI's logprobs entry of token t: its log-probability under the model (a logits row), and
-    the top likeliest."""
-    lp = row - row.max() - np.log(np.exp(row - row.max()).sum())
+def _logprobs(tok, t, probs, top):
+    """OpenAI's logprobs entry of token t from the engine's probs: (t's log-probability, the
+    likeliest (id, log-probability) pairs), of which the top first."""
+    chosen, likeliest = probs
 
-    def entry(i):
+    def entry(i, logprob):
         raw = tok.enc.decode_single_token_bytes(i)
-        return {"token": raw.decode(errors="replace"), "logprob": float(lp[i]), "bytes": list(raw)}
-    return {**entry(t), "top_logprobs": [entry(int(i)) for i in np.argsort(-lp)[:top]]}
+        return {"token": raw.decode(errors="replace"), "logprob": logprob, "bytes": list(raw)}
+    return {**entry(t, chosen), "top_logprobs": [entry(i, lp) for i, lp in likeliest[:top]]}
+
+
+def _error_body(status, message, code=None):
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -302,20 +326,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.timeout = self.server.request_timeout  # each read and write: a stall frees the thread
         super().setup()
 
-    def _send(self, status, ctype, body):
+    def _send(self, status, ctype, body, headers=()):
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
+        for name, value in headers:
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
 
-    def _json(self, status, obj):
-        self._send(status, "application/json", json.dumps(obj).encode())
+    def _json(self, status, obj, headers=()):
+        self._send(status, "application/json", json.dumps(obj).encode(), headers)
 
-    def _error(self, status, message, code=None):
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        self._json(status, {"error": {"message": message, "type": kind, "param": None,
-                                      "code": code}})
+    def _error(self, status, message, code=None, headers=()):
+        self._json(status, _error_body(status, message, code), headers)
 
     def _event(self, obj):
         self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
@@ -339,7 +363,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return None
 
     def do_GET(self):
-        path, cfg = urllib.parse.urlsplit(self.path).path, self.server.model[1]
+        path = urllib.parse.urlsplit(self.path).path
+        cfg = self.server.engine.cfg
         if refused := self._refusal(post=False):
             self._error(refused.status, str(refused), refused.code)
         elif path == "/":
@@ -351,13 +376,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._json(200, {"object": "list", "data": [model]})
         elif path == "/health":
             self._json(200, {"status": "ok", "model": self.server.name,
-                             "compiled": self.server.compiled.is_set()})
+                             "compiled": self.server.engine.warmed.is_set()})
         else:
             self._error(404, f"nothing at {path}: the chat is at /, the API at "
                         "/v1/chat/completions and /v1/models")
 
     def do_POST(self):
-        params, cfg, tok = self.server.model
+        tok = self.server.tok
+        cfg = self.server.engine.cfg
         try:
             if refused := self._refusal(post=True):
                 raise refused
@@ -375,7 +401,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             prompt, opts = parse_request(body, cfg, tok, self.server.defaults, self.server.name)
         except _Reject as e:
             return self._error(e.status, str(e), e.code)
-        self._complete(prompt, **opts)
+        self._complete(prompt, opts)
 
     def _start_stream(self, chunk, n):
         self.send_response(200)
@@ -385,47 +411,63 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._event(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                             "finish_reason": None} for i in range(n)]))
 
-    def _complete(self, prompt, stream, seed, n, stop, max_tokens, temperature, top_k, top_p,
-                  logprobs, top_logprobs, usage):
-        params, cfg, tok = self.server.model
+    def _complete(self, prompt, opts):
+        """Generate the completion of one request through the engine, its choices beside every
+        other request's, and send it: streamed, or whole."""
+        tok = self.server.tok
+        n = opts["n"]
+        stream = opts["stream"]
+        logprobs = opts["logprobs"]
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.server.name}
 
         def chunk(choices):
             return {**head, "object": "chat.completion.chunk", "choices": choices}
-        key = jax.random.key(secrets.randbits(32) if seed is None else seed % 2**32)  # 32-bit
-        replies, tokens = [Reply(tok, stop) for _ in range(n)], [[] for _ in range(n)]
-        with self.server.lock:  # one generation at a time: the model and its caches
-            try:
-                if stream:
-                    self._start_stream(chunk, n)
-                for i, t, text, part, row in sample_replies(
-                        params, cfg, tok, prompt, key, replies, 1 if n == 1 else MAX_CHOICES,
-                        logprobs, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p, cache_len=cfg.sequence_len):  # the shapes warm_up compiled
-                    in_text = t is not None and replies[i].kind == "text" \
-                        and t not in tok.special.values()
-                    entry = [_logprobs(tok, row, t, top_logprobs)] if logprobs and in_text else []
-                    tokens[i] += entry
-                    if stream and (text or part):  # a calculator part goes whole once closed
-                        delta = {"content": text} if text else {"parts": [part]}
-                        lp = {"logprobs": {"content": entry}} if logprobs else {}
-                        self._event(chunk([{"index": i, "delta": delta, **lp,
-                                            "finish_reason": None}]))
-                self._finish(head, chunk, prompt, replies, tokens, stream, logprobs, usage)
-            except (BrokenPipeError, ConnectionResetError):
-                self.log_message("client went away after %d tokens: generation stopped",
-                                 sum(len(r.ids) for r in replies))
+        seed = secrets.randbits(32) if opts["seed"] is None else opts["seed"] % 2**32
+        sampling = engine.Sampling(max_tokens=opts["max_tokens"], temperature=opts["temperature"],
+                                   top_k=opts["top_k"], top_p=opts["top_p"], seed=seed,
+                                   logprobs=logprobs)
+        replies = [Reply(tok, opts["stop"]) for _ in range(n)]
+        tokens = [[] for _ in range(n)]  # each choice's logprobs entries
+        try:
+            steps = sample_replies(self.server.engine, tok, prompt, replies, sampling)
+        except engine.Busy as e:  # the waiting line is full: the client retries
+            return self._error(503, str(e), headers=[("Retry-After", "1")])
+        try:
+            if stream:
+                self._start_stream(chunk, n)
+            for i, t, text, part, probs in steps:
+                in_text = t is not None and replies[i].kind == "text" \
+                    and t not in tok.special.values()
+                entry = [_logprobs(tok, t, probs, opts["top_logprobs"])] if logprobs and in_text \
+                    else []
+                tokens[i] += entry
+                if stream and (text or part):  # a calculator part goes whole once closed
+                    delta = {"content": text} if text else {"parts": [part]}
+                    lp = {"logprobs": {"content": entry}} if logprobs else {}
+                    self._event(chunk([{"index": i, "delta": delta, **lp,
+                                        "finish_reason": None}]))
+            self._finish(head, chunk, prompt, replies, tokens, opts)
+        except engine.EngineError as e:  # the engine started afresh: this request is lost
+            if not stream:
+                return self._error(500, str(e))
+            self._event(_error_body(500, str(e)))
+            self.wfile.write(b"data: [DONE]\n\n")
+        except (BrokenPipeError, ConnectionResetError):
+            self.log_message("client went away after %d tokens: generation stopped",
+                             sum(len(r.ids) for r in replies))
+        finally:
+            steps.close()  # a request still running frees its slots
 
-    def _finish(self, head, chunk, prompt, replies, tokens, stream, logprobs, usage):
+    def _finish(self, head, chunk, prompt, replies, tokens, opts):
         """The end of a completion: the stream's last events, or the whole JSON reply."""
         made = sum(len(r.ids) for r in replies)
         counts = {"prompt_tokens": len(prompt), "completion_tokens": made,
                   "total_tokens": len(prompt) + made}
-        if stream:
+        if opts["stream"]:
             self._event(chunk([{"index": i, "delta": {}, "finish_reason": r.finish}
                                for i, r in enumerate(replies)]))
-            if usage:
+            if opts["usage"]:
                 self._event({**head, "object": "chat.completion.chunk", "choices": [],
                              "usage": counts})
             self.wfile.write(b"data: [DONE]\n\n")
@@ -433,7 +475,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         choices = []  # parts: ours, the reply with its calculator steps, to send back as it is
         for i, r in enumerate(replies):
             message = {"role": "assistant", "content": r.content, "parts": r.parts}
-            lp = {"logprobs": {"content": tokens[i]}} if logprobs else {}
+            lp = {"logprobs": {"content": tokens[i]}} if opts["logprobs"] else {}
             choices.append({"index": i, "message": message, **lp, "finish_reason": r.finish})
         self._json(200, {**head, "object": "chat.completion", "usage": counts, "choices": choices})
 
@@ -444,7 +486,7 @@ class _Server(http.server.ThreadingHTTPServer):
     daemon_threads, request_queue_size = True, 128  # (a backlog of 5 makes bursts wait for SYNs)
 
     def process_request(self, request, client_address):
-        if not self.slots.acquire(blocking=False):
+        if not self.connections.acquire(blocking=False):
             error = {"message": "too many open connections; try again shortly",
                      "type": "server_error", "param": None, "code": None}
             body = json.dumps({"error": error}).encode()
@@ -456,14 +498,14 @@ class _Server(http.server.ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self.slots.release()
+            self.connections.release()
             raise
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            self.connections.release()
 
     def handle_error(self, request, client_address):
         if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
@@ -473,38 +515,26 @@ class _Server(http.server.ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
-def make_server(params, cfg, tok, host="127.0.0.1", port=8000, name="nanochat", allow_origins=(),
+def make_server(eng, tok, host="127.0.0.1", port=8000, name="nanochat", allow_origins=(),
                 max_connections=64, request_timeout=30.0, **defaults):
-    """The web chat and API server (port 0: any free port); defaults: max_tokens (half the context
-    unless given), temperature, top_k. Pages of other origins than its own are refused unless
-    listed in allow_origins (e.g. "http://localhost:3000")."""
+    """The web chat and API server on an engine (chat_engine's) that serve() starts (port 0: any
+    free port); defaults: max_tokens (half the context unless given), temperature, top_k. Pages
+    of other origins than its own are refused unless listed in allow_origins (e.g.
+    "http://localhost:3000")."""
     server = _Server((host, port), _Handler)
-    server.slots = threading.BoundedSemaphore(max_connections)
+    server.connections = threading.BoundedSemaphore(max_connections)
     server.request_timeout = request_timeout
-    server.model, server.name, server.lock = (params, cfg, tok), name, threading.Lock()
-    server.loopback, server.origins = host in ("localhost", "127.0.0.1", "::1"), set(allow_origins)
-    server.created, server.compiled = int(time.time()), threading.Event()
+    server.engine = eng
+    server.tok = tok
+    server.name = name
+    server.loopback = host in ("localhost", "127.0.0.1", "::1")
+    server.origins = set(allow_origins)
+    server.created = int(time.time())
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "ui.html"), "rb") as f:
         server.page = f.read()  # the web chat: one page, no dependencies
-    server.defaults = {"max_tokens": cfg.sequence_len // 2, "temperature": 0.6, "top_k": 50,
+    server.defaults = {"max_tokens": eng.cfg.sequence_len // 2, "temperature": 0.6, "top_k": 50,
                        **defaults}
     return server
-
-
-def warm_up(server):
-    """Compile every shape a request can take (each prompt bucket at batch 1 and MAX_CHOICES, the
-    cache at the full context; sampling settings are traced), one at a time under the model lock:
-    after it, no request compiles."""
-    params, cfg, tok = server.model
-    S = cfg.sequence_len
-    for rows in (1, MAX_CHOICES):
-        for bucket in sorted({min(nc.bucket(n), S) for n in range(1, S)}):
-            with server.lock:
-                steps = nc.generate(params, cfg, [tok.bos] * min(bucket, S - 1), max_tokens=2,
-                                    key=jax.random.key(0), num_samples=rows, cache_len=S,
-                                    attn=kernels.attention())
-                collections.deque(steps, maxlen=0)
-    server.compiled.set()
 
 # -------------------------------------------------------------------------------- command line
 
@@ -530,30 +560,34 @@ def parse_args(argv=None):
     a("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
     a("--port", type=int, default=8000, help="port to serve on")
     a("--allow-origin", nargs="*", default=[], help="other pages' origins allowed to use the API")
+    a("--slots", type=int, default=16, help="server: requests generated at once (more wait in "
+      "line, up to 4 per slot, then a 503)")
     a("--compile-cache", default=os.path.expanduser("~/.cache/nanochat_jax/xla"),
       help="persistent XLA compilation cache ('' to disable)")
     return p.parse_args(argv)
 
 
-def serve(params, cfg, tok, host="127.0.0.1", port=8000, allow_origins=(), **defaults):
-    """The web chat and API until Ctrl+C, compiling in the background meanwhile (/health says);
-    defaults: make_server's."""
+def serve(eng, tok, host="127.0.0.1", port=8000, allow_origins=(), **defaults):
+    """The web chat and API on an engine until Ctrl+C, the engine compiling its programs in the
+    background first (/health says when); defaults: make_server's."""
     try:
-        server = make_server(params, cfg, tok, host, port, allow_origins=allow_origins, **defaults)
+        server = make_server(eng, tok, host, port, allow_origins=allow_origins, **defaults)
     except (OSError, OverflowError) as e:  # the port is taken, the host unknown, ...
         sys.exit(f"error: cannot serve on {host}:{port} ({e}): choose another --host or --port")
     url = f"http://{host}:{server.server_address[1]}"
     print(f"chat at {url}/ ; OpenAI-compatible API at {url}/v1 (model 'nanochat'); Ctrl+C stops")
-    threading.Thread(target=warm_up, args=(server,), daemon=True).start()
+    eng.start(warm_up=True)
     server.serve_forever()
 
 
 def main(argv=None):
     args = parse_args(argv)
     too_few = args.max_tokens is not None and args.max_tokens < 1
-    if args.temperature < 0 or not 0 <= args.top_k <= nc.TOP_K_MAX or too_few:
-        sys.exit(f"error: -t must be 0 or more, -k from 0 to {nc.TOP_K_MAX}, -m 1 or more")
-    kernels.use_compile_cache(args.compile_cache)  # compiled prefill and decode serve the next chat
+    if args.temperature < 0 or not 0 <= args.top_k <= engine.TOP_K_MAX or too_few:
+        sys.exit(f"error: -t must be 0 or more, -k from 0 to {engine.TOP_K_MAX}, -m 1 or more")
+    if args.slots < 1:
+        sys.exit("error: --slots must be 1 or more")
+    kernels.use_compile_cache(args.compile_cache)  # compiled programs serve the next chat
     sys.stdout.reconfigure(errors="replace")  # a terminal that cannot show a character: '?'
     try:
         if args.nanochat_checkpoint:
@@ -566,10 +600,14 @@ def main(argv=None):
         args.max_tokens = cfg.sequence_len // 2
     try:
         if args.serve:
-            serve(params, cfg, tok, args.host, args.port, args.allow_origin,
+            # many people at once: a slot each, and a line of 4 per slot waiting for one
+            eng = chat_engine(params, cfg, tok, slots=args.slots, waiting=4 * args.slots)
+            serve(eng, tok, args.host, args.port, args.allow_origin,
                   max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k)
         else:
-            chat_cli(params, cfg, tok, args.prompt, args.max_tokens, args.temperature, args.top_k,
+            eng = chat_engine(params, cfg, tok, slots=1)
+            eng.start()
+            chat_cli(eng, tok, args.prompt, args.max_tokens, args.temperature, args.top_k,
                      args.seed)
     except KeyboardInterrupt:  # Ctrl+C ends the chat or the server: no traceback
         print()

@@ -24,6 +24,7 @@
 import argparse
 import contextlib
 import csv
+import dataclasses
 import functools
 import itertools
 import json
@@ -42,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpoint
 import data
+import engine
 import kernels
 import nanochat as nc
 import sharding
@@ -111,19 +113,35 @@ def local(params):
     return jax.device_put(checkpoint.gather_tree(params), jax.local_devices()[0])
 
 
-def complete(params, cfg, tok, prompt, n=1, max_tokens=512, temperature=0.0, top_k=50, key=None):
-    """n replies to a prompt through the KV-cache engine with the calculator, each without its stop
-    token; empty ones if the prompt leaves no room in the context."""
-    replies = [[] for _ in range(n)]
-    if len(prompt) >= cfg.sequence_len:
-        return replies
+def generate_batch(params, cfg, tok, prompts, sampling, n=1):
+    """Every prompt's n choices, generated together through the slot engine with the calculator
+    (prompt i samples with sampling.seed + i): an engine.Request per prompt, done, or None where
+    the prompt leaves no room in the context. What the evaluations and RL sample with."""
+    room = [len(prompt) < cfg.sequence_len for prompt in prompts]
+    sp = tok.special
+    eng = engine.Engine(params, cfg, slots=engine.fit_slots(cfg, sum(room) * n), kmax=32,
+                        attn=kernels.attention(),
+                        python_ids=(sp["<|python_start|>"], sp["<|python_end|>"]))
+    requests = []
+    for i, prompt in enumerate(prompts):
+        seeded = dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**32)
+        fits = room[i]
+        tool = data.calculator_tool(tok)
+        requests.append(eng.submit(prompt, seeded, n=n, tool=tool) if fits else None)
+    eng.drain()
+    return requests
+
+
+def complete(params, cfg, tok, prompts, n=1, max_tokens=512, temperature=0.0, top_k=50, seed=0):
+    """Each prompt's n replies (generate_batch's, greedy by default), each reply's ids without its
+    stop token; empty ones where a prompt leaves no room in the context."""
     stops = data.reply_stops(tok)
-    for row, token, _, _ in nc.generate_rows(
-            params, cfg, prompt, num_samples=n, stop_ids=stops, tool=data.calculator_tool(tok),
-            max_tokens=max_tokens, key=jax.random.key(0) if key is None else key,
-            temperature=temperature, top_k=top_k, attn=kernels.attention()):
-        if token not in stops:
-            replies[row].append(token)
+    sampling = engine.Sampling(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                               seed=seed, stop_ids=stops)
+    replies = []
+    for request in generate_batch(params, cfg, tok, prompts, sampling, n):
+        choices = request.tokens if request is not None else [[]] * n
+        replies.append([[t for t in choice if t not in stops] for choice in choices])
     return replies
 
 # ------------------------------------------------------------------- bits per byte, our tasks
@@ -151,17 +169,20 @@ def evaluate_bpb(params, cfg, batches, token_bytes, steps):
 def evaluate_tasks(params, cfg, tok, n=50, questions=(), seed=0, max_tokens=160):
     """Exact-match accuracy per synthetic task on n conversations of its held-out split, and per
     skill on hand-written questions (tasks.load_questions), greedy: ({task: acc}, {skill: acc})."""
-    def reply(conversation):
-        prompt = data.render_for_completion(tok, conversation)
-        return tok.decode(complete(params, cfg, tok, prompt, 1, max_tokens)[0])
+    convs = {task: list(itertools.islice(tk.task_conversations(task, "test", seed=seed), n))
+             for task in tk.TASKS}
+    asked = [[{"role": "user", "content": q["question"]}, {"role": "assistant", "content": "?"}]
+             for q in questions]
+    # every conversation's reply in one batch through the engine
+    everything = [c for task in tk.TASKS for c in convs[task]] + asked
+    prompts = [data.render_for_completion(tok, c) for c in everything]
+    replies = iter(tok.decode(r[0]) for r in complete(params, cfg, tok, prompts, 1, max_tokens))
     accuracy = {}
     for task in tk.TASKS:
-        convs = itertools.islice(tk.task_conversations(task, "test", seed=seed), n)
-        accuracy[task] = float(np.mean([tk.check(c, reply(c)) for c in convs]))
+        accuracy[task] = float(np.mean([tk.check(c, next(replies)) for c in convs[task]]))
     graded = []
     for q in questions:
-        asked = [{"role": "user", "content": q["question"]}, {"role": "assistant", "content": "?"}]
-        graded.append((q["skill"], tk.grade(q["skill"], q["answer"], reply(asked))))
+        graded.append((q["skill"], tk.grade(q["skill"], q["answer"], next(replies))))
     skills = {s: float(np.mean([ok for k, ok in graded if k == s])) for s in dict(graded)}
     return accuracy, skills
 
@@ -198,7 +219,7 @@ def during_training(name, tok, cfg, results, log, device_batch_size, val_docs=No
                                           device_batch_size, cfg.sequence_len)
                 results["recall_bpb"] = evaluate_bpb(p, cfg, recall, token_bytes, eval_steps)
         if sample_due:
-            sample = complete(p, cfg, tok, prompt, 1, 24)[0]
+            sample = complete(p, cfg, tok, [prompt], 1, 24)[0][0]
             print(f"  sample: {text!r} -> {tok.decode(sample)!r}")
     return before_step
 
@@ -423,13 +444,12 @@ def evaluate_chat(params, cfg, tok, tasks, split=None, num_samples=1, max_tokens
             letter = letter_ids(tok, name, convs)
             passed = [c["letters"][int(np.argmax(z[[letter[x] for x in c["letters"]]]))]
                       == c["messages"][-1]["content"] for c, (z,) in zip(convs, logits)]
-        else:  # generative: pass@num_samples
-            p, passed = params if split is None else local(params), []
-            for i, c in enumerate(convs):
-                prompt = data.render_for_completion(tok, c["messages"])
-                outs = complete(p, cfg, tok, prompt, num_samples, max_tokens, temperature, top_k,
-                                jax.random.key(i))
-                passed.append(any(tk.chat_check(name, c, tok.decode(o)) for o in outs))
+        else:  # generative: pass@num_samples, every problem's samples in one batch
+            p = params if split is None else local(params)
+            prompts = [data.render_for_completion(tok, c["messages"]) for c in convs]
+            outs = complete(p, cfg, tok, prompts, num_samples, max_tokens, temperature, top_k)
+            passed = [any(tk.chat_check(name, c, tok.decode(o)) for o in samples)
+                      for c, samples in zip(convs, outs)]
         results[name] = float(np.mean(passed)) if passed else 0.0
         log(f"{name}: {sum(passed)}/{len(passed)} ({100 * results[name]:.2f}%) in "
             f"{time.perf_counter() - t:.1f} s")

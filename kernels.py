@@ -15,8 +15,9 @@ for a route; "auto" picks one per call from the backend, the dtype and the shape
   of 128 (64 up to T = 128), each over only the keys from its window's start to its own end, so
   fully masked key blocks are never computed.
 - "xla": dot_product_attention's own XLA path; "plain": nanochat.causal_attention itself.
-A query chunk over a KV cache (prefill and decode: pos given) takes `attend_cpu` on a CPU and the
-plain attention elsewhere. Every route is tested against the plain attention, values and
+A query chunk over a KV cache (prefill and decode: pos given) takes `attend_cache_cpu` on a CPU,
+the same softmax over the cache as it is stored (heads first: no copy of it), and the plain
+attention elsewhere. Every route is tested against the plain attention, values and
 gradients, with windows and GQA (splash through Pallas's interpreter).
 
 `init_params` compiles the init cheaply; `tune_process` sets up a process for speed: the persistent
@@ -61,6 +62,20 @@ def attend_cpu(q, k, v, mask):
     y = jnp.matmul(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     y = y / p.sum(-1, keepdims=True)
     return y.astype(v.dtype).transpose(0, 3, 1, 2, 4).reshape(B, Tq, H, D)
+
+
+def attend_cache_cpu(q, k, v, mask):
+    """Queries q (B, Tq, H, D) over a KV cache's k, v (B, K, S, D) under mask (B, Tq, S), as
+    attend_cpu (no max pass) but on the cache as it lies: XLA's dots then read each head's keys
+    in place, where a transposed copy of the whole cache would cost more than the math."""
+    B, Tq, H, D = q.shape
+    K = k.shape[1]
+    q = q.reshape(B, Tq, K, H // K, D)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) / D**0.5
+    p = jnp.exp(jnp.where(mask[:, None, None], scores, -jnp.inf))  # (B, K, H/K, Tq, S)
+    y = jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    y = y / jnp.moveaxis(p.sum(-1), -1, 1)[..., None]
+    return y.astype(v.dtype).reshape(B, Tq, H, D)
 
 
 def blocked_attention(q, k, v, window, block=None):
@@ -111,10 +126,12 @@ def attention(name="auto"):
 def _route_attention(name):
     def attn(q, k, v, window, pos=None):
         backend = jax.default_backend()
-        if pos is not None:  # a query chunk over a KV cache
-            q_pos = pos + jnp.arange(q.shape[1])
-            mask = nc.attention_mask(q_pos, jnp.arange(k.shape[1]), window)
-            return (attend_cpu if backend == "cpu" else nc.attend)(q, k, v, mask)
+        if pos is not None:  # a query chunk over a KV cache, each row at its own position
+            if backend != "cpu":
+                return nc.causal_attention(q, k, v, window, pos)
+            q_pos = nc.query_positions(pos, q.shape[1])
+            mask = nc.attention_mask(q_pos, jnp.arange(k.shape[2]), window)
+            return attend_cache_cpu(q, k, v, mask)
         picked = route(name, backend, q.dtype, q.shape[1], q.shape[-1])
         if picked in ("cudnn", "xla"):
             return jax.nn.dot_product_attention(q, k, v, is_causal=True,

@@ -1,4 +1,4 @@
-"""nanochat's GPT as pure JAX functions over a plain dict of arrays, and its KV-cache engine.
+"""nanochat's GPT as pure JAX functions over a plain dict of arrays, with its KV-cache forward.
 
 The model of karpathy/nanochat's `gpt.py`: the same logits, loss and gradients for the same weights.
 - RoPE (arXiv 2104.09864), base 100000, split halves, rotating by -theta as nanochat does; then
@@ -20,10 +20,9 @@ Read `init_params`, `param_groups` (how the optimizer treats each leaf), then `b
 over one layer's weights, shared by training, prefill and decode. Attention is one call, `attn`, a
 function argument whose default is the plain `causal_attention`; kernels.py gives faster functions
 of the same signature for each backend, so the model never names one.
-Inference is nanochat's Engine: a preallocated KV cache written in place at a traced position
-(donated: one compiled decode step serves every position), masks from absolute positions, so that
-sliding windows hold while decoding, prompts padded to power-of-two buckets, sampling settings as
-traced values (a new setting never recompiles), and tools that force tokens (the calculator).
+For inference, `forward_cached` feeds tokens through a preallocated KV cache whose rows each sit at
+their own position: written in place at traced positions, masks from absolute positions (sliding
+windows hold while decoding), so rows of different lengths decode together. engine.py generates.
 
 Weights are (in, out), `x @ W`; checkpoint.py converts them to PyTorch's (out, in) and back.
 Per-layer weights of a kind are stacked on a leading axis (layers, or value-embedding layers for
@@ -31,7 +30,6 @@ Per-layer weights of a kind are stacked on a leading axis (layers, or value-embe
 Dimensions: B batch, T time (S cache slots), C n_embd, H n_head, K n_kv_head, D head_dim, V vocab.
 """
 
-import collections
 import dataclasses
 import functools
 import math
@@ -47,7 +45,6 @@ QK_SCALE = 1.2
 SMEAR_CHANNELS = 24  # the smear gate reads this many channels of the current token
 VE_GATE_CHANNELS = 12  # the value-embedding gate reads this many channels of the block input
 EPS = float(np.finfo(np.float32).eps)  # F.rms_norm's default eps for fp32
-TOP_K_MAX = 256  # top_k is traced under this bound: a fixed-size lax.top_k is fast, a sort is not
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,9 +180,9 @@ def linear(x, w):
 
 
 def rotary(positions, head_dim):
-    """cos, sin tables (T, D/2) for absolute positions."""
+    """cos, sin tables (..., T, D/2) for absolute positions (T,), or (B, T): one row each."""
     inv_freq = 1.0 / ROPE_BASE ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(freqs), jnp.sin(freqs)
 
 
@@ -193,27 +190,42 @@ def apply_rotary(x, cos, sin):
     """Rotate the split halves of x (B, T, H, D) by -theta, the sign of nanochat's checkpoints."""
     d = x.shape[-1] // 2
     x1, x2 = x[..., :d], x[..., d:]  # slices, not jnp.split, whose gradient is a concatenate
-    cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+    # (T, 1, D/2) or (B, T, 1, D/2): one table for every head
+    cos = cos[..., None, :].astype(x.dtype)
+    sin = sin[..., None, :].astype(x.dtype)
     return jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], axis=-1)
 
 
 def attention_mask(q_pos, k_pos, window):
-    """(Tq, Tk) bool from absolute positions: causal, at most `window` tokens back (window + 1
-    keys). Training, prefill and decode share it: is_causal=True is wrong when Tq and Tk differ."""
-    back = q_pos[:, None] - k_pos[None, :]
+    """(..., Tq, Tk) bool from absolute positions q_pos (..., Tq) and k_pos (Tk,): causal, at most
+    `window` tokens back (window + 1 keys). Training, prefill and decode share it: is_causal=True
+    is wrong when Tq and Tk differ."""
+    back = q_pos[..., :, None] - k_pos
     return (back >= 0) & (back <= window)
 
 
 def attend(q, k, v, mask):
-    """Softmax attention of q (B, Tq, H, D) over k, v (B, Tk, K, D) under mask (Tq, Tk); the K kv
-    heads serve the H query heads (GQA); scores and softmax in fp32."""
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
+    """Softmax attention of q (B, Tq, H, D) over k, v (B, Tk, K, D) under mask (Tq, Tk), or
+    (B, Tq, Tk) with a row each; the K kv heads serve the H query heads (GQA); scores and softmax
+    in fp32."""
+    mask = mask.reshape((-1, 1) + mask.shape[-2:])  # (1 or B, 1, Tq, Tk): every head alike
+    return jax.nn.dot_product_attention(q, k, v, mask=mask)
+
+
+def query_positions(pos, T):
+    """The absolute positions of T tokens fed at pos: (T,) for a scalar pos, (B, T) for one
+    position per row (rows of a KV cache at different lengths)."""
+    return jnp.asarray(pos)[..., None] + jnp.arange(T)
 
 
 def causal_attention(q, k, v, window, pos=None):
     """The model's attention, `attn`: queries at positions pos, pos + 1, ... over keys at 0, 1, ...
-    (pos None: training, q and k the same positions 0..T-1), causal within `window`."""
-    q_pos = jnp.arange(q.shape[1]) + (0 if pos is None else pos)
+    (pos None: training, q and k the same positions 0..T-1; pos (B,): each row its own, k and v a
+    KV cache's (B, K, S, D)), causal within `window`."""
+    if pos is not None:  # a cache is stored heads first
+        k = k.swapaxes(1, 2)
+        v = v.swapaxes(1, 2)
+    q_pos = query_positions(0 if pos is None else pos, q.shape[1])
     return attend(q, k, v, attention_mask(q_pos, jnp.arange(k.shape[1]), window))
 
 
@@ -226,12 +238,20 @@ def smear(x, gate_w, lam, prev=None):
     return x + gate * jnp.concatenate([prev, x[:, :-1]], axis=1)
 
 
+def write_rows(cache, new, pos):
+    """cache (B, K, S, D) with each row's new (B, T, K, D) written at that row's pos (B,), in place
+    on a donated cache."""
+    def write(row, new_row, p):
+        return jax.lax.dynamic_update_slice(row, new_row, (0, p, 0))
+    return jax.vmap(write)(cache, new.swapaxes(1, 2), pos)
+
+
 def attention(w, x, ve, cos, sin, window, attn, cache=None, pos=0):
     """Causal self-attention of x (B, T, C), normed, with one layer's weights w: (y, cache or None).
 
-    Without a cache the tokens sit at positions 0..T-1. With one (k, v: (B, S, K, D)) they sit at
-    `pos`: their k and v are written there, and the queries attend over every slot, the mask
-    hiding the slots not written yet."""
+    Without a cache the tokens sit at positions 0..T-1. With one (k, v: (B, K, S, D)) row b's
+    tokens sit at pos[b]: their k and v are written there, and the queries attend over every
+    slot, the mask hiding the slots not written yet."""
     B, T, C = x.shape
     D = cos.shape[-1] * 2
     q = linear(x, w["c_q"]).reshape(B, T, -1, D)  # (B, T, H, D)
@@ -245,8 +265,7 @@ def attention(w, x, ve, cos, sin, window, attn, cache=None, pos=0):
     if cache is None:
         y = attn(q, k, v, window)
     else:  # in place on the donated cache: one compiled step serves every position
-        cache = tuple(jax.lax.dynamic_update_slice(c, a, (0, pos, 0, 0))
-                      for c, a in zip(cache, (k, v)))
+        cache = (write_rows(cache[0], k, pos), write_rows(cache[1], v, pos))
         y = attn(q, *cache, window, pos)
     return linear(y.reshape(B, T, C), w["c_proj"]), cache
 
@@ -288,7 +307,7 @@ def trunk(p, tokens, x, cfg, attn, caches=None, pos=0, remat=False):
     """The layers, backout and final norm over the smeared embeddings x (B, T, C) of tokens at
     positions pos, pos + 1, ...; p is unstacked. Returns (normed hidden states, layer caches).
     remat: the backward pass recomputes each block's activations instead of keeping them."""
-    cos, sin = rotary(pos + jnp.arange(tokens.shape[1]), cfg.head_dim)
+    cos, sin = rotary(query_positions(pos, tokens.shape[1]), cfg.head_dim)
     caches = caches or [None] * cfg.n_layer
     x0, x_backout = x, None
     layer_fn = jax.checkpoint(block, static_argnums=(6, 7)) if remat else block  # window, attn
@@ -337,18 +356,21 @@ def loss_fn(params, tokens, targets, cfg, reduction="mean", attn=causal_attentio
 
 
 def init_cache(cfg, batch, max_len):
-    """An empty KV cache: per layer k, v (B, S, K, D); the smear's last embedding (B, C); the
-    position."""
-    shape, dtype = (batch, max_len, cfg.n_kv_head, cfg.head_dim), cfg.compute_dtype
+    """An empty KV cache: per layer k, v (B, K, S, D), heads first so that a decode step reads each
+    head's keys as one block; the smear's last embedding (B, C); each row's position (B,), the
+    number of tokens it holds. Zeros, never uninitialized memory: a masked slot still enters the
+    softmax's weighted sum, and 0 * NaN is NaN."""
+    shape = (batch, cfg.n_kv_head, max_len, cfg.head_dim)
+    dtype = cfg.compute_dtype
     layers = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.n_layer)]
     return {"layers": layers,
             "prev": jnp.zeros((batch, cfg.n_embd), cfg.compute_dtype),
-            "pos": jnp.zeros((), jnp.int32)}
+            "pos": jnp.zeros((batch,), jnp.int32)}
 
 
 def forward_cached(p, tokens, cache, cfg, attn, length=None):
     """(logits (B, vocab_size) after the last of `length` valid tokens, the advanced cache): prefill
-    (T > 1) or decode. p: unstacked, in the compute dtype; tokens (B, T) go in at the cache's
+    (T > 1) or decode. p: unstacked, in the compute dtype; tokens (B, T) go in at each row's
     position. A prompt padded at the end to a bucket writes junk k, v past `length`, which later
     writes replace before any query can see them."""
     length = tokens.shape[1] if length is None else length
@@ -360,114 +382,6 @@ def forward_cached(p, tokens, cache, cfg, attn, length=None):
         return jax.lax.dynamic_index_in_dim(a, length - 1, axis=1, keepdims=False)
     cache = {"layers": layers, "prev": last(e), "pos": cache["pos"] + length}
     return logits_from_hidden(p, last(x), cfg), cache
-
-
-def sample_next_token(logits, key, temperature, top_k, top_p=1.0):
-    """Next ids (B,) from logits (B, V): the argmax at temperature 0, else a draw from
-    softmax(logits / temperature) over the top_k likeliest (0: all; at most TOP_K_MAX), then over
-    the smallest set of those holding top_p of the probability (nucleus sampling, arXiv
-    1904.09751, among the TOP_K_MAX likeliest). All three are traced: a new setting never
-    recompiles."""
-    scaled = logits / jnp.maximum(temperature, 1e-6)
-
-    def truncated():
-        vals, idx = jax.lax.top_k(scaled, min(TOP_K_MAX, scaled.shape[-1]))  # likeliest first
-        vals = jnp.where((jnp.arange(vals.shape[-1]) < top_k) | (top_k == 0), vals, -jnp.inf)
-        whole = jax.nn.logsumexp(scaled, -1, keepdims=True)  # top_k 0: top_p of the whole
-        p = jnp.exp(vals - jnp.where(top_k > 0, jax.nn.logsumexp(vals, -1, keepdims=True), whole))
-        vals = jnp.where(jnp.cumsum(p, -1) - p < top_p, vals, -jnp.inf)  # mass before < top_p
-        drawn = jax.random.categorical(key, vals)
-        return jnp.take_along_axis(idx, drawn[:, None], axis=-1)[:, 0]
-
-    def full():
-        return jax.random.categorical(key, scaled).astype(jnp.int32)
-    picked = jax.lax.cond((top_k > 0) | (top_p < 1), truncated, full)  # one branch runs
-    return jnp.where(temperature > 0, picked, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "num_samples", "attn"))
-def prefill(p, tokens, length, key, settings, cfg, max_len, num_samples=1, attn=causal_attention):
-    """One prompt (1, T), its first `length` tokens real, into a fresh cache of max_len slots copied
-    to num_samples rows: (each row's first sampled token (num_samples,), the logits it was drawn
-    from, the cache). p as for forward_cached; settings: sample_next_token's (temperature, top_k,
-    top_p)."""
-    logits, cache = forward_cached(p, tokens, init_cache(cfg, 1, max_len), cfg, attn, length)
-
-    def rows(a):
-        return jnp.repeat(a, num_samples, axis=0) if a.ndim else a
-    cache, logits = jax.tree.map(rows, (cache, logits))
-    ids = sample_next_token(logits, jax.random.fold_in(key, cache["pos"]), *settings)
-    return ids, logits, cache
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "attn"), donate_argnames="cache")
-def decode(p, column, cache, key, settings, cfg, attn=causal_attention):
-    """Feed one token per row (B,) and sample the next: (ids (B,), logits (B, V), cache)."""
-    logits, cache = forward_cached(p, column[:, None], cache, cfg, attn)
-    ids = sample_next_token(logits, jax.random.fold_in(key, cache["pos"]), *settings)
-    return ids, logits, cache
-
-
-def bucket(n):
-    """The padded length of n prompt tokens, a power of two: a chat compiles once per doubling."""
-    return max(16, 1 << (n - 1).bit_length())
-
-
-def generate(params, cfg, prompt_ids, *, max_tokens, key, temperature=1.0, top_k=None, top_p=1.0,
-             num_samples=1, stop_ids=(), tool=None, cache_len=None, logits=False,
-             attn=causal_attention):
-    """nanochat's Engine.generate: yields (token_column, mask_column), lists of num_samples ints.
-
-    Prefill at batch 1, then decode every row together until each has emitted a stop id, or
-    max_tokens, or the context is full. `tool(row, token)` (e.g. data.calculator_tool(tok), fresh
-    per call) sees every emitted token and returns ids to force into that row, one per step with
-    mask 0 (nanochat's forced_tokens deque). The cache holds the bucket of prompt + max_tokens, or
-    cache_len (a server passes cfg.sequence_len: one size for every request). logits=True: also
-    yield the step's logits (num_samples, vocab_size), a device array, third."""
-    n, top_k = len(prompt_ids), top_k or 0
-    if not 0 < n < cfg.sequence_len:
-        raise ValueError(f"the prompt has {n} tokens; it must have 1 to {cfg.sequence_len - 1} "
-                         "(the model's context)")
-    if not 0 <= top_k <= TOP_K_MAX:
-        raise ValueError(f"top_k is {top_k}; it must be 0 (all tokens) to {TOP_K_MAX}")
-    max_tokens = min(max_tokens, cfg.sequence_len - n)
-    if max_tokens < 1:
-        return
-    max_len = cache_len or min(bucket(n + max_tokens), cfg.sequence_len)
-    tokens = np.zeros((1, min(bucket(n), max_len)), np.int32)  # padded at the end: positions hold
-    tokens[0, :n] = prompt_ids
-    p = unstack(jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params), cfg)  # once per call
-    settings = float(temperature), int(top_k), float(top_p)  # traced: new values compile nothing
-    sampled, out, cache = prefill(p, tokens, n, key, settings, cfg, max_len, num_samples, attn)
-    forced = [collections.deque() for _ in range(num_samples)]
-    done, stop_ids = [False] * num_samples, set(stop_ids)
-    for step in range(max_tokens):
-        column, masks = [], []
-        for row, token in enumerate(np.asarray(sampled).tolist()):  # the one host sync per token
-            masks.append(0 if forced[row] else 1)
-            column.append(forced[row].popleft() if forced[row] else token)
-            done[row] = done[row] or column[-1] in stop_ids
-            if tool is not None:
-                forced[row].extend(tool(row, column[-1]))
-        yield (column, masks, out) if logits else (column, masks)
-        if all(done) or step == max_tokens - 1:
-            return
-        column = np.asarray(column, np.int32)
-        sampled, out, cache = decode(p, column, cache, key, settings, cfg, attn)
-
-
-def generate_rows(params, cfg, prompt_ids, *, num_samples=1, stop_ids=(), logits=False, **kwargs):
-    """`generate` row by row, the sampling that training (RL), the evaluations and the server share:
-    yields (row, token, mask, the step's logits row or None) for every token a row takes; a row
-    takes no more after its first stop id. kwargs: generate's."""
-    ended = [False] * num_samples
-    for column, masks, *out in generate(params, cfg, prompt_ids, num_samples=num_samples,
-                                        stop_ids=stop_ids, logits=logits, **kwargs):
-        step = np.asarray(out[0]) if logits else [None] * num_samples
-        for row, (token, mask) in enumerate(zip(column, masks)):
-            if not ended[row]:
-                ended[row] = token in stop_ids
-                yield row, token, mask, step[row]
 
 # ---------------------------------------------------------------------------------- counting
 

@@ -36,17 +36,15 @@ PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2250e12, "A
 
 def samples(params, cfg, tok, stage):
     """A few greedy samples: nanochat's base prompts continued, or a chat model's replies."""
-    out = {}
     if stage == "base":
-        for p in BASE_PROMPTS:
-            reply = evaluate.complete(params, cfg, tok, [tok.bos] + tok.encode(p), 1, 16)[0]
-            out[p] = tok.decode(reply)
-        return out
-    for q in CHAT_PROMPTS:
-        chat = [{"role": "user", "content": q}, {"role": "assistant", "content": "?"}]
-        prompt = data.render_for_completion(tok, chat)
-        out[q] = tok.decode(evaluate.complete(params, cfg, tok, prompt, 1, 64)[0])
-    return out
+        prompts = [[tok.bos] + tok.encode(p) for p in BASE_PROMPTS]
+        replies = evaluate.complete(params, cfg, tok, prompts, 1, 16)
+        return {p: tok.decode(r[0]) for p, r in zip(BASE_PROMPTS, replies)}
+    chats = [[{"role": "user", "content": q}, {"role": "assistant", "content": "?"}]
+             for q in CHAT_PROMPTS]
+    prompts = [data.render_for_completion(tok, chat) for chat in chats]
+    replies = evaluate.complete(params, cfg, tok, prompts, 1, 64)
+    return {q: tok.decode(r[0]) for q, r in zip(CHAT_PROMPTS, replies)}
 
 
 @functools.cache

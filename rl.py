@@ -17,28 +17,28 @@ import numpy as np
 
 import checkpoint
 import data
+import engine
 import evaluate
-import kernels
-import nanochat as nc
 import tasks
 
 
-def rollout(params, cfg, tok, conversation, key, num_samples, max_tokens, temperature=1.0,
-            top_k=50, reward=tasks.check):
-    """num_samples replies to a task conversation, sampled with the calculator in the loop:
-    (prompt + reply ids; masks, 1 on the sampled tokens, 0 on the prompt and the tool's output;
-    rewards, reward(conversation, decoded reply))."""
-    prompt = data.render_for_completion(tok, conversation)
-    replies, masks = [[] for _ in range(num_samples)], [[] for _ in range(num_samples)]
-    if len(prompt) < cfg.sequence_len:
-        for row, token, mask, _ in nc.generate_rows(
-                params, cfg, prompt, num_samples=num_samples, stop_ids=data.reply_stops(tok),
-                tool=data.calculator_tool(tok), max_tokens=max_tokens, key=key,
-                temperature=temperature, top_k=top_k, attn=kernels.attention()):
-            replies[row].append(token)
-            masks[row].append(mask)
-    rewards = [float(reward(conversation, tok.decode(r))) for r in replies]
-    return [prompt + r for r in replies], [[0] * len(prompt) + m for m in masks], rewards
+def rollout(params, cfg, tok, questions, seed, num_samples, max_tokens, temperature=1.0, top_k=50):
+    """num_samples replies to each (conversation, reward) question, all sampled together with the
+    calculator in the loop (question i with seed + i): per question (prompt + reply ids; masks, 1
+    on the sampled tokens, 0 on the prompt and the tool's output; rewards, reward(conversation,
+    decoded reply))."""
+    prompts = [data.render_for_completion(tok, conversation) for conversation, _ in questions]
+    sampling = engine.Sampling(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                               seed=seed, stop_ids=data.reply_stops(tok))
+    requests = evaluate.generate_batch(params, cfg, tok, prompts, sampling, num_samples)
+    groups = []
+    for (conversation, reward), prompt, request in zip(questions, prompts, requests):
+        replies = request.tokens if request is not None else [[]] * num_samples
+        masks = request.masks if request is not None else [[]] * num_samples
+        rewards = [float(reward(conversation, tok.decode(r))) for r in replies]
+        rows = [prompt + r for r in replies]
+        groups.append((rows, [[0] * len(prompt) + m for m in masks], rewards))
+    return groups
 
 
 def rl_batch(groups, T):
@@ -68,21 +68,22 @@ def rl_prompts(rl_tasks, step, n):
     return [(next(drawn[t]), rl_tasks[t][2]) for t in (names[i % len(names)] for i in range(n))]
 
 
-def evaluate_passk(params, cfg, tok, rl_tasks, n, k, key, max_tokens):
+def evaluate_passk(params, cfg, tok, rl_tasks, n, k, seed, max_tokens):
     """nanochat's pass@k (any of the first k samples at temperature 1 correct) on n test
-    conversations per task: {task: {"pass@1": ..., "pass@k": ...}}."""
+    conversations per task, every task's samples in one batch: {task: {"pass@1": ...,
+    "pass@k": ...}}."""
+    questions = {t: [(c, reward) for c in itertools.islice(test(), n)]
+                 for t, (_, test, reward, _) in rl_tasks.items()}
+    everything = [q for t in rl_tasks for q in questions[t]]
+    groups = iter(rollout(params, cfg, tok, everything, seed, k, max_tokens))
     out = {}
-    for t, (_, test, reward, _) in rl_tasks.items():
-        hits = []
-        for i, c in enumerate(itertools.islice(test(), n)):
-            rewards = rollout(params, cfg, tok, c, jax.random.fold_in(key, i), k, max_tokens,
-                              reward=reward)[2]
-            hits.append(np.cumsum(rewards) > 0)
+    for t in rl_tasks:
+        hits = [np.cumsum(next(groups)[2]) > 0 for _ in questions[t]]
         out[t] = {f"pass@{j}": float(np.mean([h[j - 1] for h in hits])) for j in sorted({1, k})}
     return out
 
 
-def rl_stage(out, tok, key, task_names=("spelling", "counting"), seed=0, chat_data=None,
+def rl_stage(out, tok, task_names=("spelling", "counting"), seed=0, chat_data=None,
              prompts=8, samples=8, max_tokens=64, iterations=40, lr_frac=0.02, eval_n=16,
              eval_every=0):
     """RL from the newest SFT checkpoint under out, nanochat's chat_rl: each step samples `samples`
@@ -103,13 +104,12 @@ def rl_stage(out, tok, key, task_names=("spelling", "counting"), seed=0, chat_da
     rl_tasks = tasks.rl_tasks(task_names, seed, chat_data, fits)
 
     def next_batch(params, step, split):
-        step_key = jax.random.fold_in(key, step)  # prompts and samples from (seed, step): exact
         drawn = rl_prompts(rl_tasks, step, prompts)
-        p = evaluate.local(params)
-        groups = [rollout(p, cfg, tok, c, jax.random.fold_in(step_key, i), samples, max_tokens,
-                          reward=reward) for i, (c, reward) in enumerate(drawn)]
+        # prompts and samples follow from (seed, step): a resumed run is exact
+        step_seed = seed * 1_000_003 + step * prompts
+        groups = rollout(evaluate.local(params), cfg, tok, drawn, step_seed, samples, max_tokens)
         longest = max(len(r) for g in groups for r in g[0])
-        T = min(cfg.sequence_len, nc.bucket(longest))  # few shapes: few compiles
+        T = min(cfg.sequence_len, engine.bucket(longest))  # few shapes: few compiles
         print(f"step {step + 1:5d} | reward {np.mean([g[2] for g in groups]):.3f}", flush=True)
         return jax.device_put(rl_batch(groups, T), split), []
     epoch = min((size for *_, size in rl_tasks.values() if size), default=0) // prompts
@@ -119,7 +119,7 @@ def rl_stage(out, tok, key, task_names=("spelling", "counting"), seed=0, chat_da
     def passk(params, step, last, results, log):  # nanochat's, on 8 samples (its device batch)
         if eval_n > 0 and (step == 0 or last or eval_every > 0 and step % eval_every == 0):
             r = evaluate_passk(evaluate.local(params), cfg, tok, rl_tasks, eval_n, min(samples, 8),
-                               jax.random.key(1), max_tokens)
+                               1, max_tokens)
             results["pass@k" if last else "pass@k before" if step == 0 else f"pass@k {step}"] = r
             print(f"step {step:5d} | {json.dumps(r)}")
             log({"step": step, "pass@k": r})

@@ -48,6 +48,7 @@ import tiktoken
 import chat
 import checkpoint
 import data
+import engine
 import evaluate
 import execution
 import kernels
@@ -311,15 +312,22 @@ def test_every_attention_route_equals_plain(route):
 
 
 def test_cached_attention_of_every_route_equals_plain():
-    """A query chunk over a KV cache (prefill, decode: pos given) takes attend_cpu on a CPU: the
-    plain numbers."""
+    """A query chunk over a KV cache (prefill, decode: pos given, one per row; the cache heads
+    first) takes attend_cache_cpu on a CPU: the plain numbers, each row at its own position."""
     keys = jax.random.split(jax.random.key(14), 3)
-    q, k, v = (jax.random.normal(key, (2, T, h, 32)) for key, T, h in zip(keys, (5, 40, 40), (4, 2, 2)))
+    q = jax.random.normal(keys[0], (2, 5, 4, 32))  # (B, T, H, D)
+    k, v = (jax.random.normal(key, (2, 2, 40, 32)) for key in keys[1:])  # (B, K, S, D)
+    pos = jnp.array([20, 7], jnp.int32)
     for window in (8, 64):
-        want = nc.causal_attention(q, k, v, window, jnp.int32(20))
+        want = nc.causal_attention(q, k, v, window, pos)
         for route in kernels.ROUTES:
-            np.testing.assert_allclose(kernels.attention(route)(q, k, v, window, jnp.int32(20)),
-                                       want, atol=1e-5)
+            np.testing.assert_allclose(kernels.attention(route)(q, k, v, window, pos), want,
+                                       atol=1e-5)
+        # each row as if alone: per-row positions are no approximation
+        for row in range(2):
+            alone = nc.causal_attention(q[row:row + 1], k[row:row + 1], v[row:row + 1], window,
+                                        pos[row])
+            np.testing.assert_allclose(want[row:row + 1], alone, atol=1e-6)
 
 
 def test_model_names_no_backend():
@@ -478,15 +486,16 @@ def test_muon_trains_a_model_that_is_not_the_gpt():
 
 IMPORTS = {  # each module of ours: the modules of ours it imports (nanochat.py and muon.py: none)
     "nanochat": set(), "muon": set(), "data": set(), "execution": set(), "kernels": {"nanochat"},
+    "engine": {"nanochat"},
     "tasks": {"data", "execution"}, "checkpoint": {"data", "nanochat", "torch_files"}, "torch_files": set(),
-    "evaluate": {"checkpoint", "data", "kernels", "nanochat", "sharding", "tasks"},
+    "evaluate": {"checkpoint", "data", "engine", "kernels", "nanochat", "sharding", "tasks"},
     "report": {"data", "evaluate", "nanochat"},
-    "rl": {"checkpoint", "data", "evaluate", "kernels", "nanochat", "tasks"},
+    "rl": {"checkpoint", "data", "engine", "evaluate", "tasks"},
     "sharding": {"data"},
     "train": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "report", "rl",
               "sharding", "tasks"},
-    "chat": {"checkpoint", "data", "kernels", "nanochat"},
-    "bench": {"data", "kernels", "muon", "nanochat", "report", "sharding", "train"},
+    "chat": {"checkpoint", "data", "engine", "kernels"},
+    "bench": {"data", "engine", "kernels", "muon", "nanochat", "report", "sharding", "train"},
     "scaling_fits": set(),
     "scaling": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "scaling_fits",
                 "sharding", "train"},
@@ -1027,16 +1036,16 @@ def test_rl_raises_the_reward_of_a_tiny_task(btok):
                                               CONST, LRS,
                                               cfg=cfg)
 
-    # over 64 samples, drawn 16 at a time as RL draws them: one sampler compiles
+    # over 64 samples: 16 to each of 4 copies of the question, drawn together as RL draws them
     def reward(params, seed):
-        keys = [jax.random.fold_in(jax.random.key(seed), j) for j in range(4)]
-        return np.mean([rl.rollout(params, cfg, btok, ask("yes"), key, 16, 8)[2] for key in keys])
+        groups = rl.rollout(params, cfg, btok, [(ask("yes"), tasks.check)] * 4, seed, 16, 8)
+        return np.mean([g[2] for g in groups])
 
     before = reward(params, 100)
     assert 0.2 < before < 0.8  # SFT left both answers likely
     opt = init_opt(params)
     for i in range(10):
-        groups = [rl.rollout(params, cfg, btok, ask("yes"), jax.random.key(i), 16, 8)]
+        groups = rl.rollout(params, cfg, btok, [(ask("yes"), tasks.check)], i, 16, 8)
         batch = rl.rl_batch(groups, cfg.sequence_len)
         params, opt, m = train.jit_train_step(params, opt, batch, i, CONST,
                                               {k: v * 0.3 for k, v in LRS.items()},
@@ -1058,7 +1067,7 @@ def run_stage(root, name, iterations=None, resume=False, **stage_kwargs):
         stage = train.sft_stage(root, tok, data.corpus(None, "train"), iterations=iterations)
     else:
         given = {} if iterations is None else {"iterations": iterations}
-        stage = rl.rl_stage(root, tok, jax.random.key(0), **{**RL_TINY, **given, **stage_kwargs})
+        stage = rl.rl_stage(root, tok, **{**RL_TINY, **given, **stage_kwargs})
     optim = {**TINY_OPTIM, "total_batch_size": 512}
     return train.run_stage(name, stage, tok, root, 4, optim, {"eval_every": 0, "sample_every": 0},
                            resume=resume)
@@ -1081,9 +1090,9 @@ def test_rl_stage_resumes_exactly_and_saves_on_ctrl_c(train_root, tmp_path, monk
     assert meta["stage"] == "rl" and meta["step"] == 4 and meta["schedule"]["warmdown_ratio"] == 1.0
     real, calls = rl.rollout, []
 
-    def ctrl_c(*a, **k):  # Ctrl-C in the middle of step 3's sampling (2 prompts a step)
+    def ctrl_c(*a, **k):  # Ctrl-C in the middle of step 3's sampling (one batch a step)
         calls.append(1)
-        if len(calls) == 5:
+        if len(calls) == 3:
             signal.raise_signal(signal.SIGINT)
         return real(*a, **k)
 
@@ -1207,7 +1216,7 @@ before = files()
 for name, run in {
         "model": lambda: train.main(base + ["--resume", "--depth", "3"]),
         "batch": lambda: train.main(base + ["--total-batch-size", "256"]),
-        "samples": lambda: rl.rl_stage(root, None, jax.random.key(0), samples=6)}.items():
+        "samples": lambda: rl.rl_stage(root, None, samples=6)}.items():
     try:
         run()
     except ValueError as e:
@@ -2472,6 +2481,7 @@ WINDOW_CFG = nc.Config(sequence_len=256, vocab_size=100, n_layer=2, n_head=2, n_
 CHAT_CFG = nc.Config(sequence_len=256, vocab_size=265, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
                      window_pattern="L")  # the byte tokenizer's vocab
 full_forward = jax.jit(nc.forward, static_argnames="cfg")
+GREEDY = (0.0, 0, 1.0)  # engine.prefill's and decode's settings: temperature, top_k, top_p
 
 
 def random_params(cfg, seed):
@@ -2487,7 +2497,7 @@ def random_params(cfg, seed):
 def generated(params, cfg, prompt, **kwargs):
     """(token columns, mask columns) of one generate call, as (steps, num_samples) arrays."""
     kwargs = {"max_tokens": 24, "key": jax.random.key(0), "temperature": 0.0, **kwargs}
-    steps = list(nc.generate(params, cfg, list(prompt), **kwargs))
+    steps = list(engine.generate(params, cfg, list(prompt), **kwargs))
     return np.array([c for c, _ in steps]), np.array([m for _, m in steps])
 
 # --------------------------------------------------------------------------------------------------
@@ -2507,10 +2517,10 @@ def stepped(params, cfg, prompt, bucket, max_len, feed):
     padded = np.zeros((1, bucket), np.int32)
     padded[0, :len(prompt)] = prompt
     key, p = jax.random.key(0), nc.unstack(params, cfg)
-    _, logits, cache = nc.prefill(p, padded, len(prompt), key, (0.0, 0, 1.0), cfg, max_len, 1)
+    _, logits, cache = engine.prefill(p, padded, len(prompt), key, GREEDY, cfg=cfg, max_len=max_len)
     out = [logits[0]]
     for t in feed:
-        _, logits, cache = nc.decode(p, np.array([t], np.int32), cache, key, (0.0, 0, 1.0), cfg)
+        _, logits, cache = engine.decode(p, np.array([t], np.int32), cache, key, GREEDY, cfg=cfg)
         out.append(logits[0])
     return np.array(out), cache
 
@@ -2525,7 +2535,7 @@ def test_golden_generate_equals_nanochat_engine(gen_golden):
     np.testing.assert_allclose(logits[0], g["prefill_last_logits"], rtol=0, atol=2e-5)
     # the step after the last too
     np.testing.assert_allclose(logits[1:], g["decode_logits"], rtol=0, atol=2e-5)
-    assert int(cache["pos"]) == 17 + 24
+    assert cache["pos"].tolist() == [17 + 24]
 
 
 @pytest.fixture(scope="module")
@@ -2561,23 +2571,23 @@ def test_prompt_buckets_do_not_change_results_or_recompile(window_model):
     key, p = jax.random.key(0), nc.unstack(params, WINDOW_CFG)
     # junk after the prompt
     padded = np.pad(prompt[None, :100], ((0, 0), (0, 28)), constant_values=7)
-    _, bucketed, c2 = nc.prefill(p, padded, 100, key, (0.0, 0, 1.0), WINDOW_CFG, 256, 1)
-    _, exact, c1 = nc.prefill(p, prompt[None, :100], 100, key, (0.0, 0, 1.0), WINDOW_CFG, 256, 1)
+    _, bucketed, c2 = engine.prefill(p, padded, 100, key, GREEDY, cfg=WINDOW_CFG, max_len=256)
+    _, exact, c1 = engine.prefill(p, prompt[None, :100], 100, key, GREEDY, cfg=WINDOW_CFG, max_len=256)
     np.testing.assert_allclose(bucketed, exact, rtol=0, atol=1e-5)
-    assert int(c1["pos"]) == int(c2["pos"]) == 100
+    assert c1["pos"].tolist() == c2["pos"].tolist() == [100]
     np.testing.assert_array_equal(c1["prev"], c2["prev"])  # the smear carries the last real token
-    for (k1, _), (k2, _) in zip(c1["layers"], c2["layers"]):
-        np.testing.assert_allclose(k1[:, :100], k2[:, :100], rtol=0, atol=1e-5)
-    _, after_exact, _ = nc.decode(p, np.array([5], np.int32), c1, key, (0.0, 0, 1.0), WINDOW_CFG)
-    _, after_bucketed, _ = nc.decode(p, np.array([5], np.int32), c2, key, (0.0, 0, 1.0), WINDOW_CFG)
+    for (k1, _), (k2, _) in zip(c1["layers"], c2["layers"]):  # (B, K, S, D)
+        np.testing.assert_allclose(k1[:, :, :100], k2[:, :, :100], rtol=0, atol=1e-5)
+    _, after_exact, _ = engine.decode(p, np.array([5], np.int32), c1, key, GREEDY, cfg=WINDOW_CFG)
+    _, after_bucketed, _ = engine.decode(p, np.array([5], np.int32), c2, key, GREEDY, cfg=WINDOW_CFG)
     # the junk slot 100 is overwritten
     np.testing.assert_allclose(after_bucketed, after_exact, rtol=0, atol=1e-5)
     generated(params, WINDOW_CFG, prompt[:100], max_tokens=60)  # generate's own programs
-    compiled = nc.prefill._cache_size(), nc.decode._cache_size()
+    compiled = engine.prefill._cache_size(), engine.decode._cache_size()
     # one prompt bucket (128) and one cache size (256): a growing chat does not recompile
     for n in (97, 110, 120):
         generated(params, WINDOW_CFG, prompt[:n], max_tokens=60)
-    assert (nc.prefill._cache_size(), nc.decode._cache_size()) == compiled
+    assert (engine.prefill._cache_size(), engine.decode._cache_size()) == compiled
 
 
 def test_sampling_keys_rows_and_top_k(window_model):
@@ -2602,7 +2612,7 @@ def test_sample_top_k_and_top_p_are_traced():
     compiled sampler."""
     probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04] + [0.0] * 300)  # V 306 > TOP_K_MAX
     logits = jnp.log(jnp.asarray(probs, jnp.float32) + 1e-30)[None]
-    draw = jax.jit(jax.vmap(lambda key, t, k, p: nc.sample_next_token(logits, key, t, k, p)[0],
+    draw = jax.jit(jax.vmap(lambda key, t, k, p: engine.sample_next_token(logits, key[None], t, k, p)[0],
                             (0, None, None, None)))
     keys = jax.random.split(jax.random.key(0), 20000)
     freq = lambda t, k, p: np.bincount(np.asarray(draw(keys, t, k, p)), minlength=306)[:8] / len(keys)
@@ -2681,11 +2691,213 @@ def test_decode_donates_its_cache(chat_model):
     params, cfg, _, _ = chat_model
     key, p = jax.random.key(0), nc.unstack(params, cfg)
     # the shapes of the generate call above (prompt bucket 16, cache 64): nothing compiles again
-    _, _, cache = nc.prefill(p, np.zeros((1, 16), np.int32), 3, key, (0.0, 0, 1.0), cfg, 64, 1)
-    _, _, new = nc.decode(p, np.array([5], np.int32), cache, key, (0.0, 0, 1.0), cfg)
+    _, _, cache = engine.prefill(p, np.zeros((1, 16), np.int32), 3, key, GREEDY, cfg=cfg, max_len=64)
+    _, _, new = engine.decode(p, np.array([5], np.int32), cache, key, GREEDY, cfg=cfg)
     # written in place: no second cache
     assert all(a.is_deleted() for a in jax.tree.leaves(cache["layers"]))
-    assert int(new["pos"]) == 4
+    assert new["pos"].tolist() == [4]
+
+# --------------------------------------------------------------------------------------------------
+# The slot engine: many requests at once, each equal to the reference `generate` alone
+
+
+def solo(params, cfg, prompt, **kwargs):
+    """(tokens, masks) of the first row of the reference engine.generate, greedy by default."""
+    tokens, masks = generated(params, cfg, prompt, **kwargs)
+    return tokens[:, 0].tolist(), masks[:, 0].tolist()
+
+
+def greedy(max_tokens, **kwargs):
+    return engine.Sampling(max_tokens=max_tokens, temperature=0.0, **kwargs)
+
+
+def test_engine_golden_prompt_among_others(gen_golden):
+    """nanochat's golden prompt, admitted into a slot while the other slots decode other prompts,
+    gives nanochat's Engine tokens exactly and its logits (as log-probabilities) within the golden
+    tolerance."""
+    params, g = gen_golden
+    eng = engine.Engine(params, GEN_CFG, slots=4, kmax=4)
+    rng = np.random.default_rng(5)
+    others = [eng.submit(rng.integers(0, 300, n).tolist(), greedy(40)) for n in (9, 30)]
+    eng.step()
+    eng.step()  # the others are 5 tokens in
+    golden = eng.submit(g["prompt"].tolist(), greedy(24, logprobs=True))
+    eng.drain()
+    assert golden.tokens[0] == g["engine_tokens"].tolist() and golden.finish == ["length"]
+    assert golden.masks[0] == [1] * 24 and all(len(r.tokens[0]) == 40 for r in others)
+    # each token's log-probabilities: the golden logits that chose it, log-softmaxed
+    logits = np.concatenate([g["prefill_last_logits"][None], g["decode_logits"][:23]])
+    want = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    eng = engine.Engine(params, GEN_CFG, slots=4, kmax=4)
+    request = eng.submit(g["prompt"].tolist(), greedy(24, logprobs=True), stream=True)
+    eng.drain()
+    for step, event in enumerate(list(request)[:-1]):
+        chosen, likeliest = event.logprobs
+        ids = [i for i, _ in likeliest]
+        assert ids[0] == event.token and len(ids) == engine.TOP_LOGPROBS
+        np.testing.assert_allclose([lp for _, lp in likeliest], want[step, ids], rtol=0, atol=4e-5)
+        assert chosen == pytest.approx(float(want[step, event.token]), abs=4e-5)
+
+
+def test_engine_staggered_requests_equal_each_alone(window_model):
+    """Six prompts of different lengths arrive at different steps into four slots (two reused
+    after long requests); slots cross the 128-token sliding window at different steps. Every
+    stream equals its prompt's solo greedy `generate`."""
+    params, prompt = window_model
+    lengths = (5, 100, 40, 120, 3, 60)
+    budgets = (150, 100, 30, 120, 60, 150)
+    eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8)
+    arrivals = {0: [0, 1], 1: [2], 3: [3, 4], 6: [5]}  # round -> the requests that come then
+    requests = {}
+    for round_ in range(200):
+        for i in arrivals.get(round_, []):
+            requests[i] = eng.submit(prompt[:lengths[i]].tolist(), greedy(budgets[i]))
+        if not eng.step() and round_ > max(arrivals):
+            break
+    assert eng.stats["chunks"] > 20  # long enough to reuse slots
+    for i, request in sorted(requests.items()):
+        want = min(budgets[i], WINDOW_CFG.sequence_len - lengths[i])
+        tokens, masks = solo(params, WINDOW_CFG, prompt[:lengths[i]], max_tokens=want)
+        assert request.tokens[0] == tokens and request.masks[0] == masks == [1] * want, i
+        assert request.finish == ["length"]
+    # the two that crossed the window did so at different steps
+    crossings = [128 - lengths[i] for i in (1, 3)]
+    assert crossings[0] != crossings[1] and all(0 < c < budgets[i] for c, i in zip(crossings, (1, 3)))
+
+
+def block_tool(start, end, result):
+    """The calculator's state machine on ids start and end (data.calculator_tool's): after start,
+    ids, end it forces result(ids)."""
+    blocks = {}
+
+    def tool(row, token):
+        if token == start:
+            blocks[row] = []
+        elif row in blocks and token == end:
+            return list(result(blocks.pop(row)))
+        elif row in blocks:
+            blocks[row].append(token)
+        return []
+    return tool
+
+
+@pytest.mark.parametrize("forced", [[7, 8, 9], []], ids=["result", "nothing"])
+def test_engine_calculator_hops_and_forced_tokens(window_model, forced):
+    """A python block the model writes hands the slot to the host, which runs the tool and queues
+    its ids: the same tokens and masks as `generate` with that tool, one hop per closed block; a
+    tool that gives nothing (an empty or failing expression) forces nothing."""
+    params, prompt = window_model
+    plain, _ = solo(params, WINDOW_CFG, prompt[:20], max_tokens=60)
+    start = plain[2]  # tokens this model writes: its greedy stream opens and closes a block
+    end = next(t for t in plain[4:] if t != start)
+    want, masks = solo(params, WINDOW_CFG, prompt[:20], max_tokens=60,
+                       tool=block_tool(start, end, lambda ids: forced))
+    eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8, python_ids=(start, end))
+    others = [eng.submit(prompt[:n].tolist(), greedy(60)) for n in (7, 33)]
+    request = eng.submit(prompt[:20].tolist(), greedy(60),
+                         tool=block_tool(start, end, lambda ids: forced))
+    eng.drain()
+    assert request.tokens[0] == want and request.masks[0] == masks
+    assert (0 in masks) == bool(forced)
+    streams = [want]
+    for r, n in zip(others, (7, 33)):  # the others, without a tool, resume sampling at once
+        streams.append(solo(params, WINDOW_CFG, prompt[:n], max_tokens=60,
+                            tool=block_tool(start, end, lambda ids: []))[0])
+        assert r.tokens[0] == streams[-1]
+    assert eng.stats["hops"] == sum(closed_blocks(s, start, end) for s in streams)
+    assert closed_blocks(want, start, end) >= 1
+
+
+def closed_blocks(tokens, start, end):
+    """The python blocks a stream closes, counted as nanochat's Engine does."""
+    closed = 0
+    inside = False
+    for t in tokens:
+        if t == start:
+            inside = True
+        elif t == end and inside:
+            inside = False
+            closed += 1
+    return closed
+
+
+def test_engine_stops_limits_choices_and_seeds(window_model):
+    """Stop ids, max_tokens and a full context end a choice as in `generate`; n choices share one
+    prefill and equal generate's rows; a seeded request gives the same tokens alone and among
+    seven others."""
+    params, prompt = window_model
+    eng = engine.Engine(params, WINDOW_CFG, slots=8, kmax=8)
+    plain, _ = solo(params, WINDOW_CFG, prompt[:20], max_tokens=12)
+    stopped = eng.submit(prompt[:20].tolist(), greedy(12, stop_ids=(plain[3],)))
+    limited = eng.submit(prompt[:20].tolist(), greedy(5))
+    full = eng.submit(prompt[:250].tolist(), greedy(100))
+    eng.drain()
+    assert stopped.tokens[0] == plain[:plain.index(plain[3]) + 1] and stopped.finish == ["stop"]
+    assert limited.tokens[0] == plain[:5] and limited.finish == ["length"]
+    assert len(full.tokens[0]) == 6 and full.finish == ["length"]  # the context is full
+    # four choices from one prefill: generate's four rows, whose keys are fold_in(key(seed), row)
+    admits = eng.stats["admits"]
+    sampled = engine.Sampling(max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=11)
+    choices = eng.submit(prompt[:20].tolist(), sampled, n=4)
+    eng.drain()
+    rows, _ = generated(params, WINDOW_CFG, prompt[:20], max_tokens=12, key=jax.random.key(11),
+                        temperature=1.0, top_k=50, top_p=0.9, num_samples=4)
+    assert choices.tokens == rows.T.tolist() and len({tuple(c) for c in choices.tokens}) > 1
+    assert eng.stats["admits"] == admits + 1  # one prefill for the four
+    alone = eng.submit(prompt[:30].tolist(), sampled)
+    eng.drain()
+    crowd = [eng.submit(prompt[:n].tolist(), dataclasses.replace(sampled, seed=n))
+             for n in (3, 9, 15, 21, 40, 50, 60)]
+    among = eng.submit(prompt[:30].tolist(), sampled)
+    eng.drain()
+    assert among.tokens == alone.tokens and all(len(r.tokens[0]) == 12 for r in crowd)
+    with pytest.raises(ValueError, match="context"):
+        eng.submit(prompt[:256].tolist(), sampled)
+    with pytest.raises(ValueError, match="top_k"):
+        eng.submit(prompt[:5].tolist(), dataclasses.replace(sampled, top_k=257))
+
+
+def test_engine_never_recompiles_after_warm_up_and_donates(window_model, recwarn):
+    """After warm_up, prompts of every bucket, any number of concurrent requests, chunks of any
+    row count, calculator hops, logprobs and cancellations compile nothing; each call donates the
+    state (no second cache)."""
+    params, prompt = window_model
+    plain, _ = solo(params, WINDOW_CFG, prompt[:20], max_tokens=8)
+    eng = engine.Engine(params, WINDOW_CFG, slots=8, kmax=8, python_ids=(plain[2], plain[5]))
+    eng.warm_up()
+    compiles = []
+
+    def listen(event, *_, **__):
+        if event == LOWERED:
+            compiles.append(event)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        rng = np.random.default_rng(0)
+        for wave in range(4):
+            requests = []
+            for i in range(1 + 3 * wave):
+                n = int(rng.integers(1, 255))
+                sampling = engine.Sampling(max_tokens=int(rng.integers(1, 40)),
+                                           temperature=float(rng.uniform(0, 2)),
+                                           top_k=int(rng.integers(0, 257)),
+                                           top_p=float(rng.uniform(0.1, 1)),
+                                           seed=int(rng.integers(0, 2**32)),
+                                           logprobs=bool(i % 2),
+                                           stop_ids=tuple(rng.integers(0, 100, i % 3).tolist()))
+                tool = block_tool(plain[2], plain[5], lambda ids: ids[:2])
+                requests.append(eng.submit(rng.integers(0, 100, n).tolist(), sampling,
+                                           n=1 + i % 3, tool=tool))
+            old = eng.state
+            eng.step()
+            assert all(a.is_deleted() for a in jax.tree.leaves(old["cache"]))
+            requests[0].cancel()
+            eng.drain()
+            assert all(r.done for r in requests[1:]) and requests[0].cancelled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == [] and eng.stats["hops"] > 0
+    assert not [w for w in recwarn if "donated" in str(w.message)]
+    assert all(owner is None for owner in eng.owner)  # every slot free again
 
 # --------------------------------------------------------------------------------------------------
 # Real nanochat checkpoints
@@ -3076,14 +3288,27 @@ def chat_prompt(bt, messages):
     return data.render_conversation(bt, messages)[0] + [bt.special["<|assistant_start|>"]]
 
 
+def greedy_reply(model, prompt, max_tokens=32):
+    """The greedy Reply to prompt ids by the reference engine.generate, the calculator on: what
+    chat.py's slot engine must produce."""
+    params, cfg, bt, _ = model
+    reply = chat.Reply(bt)
+    for column, _ in engine.generate(params, cfg, prompt, max_tokens=max_tokens,
+                                     key=jax.random.key(0), temperature=0.0,
+                                     stop_ids=data.reply_stops(bt), tool=data.calculator_tool(bt)):
+        reply.add(column[0])
+        if reply.finish:
+            break
+    if not reply.finish:
+        reply.end()
+    return reply
+
+
 def expected_reply(model, messages, max_tokens=32):
     """The greedy reply text, its token count and the prompt's that chat.py must produce for these
     messages."""
-    params, cfg, bt, _ = model
-    prompt, reply = chat_prompt(bt, messages), chat.Reply(bt)
-    collections.deque(chat.sample_replies(params, cfg, bt, prompt, jax.random.key(0), [reply],
-                                          max_tokens=max_tokens,
-                                          temperature=0.0), maxlen=0)
+    prompt = chat_prompt(model[2], messages)
+    reply = greedy_reply(model, prompt, max_tokens)
     return reply.content, len(reply.ids), len(prompt)
 
 
@@ -3106,11 +3331,7 @@ def test_cli_scripted(chat_model, tmp_path):
     reply, _, _ = expected_reply(chat_model, HI)
 
     def greedy(prompt):
-        r = chat.Reply(bt)
-        collections.deque(chat.sample_replies(params, cfg, bt, prompt, jax.random.key(0), [r],
-                                              max_tokens=32,
-                                              temperature=0.0), maxlen=0)
-        return r
+        return greedy_reply(chat_model, prompt)
 
     # the second turn's prompt: all of the first turn, as token ids
     sp, first = bt.special, chat_prompt(bt, HI)
@@ -3150,33 +3371,49 @@ def test_cli_errors_are_one_line(chat_model):
             assert code == 1 and err.startswith("error: ") and match in err and len(err.splitlines()) == 1, err
 
 
-def fake_generate(monkeypatch, stream):
-    """Makes the nc.generate that chat.py calls yield `stream`, a token a step; returns the list of
-    its kwargs."""
-    calls = []
+class FakeEngine:
+    """Stands in for chat.py's engine: each request's first choice emits `stream`, a token an event,
+    and ends at a stop id ("stop") or after it ("length"); what submit was given is kept."""
 
-    def generate(params, cfg, prompt, **kwargs):
-        calls.append(kwargs)
-        yield from (([t], [1]) for t in stream)
+    def __init__(self, stream):
+        self.stream = stream
+        self.cfg = CHAT_CFG
+        self.calls = []
+        self.warmed = threading.Event()
 
-    monkeypatch.setattr(nc, "generate", generate)
-    return calls
+    def submit(self, prompt, sampling, n=1, tool=None, stream=False):
+        self.calls.append({"sampling": sampling, "tool": tool, "n": n})
+        events = []
+        for t in self.stream:
+            events.append(engine.Event(0, t))
+            if t in sampling.stop_ids:
+                events.append(engine.Event(0, finish="stop"))
+                break
+        else:
+            events.append(engine.Event(0, finish="length"))
+        return FakeRequest(events)
+
+
+class FakeRequest(list):
+    def cancel(self):
+        pass
 
 
 def test_replies_stop_and_call_the_calculator(monkeypatch, capsys, server):
     bt = data.byte_tokenizer()
     sp = bt.special
-    calls = fake_generate(monkeypatch, [*bt.encode("ok"), bt.bos, *bt.encode("more")])
-    chat.chat_cli(None, CHAT_CFG, bt, "hi")
+    fake = FakeEngine([*bt.encode("ok"), bt.bos, *bt.encode("more")])
+    chat.chat_cli(fake, bt, "hi")
     # <|bos|> ends the reply, unprinted, whatever comes next
     assert capsys.readouterr().out == "\nAssistant: ok\n"
+    monkeypatch.setattr(server, "engine", fake)
     r = json.loads(request(server, "POST", "/v1/chat/completions", {"messages": HI})[2])
     assert r["choices"][0]["message"]["content"] == "ok" and r["choices"][0]["finish_reason"] == "stop"
     assert r["usage"]["completion_tokens"] == 3
-    assert [c["stop_ids"] for c in calls] == [(sp["<|assistant_end|>"], bt.bos)] * 2
+    assert [c["sampling"].stop_ids for c in fake.calls] == [(sp["<|assistant_end|>"], bt.bos)] * 2
     # a fresh calculator per reply: no state leaks between them
-    assert calls[0]["tool"] is not calls[1]["tool"]
-    tool = calls[1]["tool"]
+    assert fake.calls[0]["tool"] is not fake.calls[1]["tool"]
+    tool = fake.calls[1]["tool"]
     forced = [tool(0, t) for t in [sp["<|python_start|>"], *bt.encode("6*7"), sp["<|python_end|>"]]]
     assert forced == [[]] * 4 + [[sp["<|output_start|>"], *bt.encode("42"), sp["<|output_end|>"]]]
 
@@ -3186,14 +3423,15 @@ def test_replies_decode_utf8_incrementally(monkeypatch, server):
     b = bt.encode("é東")  # byte tokens: é is 2 bytes, 東 3
 
     def reply(stream):
-        fake_generate(monkeypatch, stream)
-        return [(t, text) for _, t, text, *_ in chat.sample_replies(None, CHAT_CFG, bt, [bt.bos], jax.random.key(0),
-                                                                     [chat.Reply(bt)])]
+        replies = chat.sample_replies(FakeEngine(stream), bt, [bt.bos], [chat.Reply(bt)],
+                                      engine.Sampling(max_tokens=32))
+        return [(t, text) for _, t, text, *_ in replies]
 
     # each once whole
     assert reply(b) == [(b[0], ""), (b[1], "é"), (b[2], ""), (b[3], ""), (b[4], "東"), (None, "")]
     assert reply(b[:4])[-1] == (None, "\ufffd")  # cut off by max_tokens: U+FFFD, not nothing
     assert reply(b[:4] + [bt.bos])[-1] == (bt.bos, "\ufffd")  # ... or by the stop token
+    monkeypatch.setattr(server, "engine", FakeEngine(b[:4] + [bt.bos]))
     req = {"messages": HI, "stream": True, "stream_options": {"include_usage": True}}
     chunks = events(request(server, "POST", "/v1/chat/completions", req)[2])
     assert [c["choices"][0]["delta"].get("content") for c in chunks[1:-2]] == ["é", "\ufffd"]
@@ -3238,7 +3476,7 @@ def test_reply_parts_and_stop_strings():
 
 def test_api_sends_calculator_steps_as_parts(monkeypatch, server):
     bt = data.byte_tokenizer()
-    fake_generate(monkeypatch, calculated(bt))
+    monkeypatch.setattr(server, "engine", FakeEngine(calculated(bt)))
     message = json.loads(request(server, "POST", "/v1/chat/completions", {"messages": HI})[2])["choices"][0]["message"]
     parts = [{"type": t, "text": x} for t, x in zip(("text", "python", "python_output", "text"),
                                                     CALCULATED)]
@@ -3251,10 +3489,22 @@ def test_api_sends_calculator_steps_as_parts(monkeypatch, server):
     assert [d["parts"][0]["type"] for d in deltas if "parts" in d] == ["python", "python_output"]
 
 
+def chat_server(model, slots=4, **kwargs):
+    """chat.py's server on its engine, both running; kwargs: make_server's."""
+    params, cfg, bt, _ = model
+    eng = chat.chat_engine(params, cfg, bt, slots=slots, waiting=kwargs.pop("waiting", None))
+    srv = chat.make_server(eng, bt, port=0, **kwargs)
+    eng.start()
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
 @pytest.fixture(scope="module")
 def server(chat_model):
     params, cfg, bt, _ = chat_model
-    srv = chat.make_server(params, cfg, bt, "127.0.0.1", 0, max_tokens=32, temperature=0.0)
+    eng = chat.chat_engine(params, cfg, bt, slots=4)
+    srv = chat.make_server(eng, bt, "127.0.0.1", 0, max_tokens=32, temperature=0.0)
+    eng.start()
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     yield srv
@@ -3356,13 +3606,16 @@ def test_api_choices_stop_top_p_and_logprobs(server, chat_model):
 def test_no_request_compiles(chat_model):
     """After warm_up, requests with any sampling settings, seed, number of choices and prompt length
     compile nothing: a client cannot stall the others by sending new values."""
-    srv = chat.make_server(*chat_model[:3], port=0, max_tokens=3)
+    params, cfg, bt, _ = chat_model
+    eng = chat.chat_engine(params, cfg, bt, slots=8)
+    srv = chat.make_server(eng, bt, port=0, max_tokens=3)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     compiles = []
     listen = lambda event, *_, **__: compiles.append(event) if event == LOWERED else None
     try:
         assert json.loads(request(srv, "GET", "/health")[2])["compiled"] is False
-        chat.warm_up(srv)
+        eng.start(warm_up=True)
+        assert eng.warmed.wait(600)
         assert json.loads(request(srv, "GET", "/health")[2]) == {"status": "ok", "model": "nanochat", "compiled": True}
         jax.monitoring.register_event_duration_secs_listener(listen)
         rng = np.random.default_rng(0)
@@ -3377,7 +3630,7 @@ def test_no_request_compiles(chat_model):
                     "stop": ["x"] * (i % 2)}
             assert request(srv, "POST", "/v1/chat/completions", body)[0] == 200
         assert compiles == []
-        nc.generate(params := chat_model[0], chat_model[1], [1] * 30, max_tokens=3, key=jax.random.key(0)).__next__()
+        engine.generate(params := chat_model[0], chat_model[1], [1] * 30, max_tokens=3, key=jax.random.key(0)).__next__()
         # the listener does see compiles: this cache size (the bucket 64) was never warmed
         assert compiles
     finally:
@@ -3479,7 +3732,7 @@ def test_api_bad_paths_and_headers(server):
 
 
 def test_server_binds_localhost_by_default(chat_model):
-    srv = chat.make_server(*chat_model[:3], port=0)
+    srv = chat.make_server(chat.chat_engine(*chat_model[:3]), chat_model[2], port=0)
     try:
         # unreachable from other machines unless --host says so
         assert srv.server_address[0] == "127.0.0.1"
@@ -3508,14 +3761,96 @@ def test_api_concurrent_streams_do_not_interleave(server, chat_model):
         assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == reply
 
 
+@pytest.mark.slow  # a 16-slot engine of its own: its programs compile for this test
+def test_server_serves_sixteen_clients_at_once(chat_model):
+    """Sixteen clients at once, half of them streaming: each gets its own prompt's greedy reply (no
+    stream crossed with another), generated together rather than one after another."""
+    srv = chat_server(chat_model, slots=16, max_tokens=24, temperature=0.0)
+    try:
+        convs = [[{"role": "user", "content": "tell me " + "abcdefghijklmnop"[:i + 1]}]
+                 for i in range(16)]
+        expect = [expected_reply(chat_model, c, 24)[0] for c in convs]
+        assert len(set(expect)) > 8
+        results = [None] * 16
+
+        def go(i):
+            results[i] = request(srv, "POST", "/v1/chat/completions",
+                                 {"messages": convs[i], "stream": i % 2 == 0})
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for i, (status, _, body) in enumerate(results):
+            if i % 2 == 0:
+                chunks = events(body)
+                assert len({c["id"] for c in chunks}) == 1
+                text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+            else:
+                text = json.loads(body)["choices"][0]["message"]["content"]
+            assert status == 200 and text == expect[i], i
+        # one after another, 16 replies of up to 24 tokens take at least 32 chunks of 16 tokens
+        assert srv.engine.stats["chunks"] < 16
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_server_line_full_is_503_and_an_engine_failure_500(chat_model, monkeypatch):
+    """Past the waiting line a request gets a 503 with Retry-After at once; an exception inside
+    the engine fails the requests it was serving with a 500 (or an error event in a stream) that
+    says what happened, and the engine serves the next ones afresh."""
+    params, cfg, bt, _ = chat_model
+    eng = chat.chat_engine(params, cfg, bt, slots=1, waiting=1)
+    srv = chat.make_server(eng, bt, port=0, max_tokens=8, temperature=0.0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    reply = expected_reply(chat_model, HELLO, 8)[0]
+    try:
+        first = []
+        waiting = threading.Thread(target=lambda: first.append(
+            request(srv, "POST", "/v1/chat/completions", {"messages": HELLO})))
+        waiting.start()
+        while not eng.inbox:  # the engine is not running yet: the request waits in line
+            time.sleep(0.01)
+        conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps({"messages": HELLO}),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        error = json.loads(r.read())["error"]
+        assert r.status == 503 and r.getheader("Retry-After") == "1"
+        assert "waiting" in error["message"] and error["type"] == "server_error"
+        conn.close()
+        eng.start()
+        waiting.join(120)
+        assert first[0][0] == 200 and json.loads(first[0][2])["choices"][0]["message"]["content"] == reply
+        real = engine.decode_chunk
+        injected = []
+
+        def broken(*args, **kwargs):
+            if len(injected) < 2:
+                injected.append(1)
+                raise RuntimeError("injected fault")
+            return real(*args, **kwargs)
+        monkeypatch.setattr(engine, "decode_chunk", broken)
+        status, _, text = request(srv, "POST", "/v1/chat/completions", {"messages": HELLO})
+        message = json.loads(text)["error"]["message"]
+        assert status == 500 and "RuntimeError: injected fault" in message and "afresh" in message
+        status, _, text = request(srv, "POST", "/v1/chat/completions",
+                                  {"messages": HELLO, "stream": True})
+        assert status == 200 and "injected fault" in events(text)[-1]["error"]["message"]
+        status, _, text = request(srv, "POST", "/v1/chat/completions", {"messages": HELLO})
+        assert status == 200 and json.loads(text)["choices"][0]["message"]["content"] == reply
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
 @pytest.mark.slow  # a server soak: 50 connections, a timeout waited out
 def test_stalled_clients_cannot_hold_the_server(chat_model, capfd):
     """Clients that send half a request and stall: at most max_connections hold a thread (the next
     ones get a 503 at once), each only until request_timeout; normal requests are served after it,
     and nothing logs a traceback."""
-    srv = chat.make_server(*chat_model[:3], port=0, max_connections=8, request_timeout=3.0,
-                           max_tokens=2)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv = chat_server(chat_model, slots=1, max_connections=8, request_timeout=3.0, max_tokens=2)
     try:
         threads = threading.active_count()
         stalled = [socket.create_connection(srv.server_address, timeout=10) for _ in range(8)]

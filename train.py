@@ -478,7 +478,7 @@ def main(argv=None):
             stage = sft_stage(args.out, tok, docs, args.seed, extra, args.sft_text_every,
                               args.sft_iterations, args.init_lr_frac)
         else:
-            stage = rl.rl_stage(args.out, tok, key, args.rl_tasks, args.seed, args.chat_data,
+            stage = rl.rl_stage(args.out, tok, args.rl_tasks, args.seed, args.chat_data,
                                 args.rl_prompts, args.rl_samples, args.rl_max_tokens,
                                 args.rl_iterations, args.rl_lr_frac, args.rl_eval,
                                 args.rl_eval_every)

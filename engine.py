@@ -1,0 +1,701 @@
+"""Generation: nanochat's Engine, and an engine that serves many requests at once.
+
+- `generate` is nanochat's Engine.generate token for token: a batch-1 prefill copied to every row,
+  then one decode step per token for all rows, the calculator's output forced with mask 0. It is
+  the specification, and the slot engine is tested against it.
+- `Engine` serves many requests at once (continuous batching, as JetStream and vLLM do): a fixed
+  number of slots, rows of one KV cache over the whole context, each at its own position. A
+  request's prompt is prefilled alone and copied into free slots between device calls (`admit`);
+  one jitted call then decodes up to K tokens for every live slot (`decode_chunk`), with sampling,
+  stop ids, budgets and the calculator's forced tokens on the device. The host hears back once a
+  call, and early only when a slot closes a python block (it runs the calculator: `resume`).
+- A choice samples from its own key folded with each position: a seeded request gives the same
+  tokens whatever runs beside it, and the same as `generate` given that key.
+docs/serving.md tells the design; dimensions: B slots, S sequence_len, V vocab, C choices.
+"""
+
+import collections
+import dataclasses
+import functools
+import queue
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import nanochat as nc
+
+TOP_K_MAX = 256  # top_k is traced under this bound: a fixed-size lax.top_k is fast, a sort is not
+MAX_STOPS = 4  # stop ids per request
+MAX_CHOICES = 16  # choices that share one prefill
+TOP_LOGPROBS = 20  # OpenAI's most
+# a record's flags: the token was forced (mask 0), it closed a python block, the choice ended
+FORCED = 1
+CLOSES = 2
+DONE = 4
+
+# ------------------------------------------------------------------------------------- sampling
+
+
+def row_keys(key, rows):
+    """A key for each row index of rows (a choice of a request): fold_in(key, row)."""
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, rows)
+
+
+def step_keys(keys, pos):
+    """Each row's key for the token after its first pos: the same draw whatever else is batched."""
+    return jax.vmap(jax.random.fold_in)(keys, pos)
+
+
+def sample_next_token(logits, keys, temperature, top_k, top_p):
+    """Next ids (B,) from logits (B, V), row b drawn with keys[b]: the argmax at temperature 0, else
+    a draw from softmax(logits / temperature) over the top_k likeliest (0: all; at most TOP_K_MAX),
+    then over the smallest set of those holding top_p of the probability (nucleus sampling, arXiv
+    1904.09751, among the TOP_K_MAX likeliest). Settings are traced, one per row or one for all:
+    a new value never recompiles."""
+    rows = logits.shape[:1]
+    temperature = jnp.broadcast_to(temperature, rows)[:, None]  # (B, 1)
+    top_k = jnp.broadcast_to(top_k, rows)[:, None]
+    top_p = jnp.broadcast_to(top_p, rows)[:, None]
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+
+    def draw(vals):
+        # softmax(vals)'s cumulative sum inverted at a uniform from each row's key: one random
+        # number a row, where the Gumbel trick draws one for every logit
+        u = jax.vmap(jax.random.uniform)(keys)[:, None]  # (B, 1)
+        p = jnp.exp(vals - jnp.max(vals, axis=-1, keepdims=True))
+        cumulative = jnp.cumsum(p, axis=-1)
+        return jnp.sum(cumulative <= u * cumulative[:, -1:], axis=-1)
+
+    def truncated():
+        width = min(TOP_K_MAX, scaled.shape[-1])
+        vals, idx = jax.lax.top_k(scaled, width)  # likeliest first
+        # top_k: keep the first top_k (0 keeps them all)
+        kept = (jnp.arange(width) < top_k) | (top_k == 0)
+        vals = jnp.where(kept, vals, -jnp.inf)
+        # top_p: probabilities within the top_k, or within the whole vocab when top_k is 0
+        whole = jax.nn.logsumexp(scaled, -1, keepdims=True)
+        within = jax.nn.logsumexp(vals, -1, keepdims=True)
+        p = jnp.exp(vals - jnp.where(top_k > 0, within, whole))
+        # a token stays while the mass before it is under top_p
+        vals = jnp.where(jnp.cumsum(p, -1) - p < top_p, vals, -jnp.inf)
+        picked = draw(vals)
+        return jnp.take_along_axis(idx, picked[:, None], axis=-1)[:, 0]
+
+    def full():
+        return draw(scaled).astype(jnp.int32)
+
+    def sample():
+        # one branch runs: the top-k one only when some row truncates
+        truncating = jnp.any((top_k > 0) | (top_p < 1))
+        return jax.lax.cond(truncating, truncated, full)
+
+    def greedy():
+        return jnp.zeros(rows, jnp.int32)
+
+    # all-greedy batches (evaluations) skip the draw
+    picked = jax.lax.cond(jnp.any(temperature > 0), sample, greedy)
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jnp.where(temperature[:, 0] > 0, picked, argmax)
+
+# ---------------------------------------------------------------- the reference: nanochat's Engine
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "num_samples", "attn"))
+def prefill(p, tokens, length, key, settings, *, cfg, max_len, num_samples=1,
+            attn=nc.causal_attention):
+    """One prompt (1, T), its first `length` tokens real, into a fresh cache of max_len slots copied
+    to num_samples rows: (each row's first sampled token (num_samples,), the logits it was drawn
+    from, the cache). p: unstacked, in the compute dtype; settings: sample_next_token's
+    (temperature, top_k, top_p); row r draws with fold_in(key, r)."""
+    empty = nc.init_cache(cfg, 1, max_len)
+    logits, cache = nc.forward_cached(p, tokens, empty, cfg, attn, length)
+
+    # nanochat's prefill once, replicate: every row starts from the prompt's cache
+    def rows(a):
+        return jnp.repeat(a, num_samples, axis=0)
+    cache = jax.tree.map(rows, cache)
+    logits = rows(logits)
+    keys = step_keys(row_keys(key, jnp.arange(num_samples)), cache["pos"])
+    return sample_next_token(logits, keys, *settings), logits, cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attn"), donate_argnames="cache")
+def decode(p, column, cache, key, settings, *, cfg, attn=nc.causal_attention):
+    """Feed one token per row (B,) and sample the next: (ids (B,), logits (B, V), cache)."""
+    logits, cache = nc.forward_cached(p, column[:, None], cache, cfg, attn)
+    keys = step_keys(row_keys(key, jnp.arange(column.shape[0])), cache["pos"])
+    return sample_next_token(logits, keys, *settings), logits, cache
+
+
+def bucket(n):
+    """The padded length of n prompt tokens, a power of two: a chat compiles once per doubling."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def prepare(params, cfg):
+    """The params as generation reads them: in the compute dtype, unstacked (once, outside jit:
+    inside, each layer's slice would be a copy every step)."""
+    cast = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params)
+    return nc.unstack(cast, cfg)
+
+
+def fit_slots(cfg, wanted, most=64, cache_bytes=2**32):
+    """Slots for `wanted` choices at once: a power of two, at most `most`, whose KV cache fits in
+    cache_bytes (d20 at T 2048 in bf16 takes 210 MB a slot)."""
+    itemsize = jnp.dtype(cfg.compute_dtype).itemsize
+    per_slot = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * cfg.sequence_len * itemsize
+    limit = max(1, min(most, cache_bytes // per_slot))
+    slots = 1
+    while slots < wanted and slots * 2 <= limit:
+        slots *= 2
+    return slots
+
+
+def check_prompt(n, cfg, top_k=0):
+    """A one-line error for a prompt of n tokens that leaves no room, or a top_k out of range."""
+    if not 0 < n < cfg.sequence_len:
+        raise ValueError(f"the prompt has {n} tokens; it must have 1 to {cfg.sequence_len - 1} "
+                         "(the model's context)")
+    if not 0 <= top_k <= TOP_K_MAX:
+        raise ValueError(f"top_k is {top_k}; it must be 0 (all tokens) to {TOP_K_MAX}")
+
+
+def generate(params, cfg, prompt_ids, *, max_tokens, key, temperature=1.0, top_k=None, top_p=1.0,
+             num_samples=1, stop_ids=(), tool=None, cache_len=None, logits=False,
+             attn=nc.causal_attention):
+    """nanochat's Engine.generate: yields (token_column, mask_column), lists of num_samples ints.
+
+    Prefill at batch 1, then decode every row together until each has emitted a stop id, or
+    max_tokens, or the context is full. `tool(row, token)` (e.g. data.calculator_tool(tok), fresh
+    per call) sees every emitted token and returns ids to force into that row, one per step with
+    mask 0 (nanochat's forced_tokens deque). The cache holds the bucket of prompt + max_tokens, or
+    cache_len. logits=True: also yield the step's logits (num_samples, V), a device array, third."""
+    n = len(prompt_ids)
+    top_k = top_k or 0
+    check_prompt(n, cfg, top_k)
+    max_tokens = min(max_tokens, cfg.sequence_len - n)
+    if max_tokens < 1:
+        return
+    max_len = cache_len or min(bucket(n + max_tokens), cfg.sequence_len)
+    # the prompt padded at the end to its bucket: a later write replaces each junk slot
+    tokens = np.zeros((1, min(bucket(n), max_len)), np.int32)
+    tokens[0, :n] = prompt_ids
+    p = prepare(params, cfg)
+    settings = float(temperature), int(top_k), float(top_p)  # traced: new values compile nothing
+    sampled, out, cache = prefill(p, tokens, n, key, settings, cfg=cfg, max_len=max_len,
+                                  num_samples=num_samples, attn=attn)
+    forced = [collections.deque() for _ in range(num_samples)]
+    done = [False] * num_samples
+    stop_ids = set(stop_ids)
+    for step in range(max_tokens):
+        column = []
+        masks = []
+        # each row: its forced token if one waits, else its sample (the one host sync per token)
+        for row, token in enumerate(np.asarray(sampled).tolist()):
+            masks.append(0 if forced[row] else 1)
+            column.append(forced[row].popleft() if forced[row] else token)
+            done[row] = done[row] or column[-1] in stop_ids
+            if tool is not None:
+                forced[row].extend(tool(row, column[-1]))
+        yield (column, masks, out) if logits else (column, masks)
+        if all(done) or step == max_tokens - 1:
+            return
+        column = np.asarray(column, np.int32)
+        sampled, out, cache = decode(p, column, cache, key, settings, cfg=cfg, attn=attn)
+
+# ------------------------------------------------------------- the slot engine: device functions
+
+
+def new_state(cfg, slots):
+    """The engine's device state, every slot empty: the KV cache of B rows over the whole context,
+    and per slot (a leading B on every array) what its request asked and where it stands. Each
+    array its own buffer: the state is donated whole."""
+    def zeros(dtype=jnp.int32):
+        return jnp.zeros((slots,), dtype)
+    return {
+        "cache": nc.init_cache(cfg, slots, cfg.sequence_len),
+        "token": zeros(),  # the last token emitted, fed next
+        "live": zeros(bool),  # emitting: admitted, not ended, not waiting for the calculator
+        "left": zeros(),  # tokens it may still emit
+        "in_py": zeros(bool),  # inside <|python_start|> ... <|python_end|>
+        "queue": jnp.zeros((slots, cfg.sequence_len), jnp.int32),  # forced tokens (never cut)
+        "qpos": zeros(),  # the next forced token's index in the queue
+        "qlen": zeros(),
+        "key": row_keys(jax.random.key(0), jnp.arange(slots)),
+        "temperature": zeros(jnp.float32),
+        "top_k": zeros(),
+        "top_p": jnp.ones((slots,), jnp.float32),
+        "stops": jnp.full((slots, MAX_STOPS), -1, jnp.int32),
+    }
+
+
+def logprob_columns(logits, token):
+    """(B, 1 + 2 * TOP_LOGPROBS) int32: token's log-probability under logits (B, V), then the
+    likeliest ids and their log-probabilities; floats as their bits, so a record is one array."""
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(lp, token[:, None], axis=1)
+    top_lp, top_ids = jax.lax.top_k(lp, TOP_LOGPROBS)
+    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+    return jnp.concatenate([bits(chosen), top_ids, bits(top_lp)], axis=1)
+
+
+def emit(s, logits, pos, python, logprobs):
+    """Each live slot's next token after logits (B, V), nanochat's Engine loop body: (s, records
+    (B, W) int32: the token, or -1 where a slot is idle; its flags; when the traced bool logprobs
+    holds, logprob_columns). s: per-slot arrays (new_state's but the cache); pos (B,): the tokens
+    in each slot's cache."""
+    live = s["live"]
+    # 1. a draw from each slot's own key at its position
+    keys = step_keys(s["key"], pos)
+    sampled = sample_next_token(logits, keys, s["temperature"], s["top_k"], s["top_p"])
+    # 2. a queued token replaces the draw (nanochat's forced_tokens deque)
+    forced = live & (s["qpos"] < s["qlen"])
+    at = jnp.minimum(s["qpos"], s["queue"].shape[1] - 1)
+    queued = jnp.take_along_axis(s["queue"], at[:, None], axis=1)[:, 0]
+    token = jnp.where(forced, queued, sampled)
+    # 3. the calculator's state machine: <|python_end|> in a block hands the slot to the host
+    opens = live & (token == python[0])
+    closes = live & s["in_py"] & (token == python[1])
+    in_py = opens | (s["in_py"] & ~closes)
+    # 4. a stop id or the last token of its budget ends the choice
+    left = s["left"] - live
+    stopped = jnp.any(token[:, None] == s["stops"], axis=1)
+    done = live & (stopped | (left <= 0))
+    waits = closes & ~done
+    s = {**s,
+         "token": jnp.where(live, token, s["token"]),
+         "live": live & ~done & ~waits,
+         "left": left,
+         "in_py": in_py,
+         "qpos": s["qpos"] + forced}
+    # 5. what the host reads
+    flags = FORCED * forced + CLOSES * waits + DONE * done
+    shown = jnp.where(live, token, -1)[:, None]
+
+    def none(logits, token):
+        return jnp.zeros((token.shape[0], 1 + 2 * TOP_LOGPROBS), jnp.int32)
+    probs = jax.lax.cond(logprobs, logprob_columns, none, logits, token)
+    return s, jnp.concatenate([shown, flags.astype(jnp.int32)[:, None], probs], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attn"), donate_argnames="state")
+def admit(p, state, request, python, *, cfg, attn=nc.causal_attention):
+    """Start a request in its slots: prefill its prompt alone, copy the cache into each choice's
+    slot (nanochat's prefill once, replicate), and emit each choice's first token: (state, records
+    (C, W), with logprobs). request, every value traced: prompt (1, T), its first `length` tokens
+    real; n choices, numbered from `first`, into slots (C,), B past n; seed; temperature, top_k,
+    top_p; budget (tokens it may emit); stops (MAX_STOPS,), -1 padded. python: the ids of
+    <|python_start|> and <|python_end|> (-1: no calculator)."""
+    slots = request["slots"]
+    length = request["length"]
+    # 1. the prompt alone, in its bucket
+    empty = nc.init_cache(cfg, 1, request["prompt"].shape[1])
+    logits, prompt = nc.forward_cached(p, request["prompt"], empty, cfg, attn, length)
+
+    # 2. its keys and values into each choice's slot, from position 0
+    def copy(j, layers):
+        at = (slots[j], 0, 0, 0)
+        return [tuple(jax.lax.dynamic_update_slice(big, small, at) for big, small in zip(*pair))
+                for pair in zip(layers, prompt["layers"])]
+    cache = dict(state["cache"])
+    cache["layers"] = jax.lax.fori_loop(0, request["n"], copy, cache["layers"])
+    cache["pos"] = cache["pos"].at[slots].set(length, mode="drop")
+    cache["prev"] = cache["prev"].at[slots].set(prompt["prev"][0], mode="drop")
+    # 3. each choice's settings, then its first token from the prompt's logits
+    C = slots.shape[0]
+
+    def each(value):
+        return jnp.broadcast_to(value, (C,) + jnp.shape(value))
+    fresh = {
+        "token": each(0),
+        "live": jnp.arange(C) < request["n"],
+        "left": each(request["budget"]),
+        "in_py": each(False),
+        "queue": jnp.zeros((C, 1), jnp.int32),
+        "qpos": each(0),
+        "qlen": each(0),
+        "key": row_keys(jax.random.key(request["seed"]), request["first"] + jnp.arange(C)),
+        "temperature": each(request["temperature"]),
+        "top_k": each(request["top_k"]),
+        "top_p": each(request["top_p"]),
+        "stops": each(request["stops"]),
+    }
+    logits = jnp.repeat(logits, C, axis=0)
+    fresh, records = emit(fresh, logits, each(length), python, logprobs=True)
+    # 4. into the slots (an index of B, past the n choices, writes nothing)
+    state = {**state, "cache": cache}
+    del fresh["queue"]
+    for name, value in fresh.items():
+        state[name] = state[name].at[slots].set(value, mode="drop")
+    return state, records
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attn", "rows", "kmax"),
+                   donate_argnames="state")
+def decode_chunk(p, state, control, *, cfg, attn, rows, kmax):
+    """Up to control["steps"] (at most kmax) tokens for every live slot of the first `rows`: (state,
+    records (kmax, rows, W), -1 where a slot emitted nothing). control, traced: steps; exit_on_done,
+    hand back when a choice ends (requests wait for a slot); cancel (B,), slots to stop first;
+    python, as admit's; logprobs, emit's. Hands back early when a slot closes a python block."""
+    # 1. stop the cancelled slots, then take the first `rows`: a copy of a few rows a chunk
+    live = state["live"] & ~control["cancel"]
+    state = {**state, "live": live}
+    s = jax.tree.map(lambda a: a[:rows], state)
+    records = jnp.full((kmax, rows, 3 + 2 * TOP_LOGPROBS), -1, jnp.int32)
+
+    def step(carry):
+        i, s, records, _ = carry
+        # 2. feed each live slot its last token; an idle slot's position and smear stay put
+        old = s["cache"]
+        logits, cache = nc.forward_cached(p, s["token"][:, None], old, cfg, attn)
+        live = s["live"]
+        cache["pos"] = jnp.where(live, cache["pos"], old["pos"])
+        cache["prev"] = jnp.where(live[:, None], cache["prev"], old["prev"])
+        # 3. each live slot's next token
+        slot_values = {k: v for k, v in s.items() if k != "cache"}
+        slot_values, record = emit(slot_values, logits, cache["pos"], control["python"],
+                                   control["logprobs"])
+        s = {**slot_values, "cache": cache}
+        records = records.at[i].set(record)
+        # 4. back to the host early: a calculator to run, or a freed slot for a waiting request
+        flags = record[:, 1]
+        waits = jnp.any((flags & CLOSES) > 0)
+        ended = control["exit_on_done"] & jnp.any((flags & DONE) > 0)
+        return i + 1, s, records, waits | ended
+
+    def more(carry):
+        i, s, _, back = carry
+        return (i < control["steps"]) & jnp.any(s["live"]) & ~back
+
+    _, s, records, _ = jax.lax.while_loop(more, step, (0, s, records, False))
+    # 5. the rows back in place (the state is donated: no second cache)
+    state = jax.tree.map(lambda a, b: a.at[:rows].set(b), state, s)
+    return state, records
+
+
+@functools.partial(jax.jit, donate_argnames="state")
+def resume(state, slot, forced, n):
+    """A slot that closed a python block emits again: first the n ids of forced (S,), the
+    calculator's output (none when it gave nothing), one a step with mask 0."""
+    queue_rows = jax.lax.dynamic_update_slice(state["queue"], forced[None], (slot, 0))
+    return {**state,
+            "queue": queue_rows,
+            "qpos": state["qpos"].at[slot].set(0, mode="drop"),
+            "qlen": state["qlen"].at[slot].set(n, mode="drop"),
+            "live": state["live"].at[slot].set(True, mode="drop")}
+
+# ---------------------------------------------------------------- the slot engine: the host loop
+
+
+class Busy(RuntimeError):
+    """The engine's waiting line is full: try again shortly."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed while serving a request; it starts fresh and serves the next ones."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How a request's choices are drawn and when they end (max_tokens, a stop id, the context)."""
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0  # 0: every token
+    top_p: float = 1.0
+    seed: int = 0  # choice c draws with fold_in(key(seed), c)
+    stop_ids: tuple = ()
+    logprobs: bool = False  # each token's log-probability and the TOP_LOGPROBS likeliest
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What happened to one choice: a token (mask 0 when forced; logprobs: its log-probability and
+    the likeliest (id, log-probability) pairs, when asked), or its end (finish: "stop" after a stop
+    id, "length" when its budget or the context ran out)."""
+    choice: int
+    token: int | None = None
+    mask: int = 1
+    logprobs: tuple | None = None
+    finish: str | None = None
+
+
+class Request:
+    """One prompt's n choices as the engine makes them: their tokens, masks and finish reasons,
+    and with stream=True their Events to iterate over (iterating waits for them)."""
+
+    def __init__(self, prompt, sampling, n, tool, stream):
+        self.prompt = list(prompt)
+        self.sampling = sampling
+        self.n = n
+        self.tool = tool  # tool(choice, token) -> ids to force next (data.calculator_tool's)
+        self.tokens = [[] for _ in range(n)]
+        self.masks = [[] for _ in range(n)]
+        self.finish = [None] * n
+        self.started = 0  # choices admitted so far
+        self.error = None
+        self.cancelled = False
+        self.events = queue.Queue() if stream else None
+
+    @property
+    def done(self):
+        return self.error is not None or all(self.finish)
+
+    def cancel(self):
+        """Stop generating (a client went away, a stop string was hit): its slots free within one
+        device call."""
+        self.cancelled = True
+
+    def add(self, event):
+        if event.token is not None:
+            self.tokens[event.choice].append(event.token)
+            self.masks[event.choice].append(event.mask)
+        else:
+            self.finish[event.choice] = event.finish
+        if self.events is not None:
+            self.events.put(event)
+
+    def fail(self, error):
+        self.error = error
+        if self.events is not None:
+            self.events.put(error)
+
+    def __iter__(self):
+        ended = 0
+        while ended < self.n:
+            event = self.events.get()
+            if isinstance(event, EngineError):
+                raise event
+            ended += event.finish is not None
+            yield event
+
+
+class Engine:
+    """Continuous batching over `slots` rows of one KV cache. submit() from any thread; step() (or
+    the thread start() runs) from one. kmax: the most tokens one device call decodes; waiting: how
+    many requests may wait for slots before submit raises Busy (None: no limit). python_ids: the
+    ids of <|python_start|> and <|python_end|>, for the calculator."""
+
+    def __init__(self, params, cfg, *, slots=16, kmax=16, attn=nc.causal_attention,
+                 python_ids=None, waiting=None):
+        self.cfg = cfg
+        self.p = prepare(params, cfg)
+        self.slots = slots
+        self.kmax = kmax
+        self.attn = attn
+        self.python = np.array(python_ids or (-1, -1), np.int32)
+        self.waiting = waiting
+        self.choices = min(slots, MAX_CHOICES)  # a prefill's copies per admit call
+        # chunks run on the first 1, 4, 16, ... slots (the lowest free slot is taken first), so
+        # that a few requests cost a few rows: a program each
+        self.row_buckets = sorted({min(slots, 4**i) for i in range(slots.bit_length())})
+        self.inbox = collections.deque()
+        self.wake = threading.Condition()
+        self.stats = collections.Counter()  # device calls: admits, chunks, calculator hops; tokens
+        self.warmed = threading.Event()
+        self.reset()
+
+    def reset(self):
+        """Every slot empty (after a failure: the donated state may be gone)."""
+        self.state = new_state(self.cfg, self.slots)
+        self.owner = [None] * self.slots  # (request, choice) of each busy slot
+        self.stopping = set()  # slots of cancelled requests, stopped by the next chunk
+
+    def submit(self, prompt, sampling, *, n=1, tool=None, stream=False):
+        """Queue a prompt's n choices: the Request. One-line ValueErrors for what a caller must fix;
+        Busy when `waiting` requests already wait."""
+        check_prompt(len(prompt), self.cfg, sampling.top_k)
+        if sampling.max_tokens < 1 or n < 1 or len(sampling.stop_ids) > MAX_STOPS:
+            raise ValueError(f"max_tokens and n must be at least 1, and at most {MAX_STOPS} stop "
+                             f"ids (got {sampling.max_tokens}, {n}, {len(sampling.stop_ids)})")
+        request = Request(prompt, sampling, n, tool, stream)
+        with self.wake:
+            if self.waiting is not None and len(self.inbox) >= self.waiting:
+                raise Busy(f"{len(self.inbox)} requests are waiting for the model; try again "
+                           "shortly")
+            self.inbox.append(request)
+            self.wake.notify()
+        return request
+
+    def drain(self):
+        """Step in this thread until every submitted request is done (evaluations, RL)."""
+        while self.step():
+            pass
+
+    def start(self, warm_up=False):
+        """Serve from a thread of its own (a server): from now on only it touches the state. With
+        warm_up it first compiles every program (`warmed` is set then), while requests queue."""
+        def run():
+            if warm_up:
+                self.warm_up()
+                self.warmed.set()
+            self.serve_forever()
+        threading.Thread(target=run, daemon=True, name="engine").start()
+
+    def serve_forever(self):
+        while True:
+            try:
+                busy = self.step()
+            except Exception as e:  # fail what it was serving, start fresh, serve on
+                self.fail(e)
+                continue
+            with self.wake:
+                while not busy and not self.inbox:
+                    self.wake.wait()
+                    busy = bool(self.inbox)
+
+    def fail(self, error):
+        """Every request in a slot fails with `error`; the engine starts fresh."""
+        message = f"the engine failed ({type(error).__name__}: {error}) and started afresh"
+        for request in {owner[0] for owner in self.owner if owner is not None}:
+            request.fail(EngineError(message))
+        self.reset()
+
+    def step(self):
+        """One round: admit waiting requests into free slots, decode one chunk, hand out its
+        tokens. False when there was nothing to do."""
+        # 1. the slots of cancelled requests: stopped by this chunk, free after it
+        for slot, owner in enumerate(self.owner):
+            if owner is not None and owner[0].cancelled:
+                self.owner[slot] = None
+                self.stopping.add(slot)
+        admitted = self.admit_waiting()
+        busy = [slot for slot, owner in enumerate(self.owner) if owner is not None]
+        if not busy and not self.stopping:
+            return admitted
+        # 2. one chunk over the fewest rows that hold every busy slot
+        highest = max(busy, default=0)
+        rows = min(r for r in self.row_buckets if r > highest)
+        cancel = np.zeros(self.slots, bool)
+        cancel[list(self.stopping)] = True
+        logprobs = any(self.owner[slot][0].sampling.logprobs for slot in busy)
+        control = {"steps": np.int32(self.kmax),
+                   "exit_on_done": np.bool_(len(self.inbox) > 0),
+                   "cancel": cancel,
+                   "python": self.python,
+                   "logprobs": np.bool_(logprobs)}
+        self.state, records = decode_chunk(self.p, self.state, control, cfg=self.cfg,
+                                           attn=self.attn, rows=rows, kmax=self.kmax)
+        self.stopping.clear()
+        # 3. the one copy to the host: each step's tokens, slot by slot
+        records = np.asarray(records)
+        self.stats["calls"] += 1
+        self.stats["chunks"] += 1
+        steps, slots = np.nonzero(records[:, :, 0] >= 0)
+        for i, slot in zip(steps.tolist(), slots.tolist()):
+            self.take(slot, records[i, slot])
+        return True
+
+    def admit_waiting(self):
+        """Start waiting requests, first come first served, while their choices find free slots;
+        hand out each choice's first token. Whether any started."""
+        started = []
+        while True:
+            with self.wake:
+                if not self.inbox:
+                    break
+                request = self.inbox[0]
+                free = [slot for slot, owner in enumerate(self.owner)
+                        if owner is None and slot not in self.stopping]
+                count = min(request.n - request.started, self.choices)
+                if not request.cancelled and len(free) < count:
+                    break
+                if request.cancelled or request.started + count == request.n:
+                    self.inbox.popleft()
+            if request.cancelled:
+                continue
+            # the lowest free slots: chunks then run on the fewest rows
+            slots = free[:count]
+            first = request.started
+            request.started += count
+            for choice, slot in enumerate(slots, first):
+                self.owner[slot] = (request, choice)
+            arrays = self.request_arrays(request, slots, first)
+            self.state, records = admit(self.p, self.state, arrays, self.python, cfg=self.cfg,
+                                        attn=self.attn)
+            self.stats["calls"] += 1
+            self.stats["admits"] += 1
+            started.append((slots, records))
+        # one copy to the host for every admission of the round
+        for (slots, _), records in zip(started, jax.device_get([r for _, r in started])):
+            for j, slot in enumerate(slots):
+                self.take(slot, records[j])
+        return bool(started)
+
+    def request_arrays(self, request, slots, first):
+        """admit's request: numpy values of fixed dtypes (a new value never recompiles)."""
+        S = self.cfg.sequence_len
+        n = len(request.prompt)
+        prompt = np.zeros((1, min(bucket(n), S)), np.int32)  # padded at the end to its bucket
+        prompt[0, :n] = request.prompt
+        padded = np.full(self.choices, self.slots, np.int32)
+        padded[:len(slots)] = slots
+        s = request.sampling
+        stops = np.full(MAX_STOPS, -1, np.int32)
+        stops[:len(s.stop_ids)] = s.stop_ids
+        return {"prompt": prompt,
+                "length": np.int32(n),
+                "slots": padded,
+                "n": np.int32(len(slots)),
+                "first": np.int32(first),
+                "seed": np.uint32(s.seed % 2**32),
+                "temperature": np.float32(s.temperature),
+                "top_k": np.int32(s.top_k),
+                "top_p": np.float32(s.top_p),
+                "budget": np.int32(min(s.max_tokens, S - n)),
+                "stops": stops}
+
+    def take(self, slot, record):
+        """Hand one record of a slot to its request: the token, the calculator, the end."""
+        token = int(record[0])
+        flags = int(record[1])
+        if token < 0 or self.owner[slot] is None:  # idle, or cancelled meanwhile
+            return
+        request, choice = self.owner[slot]
+        self.stats["tokens"] += 1
+        logprobs = None
+        if request.sampling.logprobs:
+            floats = record[2:].view(np.float32)  # the bits of float32 values
+            ids = record[3:3 + TOP_LOGPROBS].tolist()
+            logprobs = (float(floats[0]), list(zip(ids, floats[1 + TOP_LOGPROBS:].tolist())))
+        mask = 0 if flags & FORCED else 1
+        request.add(Event(choice, token, mask, logprobs))
+        forced = request.tool(choice, token) if request.tool is not None else []
+        if flags & DONE:
+            finish = "stop" if token in request.sampling.stop_ids else "length"
+            request.add(Event(choice, finish=finish))
+            self.owner[slot] = None
+        elif flags & CLOSES:  # the calculator's output, forced next (none: sampling resumes)
+            self.resume(slot, forced)
+
+    def resume(self, slot, forced):
+        S = self.cfg.sequence_len
+        ids = np.zeros(S, np.int32)
+        ids[:min(len(forced), S)] = forced[:S]
+        n = np.int32(min(len(forced), S))
+        self.state = resume(self.state, np.int32(slot), ids, n)
+        self.stats["calls"] += 1
+        self.stats["hops"] += 1
+
+    def warm_up(self):
+        """Compile every program a request can need: each prompt bucket's admit, each row count's
+        chunk, resume. Changes no slot; after it nothing compiles."""
+        S = self.cfg.sequence_len
+        for T in sorted({min(bucket(n), S) for n in range(1, S)}):
+            empty = Request([0] * T, Sampling(max_tokens=1), 1, None, False)
+            arrays = self.request_arrays(empty, [], 0)
+            arrays["prompt"] = np.zeros((1, T), np.int32)
+            self.state, _ = admit(self.p, self.state, arrays, self.python, cfg=self.cfg,
+                                  attn=self.attn)
+        control = {"steps": np.int32(0),
+                   "exit_on_done": np.bool_(False),
+                   "cancel": np.zeros(self.slots, bool),
+                   "python": self.python,
+                   "logprobs": np.bool_(False)}
+        for rows in self.row_buckets:
+            self.state, _ = decode_chunk(self.p, self.state, control, cfg=self.cfg,
+                                         attn=self.attn, rows=rows, kmax=self.kmax)
+        nothing = np.zeros(S, np.int32)
+        self.state = resume(self.state, np.int32(self.slots), nothing, np.int32(0))
+        jax.block_until_ready(self.state)
