@@ -4,6 +4,8 @@
     python bench.py decode       # KV-cache generation: 16-token prompt, 200 new tokens, batch 1, 8
     python bench.py train        # the whole training step (fwd, bwd, MuonAdamW) of three models
     python bench.py accel        # on a GPU or TPU: nanochat's d12 and d20 (T 2048, bf16)
+    python bench.py serve        # 1, 4, 16 concurrent streams through the slot engine (engine.py)
+    python bench.py serve --infer-bench d6   # nanochat's infer_bench protocol, its JSON last
     python bench.py memory --depth 26 --devices 8 --shard full --fit 16 32 80
                                  # per-device memory of nanochat's d26 train step, compiled for 8
                                  # emulated devices; the largest device batch fitting each GB
@@ -279,17 +281,27 @@ def matmul_weights(cfg):
     return nc.count(shapes["h"]) + nc.count(shapes["smear_gate"]) + nc.count(shapes["lm_head"])
 
 
-def timed(request):
-    """The time of each token event of a request as the engine hands it out."""
+def timed(eng, request):
+    """(time, device call) of each token event of a request as the engine hands it out: the tokens
+    of one chunk share its device call."""
     stamps = []
     add = request.add
 
     def add_timed(event):
         if event.token is not None:
-            stamps.append(time.perf_counter())
+            stamps.append((time.perf_counter(), eng.stats["calls"]))
         add(event)
     request.add = add_timed
     return stamps
+
+
+def hand_outs(stamps):
+    """[(time, tokens)] of each device call that handed a stream tokens, in order."""
+    calls = {}
+    for t, call in stamps:
+        _, count = calls.get(call, (t, 0))
+        calls[call] = (t, count + 1)
+    return sorted(calls.values())
 
 
 def percentile(values, q):
@@ -305,17 +317,15 @@ def serve_streams(eng, prompts, new_tokens, temperature=1.0):
     sampling = [engine.Sampling(max_tokens=new_tokens, temperature=temperature, seed=i)
                 for i in range(len(prompts))]
     requests = [eng.submit(p, s) for p, s in zip(prompts, sampling)]
-    stamps = [timed(r) for r in requests]
+    stamps = [timed(eng, r) for r in requests]
     eng.drain()
     wall = time.perf_counter() - start
     tokens = sum(len(r.tokens[0]) for r in requests)
-    ttft = [s[0] - start for s in stamps]
-    tpot = []
+    ttft = [s[0][0] - start for s in stamps]
+    tpot = []  # each hand-out's gap since the one before, over its tokens
     for s in stamps:
-        chunks = collections.Counter(s[1:])  # tokens of one chunk share its hand-out time
-        times = sorted(chunks)
-        gaps = np.diff([s[0]] + times)
-        tpot += [g / chunks[t] for g, t in zip(gaps, times)]
+        out = hand_outs(s)
+        tpot += [(t - before) / n for (before, _), (t, n) in zip(out, out[1:])]
     calls = eng.stats["calls"] - before.get("calls", 0)
     hops = eng.stats["hops"] - before.get("hops", 0)
     return {"streams": len(prompts), "tokens": tokens,
@@ -353,9 +363,9 @@ def bench_serve(configs=("nano", "d6"), slots=16, kmax=16, streams=(1, 4, 16), n
         head = {"bench": "serve", "config": name, "params": nc.num_scaling_params(cfg)["total"],
                 "device": jax.devices()[0].device_kind, "new_tokens": new}
         # the reference host loop, one token a device call
-        for _ in range(2):  # compiles, then a warm run
-            engine.generate(params, cfg, prompts[0], max_tokens=4, key=jax.random.key(0),
-                            attn=attn)
+        for _ in range(2):  # compiles (the cache of prompt + new tokens), then a warm run
+            collections.deque(engine.generate(params, cfg, prompts[0], max_tokens=new,
+                                              key=jax.random.key(0), attn=attn), maxlen=0)
         runs = []
         for i in range(rounds):
             t = time.perf_counter()
@@ -394,6 +404,7 @@ def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most
     params = nc.init_params(cfg, jax.random.key(0))
     attn = kernels.attention()
     device = jax.devices()[0]
+    decode_tokens = min(decode_tokens, cfg.sequence_len // 2)  # room for a prompt
     prompt_len = cfg.sequence_len - decode_tokens
     prompt = infer_bench_prompt(cfg, prompt_len)
     context_mid = prompt_len + decode_tokens // 2
@@ -422,13 +433,13 @@ def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most
         sampling = engine.Sampling(max_tokens=tokens, temperature=0.0)
         start = time.perf_counter()
         request = eng.submit(prompt, sampling, n=batch)
-        stamps = timed(request)
+        stamps = timed(eng, request)
         eng.drain()
-        steps = []
-        hand_outs = sorted(collections.Counter(stamps).items())
-        for (before, _), (t, count) in zip(hand_outs, hand_outs[1:]):
-            steps += [(t - before) / (count / batch)] * (count // batch)
-        return stamps[0] - start, steps
+        steps = []  # a chunk of k steps: k steps of its time over k
+        out = hand_outs(stamps)
+        for (before, _), (t, count) in zip(out, out[1:]):
+            steps += [(t - before) * batch / count] * (count // batch)
+        return stamps[0][0] - start, steps
 
     # prefill: batch 1, a single token (TTFT is the prefill)
     eng = engine.Engine(params, cfg, slots=1, kmax=kmax, attn=attn)
@@ -551,7 +562,7 @@ def bench_train_child(config, steps):
     print(json.dumps(train_step_timing(CONFIGS[config], BATCH[config][0], steps)))
 
 
-MODES = ("tokenizer", "decode", "train", "train-child", "accel", "memory")
+MODES = ("tokenizer", "decode", "train", "train-child", "accel", "memory", "serve")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -571,6 +582,13 @@ def parse_args(argv=None):
                    "warm-up steps")
     p.add_argument("--depths", type=int, nargs="*", default=[12, 20],
                    help="accel: nanochat depths (T 2048, bf16)")
+    s = p.add_argument_group("serve (docs/serving.md)").add_argument
+    s("--infer-bench", metavar="MODEL", help="nanochat's infer_bench instead: nano, d6, or a depth "
+      "like d20 (T 2048, bf16); its last line is one JSON document of infer_bench's schema")
+    s("--slots", type=int, default=16, help="the engine's slots")
+    s("--kmax", type=int, default=16, help="most tokens one device call decodes")
+    s("--streams", type=int, nargs="*", default=[1, 4, 16], help="concurrent streams")
+    s("--batch-sizes", type=int, nargs="*", default=[1, 8, 32, 128], help="infer_bench's")
     m = p.add_argument_group("memory (docs/scaling-out.md)").add_argument
     m("--depth", type=int, default=20, help="nanochat's depth (vocab 32768, bf16 compute)")
     m("--devices", type=int, default=8, help="emulated devices of the data mesh")
@@ -604,6 +622,11 @@ def main(argv=None):
         bench_train(args.configs or tuple(CONFIGS), args.steps)
     elif args.mode == "train-child":
         bench_train_child(args.configs[0], args.steps)
+    elif args.mode == "serve" and args.infer_bench:
+        bench_infer(args.infer_bench, args.batch_sizes, kmax=args.kmax)
+    elif args.mode == "serve":
+        bench_serve(args.configs or ("nano", "d6"), args.slots, args.kmax, args.streams,
+                    rounds=args.repeats)
     else:
         bench_accel(args.depths, args.steps)
 
