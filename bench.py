@@ -23,14 +23,17 @@ START = float(os.environ.get("BENCH_START", time.time()))
 import argparse
 import collections
 import dataclasses
+import http.client
 import json
 import pathlib
 import resource
+import socket
 import statistics
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -99,8 +102,8 @@ def generate_timing(params, cfg, batch, prompt_len=16, new=200, repeats=3):
     attn = kernels.attention()
 
     def run():
-        steps = engine.generate(params, cfg, prompt, max_tokens=new, key=jax.random.key(1),
-                            num_samples=batch, attn=attn)
+        steps = engine.generate(params, cfg, prompt, engine.Sampling(max_tokens=new, seed=1),
+                                num_samples=batch, attn=attn)
         return sum(1 for _ in steps)
     t0 = time.perf_counter()
     run()
@@ -363,14 +366,15 @@ def bench_serve(configs=("nano", "d6"), slots=16, kmax=16, streams=(1, 4, 16), n
         head = {"bench": "serve", "config": name, "params": nc.num_scaling_params(cfg)["total"],
                 "device": jax.devices()[0].device_kind, "new_tokens": new}
         # the reference host loop, one token a device call
-        for _ in range(2):  # compiles (the cache of prompt + new tokens), then a warm run
-            collections.deque(engine.generate(params, cfg, prompts[0], max_tokens=new,
-                                              key=jax.random.key(0), attn=attn), maxlen=0)
+        for i in range(2):  # compiles (the cache of prompt + new tokens), then a warm run
+            sampling = engine.Sampling(max_tokens=new, seed=i)
+            collections.deque(engine.generate(params, cfg, prompts[0], sampling, attn=attn),
+                              maxlen=0)
         runs = []
         for i in range(rounds):
+            sampling = engine.Sampling(max_tokens=new, seed=i)
             t = time.perf_counter()
-            steps = sum(1 for _ in engine.generate(params, cfg, prompts[0], max_tokens=new,
-                                                   key=jax.random.key(i), attn=attn))
+            steps = sum(1 for _ in engine.generate(params, cfg, prompts[0], sampling, attn=attn))
             runs.append(steps / (time.perf_counter() - t))
         print(json.dumps({**head, "what": "generate", "streams": 1,
                           "tok_per_s": round(statistics.median(runs), 1)}), flush=True)
@@ -386,6 +390,95 @@ def bench_serve(configs=("nano", "d6"), slots=16, kmax=16, streams=(1, 4, 16), n
                               "warm_up_s": round(warm_up_s, 1),
                               "compiles_after_warm_up": len(compiles),
                               "peak_rss_gb": round(peak_rss_gb(), 2)}), flush=True)
+
+
+def stream_reply(port, content, max_tokens):
+    """One streamed chat completion from a chat.py server, greedy: (its text, seconds to the
+    first content, seconds in all, tokens)."""
+    body = json.dumps({"messages": [{"role": "user", "content": content}], "stream": True,
+                       "max_tokens": max_tokens, "temperature": 0,
+                       "stream_options": {"include_usage": True}})
+    start = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    text = ""
+    first = None
+    tokens = 0
+    for line in response:  # server-sent events: "data: {json}" lines, then "data: [DONE]"
+        if not line.startswith(b"data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):  # the last chunk
+            tokens = chunk["usage"]["completion_tokens"]
+            continue
+        delta = chunk["choices"][0]["delta"].get("content")
+        if delta and first is None:
+            first = time.perf_counter() - start
+        text += delta or ""
+    conn.close()
+    return text, first, time.perf_counter() - start, tokens
+
+
+def bench_serve_http(checkpoint, clients=16, max_tokens=128, slots=16):
+    """`python chat.py --serve` on a checkpoint, in a process of its own: `clients` requests sent
+    one after another, then all at once (threads, streamed, greedy). A JSON line each: tokens/s,
+    time to first token p50/p95; the concurrent line also says whether every reply equals the
+    same request's reply alone, and its speed-up."""
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, str(pathlib.Path(__file__).with_name("chat.py")), "--serve",
+           "--checkpoint", checkpoint, "--port", str(port), "--slots", str(slots),
+           "--compile-cache", ""]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        start = time.perf_counter()
+        while True:  # the server compiles every program before it serves: wait for that
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/health")
+                if json.loads(conn.getresponse().read())["compiled"]:
+                    break
+            except (OSError, ValueError):
+                pass
+            if server.poll() is not None:
+                raise RuntimeError(f"chat.py --serve exited with {server.returncode}")
+            time.sleep(0.5)
+        startup = time.perf_counter() - start
+        questions = [f"Tell me about topic number {i}, please." for i in range(clients)]
+        results = {}
+        for mode in ("sequential", "concurrent"):
+            replies = [None] * clients
+            t = time.perf_counter()
+            if mode == "sequential":
+                for i, q in enumerate(questions):
+                    replies[i] = stream_reply(port, q, max_tokens)
+            else:
+                def ask(i):
+                    replies[i] = stream_reply(port, questions[i], max_tokens)
+                threads = [threading.Thread(target=ask, args=(i,)) for i in range(clients)]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+            wall = time.perf_counter() - t
+            results[mode] = replies
+            tokens = sum(r[3] for r in replies)
+            line = {"bench": "serve-http", "mode": mode, "clients": clients,
+                    "max_tokens": max_tokens, "slots": slots, "wall_s": round(wall, 2),
+                    "tokens": tokens, "tok_per_s": round(tokens / wall, 1),
+                    "ttft_ms_p50": round(1e3 * percentile([r[1] for r in replies], 50), 1),
+                    "ttft_ms_p95": round(1e3 * percentile([r[1] for r in replies], 95), 1),
+                    "startup_s": round(startup, 1)}
+            if mode == "concurrent":
+                sequential = results["sequential"]
+                line["same_replies"] = [r[0] for r in replies] == [r[0] for r in sequential]
+                line["speedup"] = round(sum(r[2] for r in sequential) / wall, 2)
+            print(json.dumps(line), flush=True)
+    finally:
+        server.terminate()
+        server.wait()
 
 
 def infer_bench_prompt(cfg, length):
@@ -589,6 +682,8 @@ def parse_args(argv=None):
     s("--kmax", type=int, default=16, help="most tokens one device call decodes")
     s("--streams", type=int, nargs="*", default=[1, 4, 16], help="concurrent streams")
     s("--batch-sizes", type=int, nargs="*", default=[1, 8, 32, 128], help="infer_bench's")
+    s("--http", metavar="CHECKPOINT", help="through chat.py --serve on this checkpoint: 16 "
+      "clients one after another, then at once")
     m = p.add_argument_group("memory (docs/scaling-out.md)").add_argument
     m("--depth", type=int, default=20, help="nanochat's depth (vocab 32768, bf16 compute)")
     m("--devices", type=int, default=8, help="emulated devices of the data mesh")
@@ -622,6 +717,8 @@ def main(argv=None):
         bench_train(args.configs or tuple(CONFIGS), args.steps)
     elif args.mode == "train-child":
         bench_train_child(args.configs[0], args.steps)
+    elif args.mode == "serve" and args.http:
+        bench_serve_http(args.http, slots=args.slots)
     elif args.mode == "serve" and args.infer_bench:
         bench_infer(args.infer_bench, args.batch_sizes, kmax=args.kmax)
     elif args.mode == "serve":

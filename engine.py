@@ -1,19 +1,14 @@
 """Generation: nanochat's Engine, and an engine that serves many requests at once.
 
-- `generate` is nanochat's Engine.generate token for token: a batch-1 prefill copied to every row,
-  then one decode step per token for all rows, the calculator's output forced with mask 0. It is
-  the specification, and the slot engine is tested against it.
-- `Engine` serves many requests at once (continuous batching, as JetStream and vLLM do): a fixed
-  number of slots, rows of one KV cache over the whole context, each at its own position. A
-  request's prompt is prefilled alone and copied into free slots between device calls (`admit`);
-  one jitted call then decodes up to K tokens for every live slot (`decode_chunk`), with sampling,
-  stop ids, budgets and the calculator's forced tokens on the device. The host hears back once a
-  call, and early only when a slot closes a python block (it runs the calculator: `resume`).
-- A choice samples from its own key folded with each position: a seeded request gives the same
-  tokens whatever runs beside it, and the same as `generate` given that key.
-docs/serving.md tells the design; dimensions: B slots, S sequence_len, V vocab, C choices.
+- `generate` is nanochat's Engine.generate token for token: the specification, which the golden
+  test pins to nanochat's own Engine and against which the slot engine is tested.
+- `Engine` serves many requests at once (continuous batching): slots, rows of one KV cache over
+  the whole context, each at its own position. A prompt is prefilled alone into free slots
+  (`admit`); one jitted call decodes up to K tokens for every live slot (`decode_chunk`) with the
+  sampling, stop ids, budgets and the calculator's forced tokens on the device, and hands back
+  early only when the calculator must run (`resume`). A choice's samples depend on its own seed.
+docs/serving.md tells the design. Dimensions: B slots, S sequence_len, V vocab, C choices.
 """
-
 import collections
 import dataclasses
 import functools
@@ -36,6 +31,18 @@ CLOSES = 2
 DONE = 4
 
 # ------------------------------------------------------------------------------------- sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How a request's choices are drawn and when they end (max_tokens, a stop id, the context)."""
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0  # 0: every token
+    top_p: float = 1.0
+    seed: int = 0  # choice c draws with fold_in(key(seed), c)
+    stop_ids: tuple = ()
+    logprobs: bool = False  # each token's log-probability and the TOP_LOGPROBS likeliest
 
 
 def row_keys(key, rows):
@@ -125,7 +132,8 @@ def prefill(p, tokens, length, key, settings, *, cfg, max_len, num_samples=1,
 def decode(p, column, cache, key, settings, *, cfg, attn=nc.causal_attention):
     """Feed one token per row (B,) and sample the next: (ids (B,), logits (B, V), cache)."""
     logits, cache = nc.forward_cached(p, column[:, None], cache, cfg, attn)
-    keys = step_keys(row_keys(key, jnp.arange(column.shape[0])), cache["pos"])
+    rows = jnp.arange(column.shape[0])
+    keys = step_keys(row_keys(key, rows), cache["pos"])
     return sample_next_token(logits, keys, *settings), logits, cache
 
 
@@ -141,18 +149,6 @@ def prepare(params, cfg):
     return nc.unstack(cast, cfg)
 
 
-def fit_slots(cfg, wanted, most=64, cache_bytes=2**32):
-    """Slots for `wanted` choices at once: a power of two, at most `most`, whose KV cache fits in
-    cache_bytes (d20 at T 2048 in bf16 takes 210 MB a slot)."""
-    itemsize = jnp.dtype(cfg.compute_dtype).itemsize
-    per_slot = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * cfg.sequence_len * itemsize
-    limit = max(1, min(most, cache_bytes // per_slot))
-    slots = 1
-    while slots < wanted and slots * 2 <= limit:
-        slots *= 2
-    return slots
-
-
 def check_prompt(n, cfg, top_k=0):
     """A one-line error for a prompt of n tokens that leaves no room, or a top_k out of range."""
     if not 0 < n < cfg.sequence_len:
@@ -162,33 +158,33 @@ def check_prompt(n, cfg, top_k=0):
         raise ValueError(f"top_k is {top_k}; it must be 0 (all tokens) to {TOP_K_MAX}")
 
 
-def generate(params, cfg, prompt_ids, *, max_tokens, key, temperature=1.0, top_k=None, top_p=1.0,
-             num_samples=1, stop_ids=(), tool=None, cache_len=None, logits=False,
+def generate(params, cfg, prompt_ids, sampling, *, num_samples=1, tool=None,
              attn=nc.causal_attention):
     """nanochat's Engine.generate: yields (token_column, mask_column), lists of num_samples ints.
 
     Prefill at batch 1, then decode every row together until each has emitted a stop id, or
-    max_tokens, or the context is full. `tool(row, token)` (e.g. data.calculator_tool(tok), fresh
-    per call) sees every emitted token and returns ids to force into that row, one per step with
-    mask 0 (nanochat's forced_tokens deque). The cache holds the bucket of prompt + max_tokens, or
-    cache_len. logits=True: also yield the step's logits (num_samples, V), a device array, third."""
+    sampling.max_tokens, or the context is full; row r draws with fold_in(key(seed), r).
+    `tool(row, token)` (e.g. data.calculator_tool(tok), fresh per call) sees every emitted token
+    and returns ids to force into that row, one per step with mask 0 (nanochat's forced_tokens
+    deque). The cache holds the bucket of the prompt and max_tokens."""
     n = len(prompt_ids)
-    top_k = top_k or 0
-    check_prompt(n, cfg, top_k)
-    max_tokens = min(max_tokens, cfg.sequence_len - n)
+    check_prompt(n, cfg, sampling.top_k)
+    max_tokens = min(sampling.max_tokens, cfg.sequence_len - n)
     if max_tokens < 1:
         return
-    max_len = cache_len or min(bucket(n + max_tokens), cfg.sequence_len)
+    max_len = min(bucket(n + max_tokens), cfg.sequence_len)
     # the prompt padded at the end to its bucket: a later write replaces each junk slot
     tokens = np.zeros((1, min(bucket(n), max_len)), np.int32)
     tokens[0, :n] = prompt_ids
     p = prepare(params, cfg)
-    settings = float(temperature), int(top_k), float(top_p)  # traced: new values compile nothing
-    sampled, out, cache = prefill(p, tokens, n, key, settings, cfg=cfg, max_len=max_len,
-                                  num_samples=num_samples, attn=attn)
+    key = jax.random.key(sampling.seed)
+    # traced: a new setting compiles nothing
+    settings = (float(sampling.temperature), int(sampling.top_k), float(sampling.top_p))
+    sampled, _, cache = prefill(p, tokens, n, key, settings, cfg=cfg, max_len=max_len,
+                                num_samples=num_samples, attn=attn)
     forced = [collections.deque() for _ in range(num_samples)]
     done = [False] * num_samples
-    stop_ids = set(stop_ids)
+    stop_ids = set(sampling.stop_ids)
     for step in range(max_tokens):
         column = []
         masks = []
@@ -199,11 +195,11 @@ def generate(params, cfg, prompt_ids, *, max_tokens, key, temperature=1.0, top_k
             done[row] = done[row] or column[-1] in stop_ids
             if tool is not None:
                 forced[row].extend(tool(row, column[-1]))
-        yield (column, masks, out) if logits else (column, masks)
+        yield column, masks
         if all(done) or step == max_tokens - 1:
             return
         column = np.asarray(column, np.int32)
-        sampled, out, cache = decode(p, column, cache, key, settings, cfg=cfg, attn=attn)
+        sampled, _, cache = decode(p, column, cache, key, settings, cfg=cfg, attn=attn)
 
 # ------------------------------------------------------------- the slot engine: device functions
 
@@ -253,7 +249,8 @@ def emit(s, logits, pos, python, logprobs):
     # 2. a queued token replaces the draw (nanochat's forced_tokens deque)
     forced = live & (s["qpos"] < s["qlen"])
     at = jnp.minimum(s["qpos"], s["queue"].shape[1] - 1)
-    queued = jnp.take_along_axis(s["queue"], at[:, None], axis=1)[:, 0]
+    queued = jnp.take_along_axis(s["queue"], at[:, None], axis=1)
+    queued = queued[:, 0]
     token = jnp.where(forced, queued, sampled)
     # 3. the calculator's state machine: <|python_end|> in a block hands the slot to the host
     opens = live & (token == python[0])
@@ -277,7 +274,8 @@ def emit(s, logits, pos, python, logprobs):
     def none(logits, token):
         return jnp.zeros((token.shape[0], 1 + 2 * TOP_LOGPROBS), jnp.int32)
     probs = jax.lax.cond(logprobs, logprob_columns, none, logits, token)
-    return s, jnp.concatenate([shown, flags.astype(jnp.int32)[:, None], probs], axis=1)
+    flags = flags.astype(jnp.int32)[:, None]
+    return s, jnp.concatenate([shown, flags, probs], axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attn"), donate_argnames="state")
@@ -297,14 +295,16 @@ def admit(p, state, request, python, *, cfg, attn=nc.causal_attention):
     # 2. its keys and values into each choice's slot, from position 0
     def copy(j, layers):
         at = (slots[j], 0, 0, 0)
-        return [tuple(jax.lax.dynamic_update_slice(big, small, at) for big, small in zip(*pair))
-                for pair in zip(layers, prompt["layers"])]
+        put = functools.partial(jax.lax.dynamic_update_slice, start_indices=at)
+        return [(put(k, k_prompt), put(v, v_prompt))
+                for (k, v), (k_prompt, v_prompt) in zip(layers, prompt["layers"])]
     cache = dict(state["cache"])
     cache["layers"] = jax.lax.fori_loop(0, request["n"], copy, cache["layers"])
     cache["pos"] = cache["pos"].at[slots].set(length, mode="drop")
     cache["prev"] = cache["prev"].at[slots].set(prompt["prev"][0], mode="drop")
     # 3. each choice's settings, then its first token from the prompt's logits
     C = slots.shape[0]
+    choices = request["first"] + jnp.arange(C)  # choice c draws with fold_in(key(seed), c)
 
     def each(value):
         return jnp.broadcast_to(value, (C,) + jnp.shape(value))
@@ -316,7 +316,7 @@ def admit(p, state, request, python, *, cfg, attn=nc.causal_attention):
         "queue": jnp.zeros((C, 1), jnp.int32),
         "qpos": each(0),
         "qlen": each(0),
-        "key": row_keys(jax.random.key(request["seed"]), request["first"] + jnp.arange(C)),
+        "key": row_keys(jax.random.key(request["seed"]), choices),
         "temperature": each(request["temperature"]),
         "top_k": each(request["top_k"]),
         "top_p": each(request["top_p"]),
@@ -369,9 +369,12 @@ def decode_chunk(p, state, control, *, cfg, attn, rows, kmax):
         i, s, _, back = carry
         return (i < control["steps"]) & jnp.any(s["live"]) & ~back
 
-    _, s, records, _ = jax.lax.while_loop(more, step, (0, s, records, False))
+    carry = (0, s, records, False)
+    _, s, records, _ = jax.lax.while_loop(more, step, carry)
     # 5. the rows back in place (the state is donated: no second cache)
-    state = jax.tree.map(lambda a, b: a.at[:rows].set(b), state, s)
+    def put_back(whole, part):
+        return whole.at[:rows].set(part)
+    state = jax.tree.map(put_back, state, s)
     return state, records
 
 
@@ -379,9 +382,8 @@ def decode_chunk(p, state, control, *, cfg, attn, rows, kmax):
 def resume(state, slot, forced, n):
     """A slot that closed a python block emits again: first the n ids of forced (S,), the
     calculator's output (none when it gave nothing), one a step with mask 0."""
-    queue_rows = jax.lax.dynamic_update_slice(state["queue"], forced[None], (slot, 0))
     return {**state,
-            "queue": queue_rows,
+            "queue": state["queue"].at[slot].set(forced, mode="drop"),
             "qpos": state["qpos"].at[slot].set(0, mode="drop"),
             "qlen": state["qlen"].at[slot].set(n, mode="drop"),
             "live": state["live"].at[slot].set(True, mode="drop")}
@@ -398,18 +400,6 @@ class EngineError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Sampling:
-    """How a request's choices are drawn and when they end (max_tokens, a stop id, the context)."""
-    max_tokens: int
-    temperature: float = 1.0
-    top_k: int = 0  # 0: every token
-    top_p: float = 1.0
-    seed: int = 0  # choice c draws with fold_in(key(seed), c)
-    stop_ids: tuple = ()
-    logprobs: bool = False  # each token's log-probability and the TOP_LOGPROBS likeliest
-
-
-@dataclasses.dataclass(frozen=True)
 class Event:
     """What happened to one choice: a token (mask 0 when forced; logprobs: its log-probability and
     the likeliest (id, log-probability) pairs, when asked), or its end (finish: "stop" after a stop
@@ -422,8 +412,8 @@ class Event:
 
 
 class Request:
-    """One prompt's n choices as the engine makes them: their tokens, masks and finish reasons,
-    and with stream=True their Events to iterate over (iterating waits for them)."""
+    """One prompt's n choices as the engine makes them: their tokens, masks and finish
+    reasons, and with stream=True their Events to iterate over (iterating waits)."""
 
     def __init__(self, prompt, sampling, n, tool, stream):
         self.prompt = list(prompt)
@@ -443,8 +433,8 @@ class Request:
         return self.error is not None or all(self.finish)
 
     def cancel(self):
-        """Stop generating (a client went away, a stop string was hit): its slots free within one
-        device call."""
+        """Stop generating (a client went away, a stop string was hit): its slots are free
+        within one device call."""
         self.cancelled = True
 
     def add(self, event):
@@ -472,13 +462,15 @@ class Request:
 
 
 class Engine:
-    """Continuous batching over `slots` rows of one KV cache. submit() from any thread; step() (or
-    the thread start() runs) from one. kmax: the most tokens one device call decodes; waiting: how
-    many requests may wait for slots before submit raises Busy (None: no limit). python_ids: the
-    ids of <|python_start|> and <|python_end|>, for the calculator."""
+    """Continuous batching over `slots` rows of one KV cache: submit() from any thread, step()
+    (or the thread that start() runs) from one.
+    - kmax: the most tokens one device call decodes;
+    - python_ids: the ids of <|python_start|> and <|python_end|>, for the calculator;
+    - waiting: how many requests may wait for a slot before submit raises Busy (None: any);
+    - rows: the row counts a chunk may run on, a program each (default 1, 4, 16, ...)."""
 
     def __init__(self, params, cfg, *, slots=16, kmax=16, attn=nc.causal_attention,
-                 python_ids=None, waiting=None):
+                 python_ids=None, waiting=None, rows=None):
         self.cfg = cfg
         self.p = prepare(params, cfg)
         self.slots = slots
@@ -486,34 +478,36 @@ class Engine:
         self.attn = attn
         self.python = np.array(python_ids or (-1, -1), np.int32)
         self.waiting = waiting
-        self.choices = min(slots, MAX_CHOICES)  # a prefill's copies per admit call
-        # chunks run on the first 1, 4, 16, ... slots (the lowest free slot is taken first), so
-        # that a few requests cost a few rows: a program each
-        self.row_buckets = sorted({min(slots, 4**i) for i in range(slots.bit_length())})
+        self.choices = min(slots, MAX_CHOICES)  # choices one admit call starts
+        # a chunk runs on the first 1, 4, 16, ... slots and the lowest free slot is taken
+        # first, so that a few requests cost a few rows
+        powers = {min(slots, 4**i) for i in range(slots.bit_length())}
+        self.row_buckets = rows or sorted(powers)
         self.inbox = collections.deque()
-        self.wake = threading.Condition()
-        self.stats = collections.Counter()  # device calls: admits, chunks, calculator hops; tokens
+        self.wake = threading.Condition()  # guards the inbox; notified on each submit
+        self.stats = collections.Counter()  # device calls (admits, chunks, hops), tokens
         self.warmed = threading.Event()
         self.reset()
 
     def reset(self):
-        """Every slot empty (after a failure: the donated state may be gone)."""
+        """Every slot empty (after a failure too: the donated state may be gone)."""
         self.state = new_state(self.cfg, self.slots)
         self.owner = [None] * self.slots  # (request, choice) of each busy slot
         self.stopping = set()  # slots of cancelled requests, stopped by the next chunk
 
     def submit(self, prompt, sampling, *, n=1, tool=None, stream=False):
-        """Queue a prompt's n choices: the Request. One-line ValueErrors for what a caller must fix;
-        Busy when `waiting` requests already wait."""
+        """Queue a prompt's n choices: the Request. One-line ValueErrors for what a caller
+        must fix; Busy when `waiting` requests already wait."""
         check_prompt(len(prompt), self.cfg, sampling.top_k)
+        counts = (sampling.max_tokens, n, len(sampling.stop_ids))
         if sampling.max_tokens < 1 or n < 1 or len(sampling.stop_ids) > MAX_STOPS:
-            raise ValueError(f"max_tokens and n must be at least 1, and at most {MAX_STOPS} stop "
-                             f"ids (got {sampling.max_tokens}, {n}, {len(sampling.stop_ids)})")
+            raise ValueError(f"max_tokens and n must be 1 or more, the stop ids at most "
+                             f"{MAX_STOPS} (got {counts[0]}, {counts[1]}, {counts[2]})")
         request = Request(prompt, sampling, n, tool, stream)
         with self.wake:
             if self.waiting is not None and len(self.inbox) >= self.waiting:
-                raise Busy(f"{len(self.inbox)} requests are waiting for the model; try again "
-                           "shortly")
+                raise Busy(f"{len(self.inbox)} requests are waiting for the model; try "
+                           "again shortly")
             self.inbox.append(request)
             self.wake.notify()
         return request
@@ -524,8 +518,8 @@ class Engine:
             pass
 
     def start(self, warm_up=False):
-        """Serve from a thread of its own (a server): from now on only it touches the state. With
-        warm_up it first compiles every program (`warmed` is set then), while requests queue."""
+        """Serve from a thread of its own (a server): from now on only it touches the state.
+        With warm_up it first compiles every program (then sets `warmed`); requests wait."""
         def run():
             if warm_up:
                 self.warm_up()
@@ -537,17 +531,19 @@ class Engine:
         while True:
             try:
                 busy = self.step()
-            except Exception as e:  # fail what it was serving, start fresh, serve on
+            except Exception as e:  # fail what it was serving, start afresh, serve on
                 self.fail(e)
                 continue
+            # nothing to do: sleep until a request comes
             with self.wake:
                 while not busy and not self.inbox:
                     self.wake.wait()
                     busy = bool(self.inbox)
 
     def fail(self, error):
-        """Every request in a slot fails with `error`; the engine starts fresh."""
-        message = f"the engine failed ({type(error).__name__}: {error}) and started afresh"
+        """Every request in a slot fails with `error`; the engine starts afresh."""
+        name = type(error).__name__
+        message = f"the engine failed ({name}: {error}) and started afresh"
         for request in {owner[0] for owner in self.owner if owner is not None}:
             request.fail(EngineError(message))
         self.reset()
@@ -555,16 +551,17 @@ class Engine:
     def step(self):
         """One round: admit waiting requests into free slots, decode one chunk, hand out its
         tokens. False when there was nothing to do."""
-        # 1. the slots of cancelled requests: stopped by this chunk, free after it
+        # 1. cancelled requests: their slots stop in this chunk and are free after it
         for slot, owner in enumerate(self.owner):
             if owner is not None and owner[0].cancelled:
                 self.owner[slot] = None
                 self.stopping.add(slot)
+        # 2. waiting requests into free slots, their first tokens handed out
         admitted = self.admit_waiting()
         busy = [slot for slot, owner in enumerate(self.owner) if owner is not None]
         if not busy and not self.stopping:
             return admitted
-        # 2. one chunk over the fewest rows that hold every busy slot
+        # 3. one chunk over the fewest rows that hold every busy slot
         highest = max(busy, default=0)
         rows = min(r for r in self.row_buckets if r > highest)
         cancel = np.zeros(self.slots, bool)
@@ -578,20 +575,21 @@ class Engine:
         self.state, records = decode_chunk(self.p, self.state, control, cfg=self.cfg,
                                            attn=self.attn, rows=rows, kmax=self.kmax)
         self.stopping.clear()
-        # 3. the one copy to the host: each step's tokens, slot by slot
-        records = np.asarray(records)
         self.stats["calls"] += 1
         self.stats["chunks"] += 1
+        # 4. the one copy to the host; its records step by step, slot by slot
+        records = np.asarray(records)
         steps, slots = np.nonzero(records[:, :, 0] >= 0)
         for i, slot in zip(steps.tolist(), slots.tolist()):
             self.take(slot, records[i, slot])
         return True
 
     def admit_waiting(self):
-        """Start waiting requests, first come first served, while their choices find free slots;
-        hand out each choice's first token. Whether any started."""
+        """Start waiting requests, first come first served, while their choices find free
+        slots; hand out each choice's first token. Whether any started."""
         started = []
         while True:
+            # 1. the first request in line, if it fits (a cancelled one leaves the line)
             with self.wake:
                 if not self.inbox:
                     break
@@ -605,20 +603,21 @@ class Engine:
                     self.inbox.popleft()
             if request.cancelled:
                 continue
-            # the lowest free slots: chunks then run on the fewest rows
+            # 2. its next choices into the lowest free slots
             slots = free[:count]
             first = request.started
             request.started += count
             for choice, slot in enumerate(slots, first):
                 self.owner[slot] = (request, choice)
             arrays = self.request_arrays(request, slots, first)
-            self.state, records = admit(self.p, self.state, arrays, self.python, cfg=self.cfg,
-                                        attn=self.attn)
+            self.state, records = admit(self.p, self.state, arrays, self.python,
+                                        cfg=self.cfg, attn=self.attn)
             self.stats["calls"] += 1
             self.stats["admits"] += 1
             started.append((slots, records))
-        # one copy to the host for every admission of the round
-        for (slots, _), records in zip(started, jax.device_get([r for _, r in started])):
+        # 3. one copy to the host for every admission of the round
+        copied = jax.device_get([records for _, records in started])
+        for (slots, _), records in zip(started, copied):
             for j, slot in enumerate(slots):
                 self.take(slot, records[j])
         return bool(started)
@@ -627,8 +626,10 @@ class Engine:
         """admit's request: numpy values of fixed dtypes (a new value never recompiles)."""
         S = self.cfg.sequence_len
         n = len(request.prompt)
-        prompt = np.zeros((1, min(bucket(n), S)), np.int32)  # padded at the end to its bucket
+        # the prompt padded at the end to its bucket
+        prompt = np.zeros((1, min(bucket(n), S)), np.int32)
         prompt[0, :n] = request.prompt
+        # slot B, out of range, for the choices past n: writes nothing
         padded = np.full(self.choices, self.slots, np.int32)
         padded[:len(slots)] = slots
         s = request.sampling
@@ -654,40 +655,49 @@ class Engine:
             return
         request, choice = self.owner[slot]
         self.stats["tokens"] += 1
+        # 1. the token, with its log-probabilities when asked (floats sent as their bits)
         logprobs = None
         if request.sampling.logprobs:
-            floats = record[2:].view(np.float32)  # the bits of float32 values
+            floats = record[2:].view(np.float32)
             ids = record[3:3 + TOP_LOGPROBS].tolist()
-            logprobs = (float(floats[0]), list(zip(ids, floats[1 + TOP_LOGPROBS:].tolist())))
+            likeliest = list(zip(ids, floats[1 + TOP_LOGPROBS:].tolist()))
+            logprobs = (float(floats[0]), likeliest)
         mask = 0 if flags & FORCED else 1
         request.add(Event(choice, token, mask, logprobs))
-        forced = request.tool(choice, token) if request.tool is not None else []
+        # 2. the tool sees every token; its ids are forced after a closed python block
+        forced = []
+        if request.tool is not None:
+            forced = request.tool(choice, token)
+        # 3. the choice's end frees its slot
         if flags & DONE:
             finish = "stop" if token in request.sampling.stop_ids else "length"
             request.add(Event(choice, finish=finish))
             self.owner[slot] = None
-        elif flags & CLOSES:  # the calculator's output, forced next (none: sampling resumes)
+        elif flags & CLOSES:
             self.resume(slot, forced)
 
     def resume(self, slot, forced):
+        """The calculator's output (none: sampling resumes) queued for a waiting slot."""
         S = self.cfg.sequence_len
+        n = min(len(forced), S)
         ids = np.zeros(S, np.int32)
-        ids[:min(len(forced), S)] = forced[:S]
-        n = np.int32(min(len(forced), S))
-        self.state = resume(self.state, np.int32(slot), ids, n)
+        ids[:n] = forced[:n]
+        self.state = resume(self.state, np.int32(slot), ids, np.int32(n))
         self.stats["calls"] += 1
         self.stats["hops"] += 1
 
     def warm_up(self):
-        """Compile every program a request can need: each prompt bucket's admit, each row count's
-        chunk, resume. Changes no slot; after it nothing compiles."""
+        """Compile every program a request can need: each prompt bucket's admit, each row
+        count's chunk, resume. No slot changes; after it nothing compiles."""
         S = self.cfg.sequence_len
-        for T in sorted({min(bucket(n), S) for n in range(1, S)}):
+        # 1. admit for each bucket, starting no choice
+        buckets = {min(bucket(n), S) for n in range(1, S)}
+        for T in sorted(buckets):
             empty = Request([0] * T, Sampling(max_tokens=1), 1, None, False)
             arrays = self.request_arrays(empty, [], 0)
-            arrays["prompt"] = np.zeros((1, T), np.int32)
             self.state, _ = admit(self.p, self.state, arrays, self.python, cfg=self.cfg,
                                   attn=self.attn)
+        # 2. a chunk of each row count, decoding no step
         control = {"steps": np.int32(0),
                    "exit_on_done": np.bool_(False),
                    "cancel": np.zeros(self.slots, bool),
@@ -696,6 +706,7 @@ class Engine:
         for rows in self.row_buckets:
             self.state, _ = decode_chunk(self.p, self.state, control, cfg=self.cfg,
                                          attn=self.attn, rows=rows, kmax=self.kmax)
+        # 3. resume, of slot B: out of range, it changes nothing
         nothing = np.zeros(S, np.int32)
         self.state = resume(self.state, np.int32(self.slots), nothing, np.int32(0))
         jax.block_until_ready(self.state)

@@ -12,9 +12,9 @@
   on the task's random baseline, and CORE is the mean. No prompt is cropped, as in nanochat.
 - ChatCORE, nanochat's chat_eval: ARC-Easy, ARC-Challenge and MMLU are categorical (the argmax over
   the letters' logits after <|assistant_start|>), GSM8K and HumanEval generative (greedy through
-  the KV-cache engine with the calculator, pass@n). ChatCORE is the mean of the five accuracies
-  centred on nanochat's baselines (0.25 for 4-way choice, 0 for generation). tasks.py reads the
-  datasets and checks the answers.
+  the slot engine with the calculator, all problems at once, pass@n). ChatCORE is the mean of the
+  five accuracies centred on nanochat's baselines (0.25 for 4-way choice, 0 for generation).
+  tasks.py reads the datasets and checks the answers.
 - Every forward is batched and jitted (`map_rows`): the rows of many examples, sorted by length,
   padded to powers of two and split over the devices of a `jax.sharding` mesh when one is given
   (train.py passes its training mesh).
@@ -113,15 +113,28 @@ def local(params):
     return jax.device_put(checkpoint.gather_tree(params), jax.local_devices()[0])
 
 
+def fit_slots(cfg, wanted, most=64, cache_bytes=2**32):
+    """Slots for `wanted` choices at once: a power of 4 (few sizes: few programs to compile), at
+    most `most`, whose KV cache fits in cache_bytes (d20 at T 2048 in bf16: 210 MB a slot)."""
+    itemsize = jnp.dtype(cfg.compute_dtype).itemsize
+    per_slot = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * cfg.sequence_len * itemsize
+    limit = max(1, min(most, cache_bytes // per_slot))
+    slots = 1
+    while slots < wanted and slots * 4 <= limit:
+        slots *= 4
+    return slots
+
+
 def generate_batch(params, cfg, tok, prompts, sampling, n=1):
     """Every prompt's n choices, generated together through the slot engine with the calculator
     (prompt i samples with sampling.seed + i): an engine.Request per prompt, done, or None where
     the prompt leaves no room in the context. What the evaluations and RL sample with."""
     room = [len(prompt) < cfg.sequence_len for prompt in prompts]
     sp = tok.special
-    eng = engine.Engine(params, cfg, slots=engine.fit_slots(cfg, sum(room) * n), kmax=32,
-                        attn=kernels.attention(),
-                        python_ids=(sp["<|python_start|>"], sp["<|python_end|>"]))
+    slots = fit_slots(cfg, sum(room) * n)
+    # every chunk on all the slots: one program to compile, where a batch's tail is short
+    eng = engine.Engine(params, cfg, slots=slots, kmax=32, attn=kernels.attention(),
+                        python_ids=(sp["<|python_start|>"], sp["<|python_end|>"]), rows=(slots,))
     requests = []
     for i, prompt in enumerate(prompts):
         seeded = dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**32)

@@ -1,11 +1,12 @@
 """RL, nanochat's chat_rl: on-policy REINFORCE on the chat tasks' checkers.
 
-Each step samples G replies to each of P task questions with the calculator in the loop
-(`rollout`), rewards each reply with its task's checker, and trains on the sampled tokens with
-per-token weights: the advantage, a reply's reward minus the mean of its group (`rl_batch`). No
-KL penalty, no ratio or clipping, the loss normalized per token (DAPO, arXiv 2503.14476). The
-prompts and samples of a step follow from (seed, step), so a resumed run is exact. `rl_stage`
-gives train.run_stage the stage; `evaluate_passk` is nanochat's pass@k.
+Each step samples G replies to each of P task questions with the calculator in the loop, all
+P x G through the slot engine at once (`rollout`), rewards each reply with its task's checker,
+and trains on the sampled tokens with per-token weights: the advantage, a reply's reward minus
+the mean of its group (`rl_batch`). No KL penalty, no ratio or clipping, the loss normalized per
+token (DAPO, arXiv 2503.14476). The prompts and samples of a step follow from (seed, step), so a
+resumed run is exact. `rl_stage` gives train.run_stage the stage; `evaluate_passk` is nanochat's
+pass@k.
 """
 
 import argparse
