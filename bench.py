@@ -420,11 +420,12 @@ def stream_reply(port, content, max_tokens):
     return text, first, time.perf_counter() - start, tokens
 
 
-def bench_serve_http(checkpoint, clients=16, max_tokens=128, slots=16):
-    """`python chat.py --serve` on a checkpoint, in a process of its own: `clients` requests sent
-    one after another, then all at once (threads, streamed, greedy). A JSON line each: tokens/s,
-    time to first token p50/p95; the concurrent line also says whether every reply equals the
-    same request's reply alone, and its speed-up."""
+def bench_serve_http(checkpoint, clients=16, max_tokens=128, slots=16, rounds=3):
+    """`python chat.py --serve` on a checkpoint, in a process of its own: `clients` streamed greedy
+    requests sent one after another, then all at once, `rounds` times (a shared machine drifts:
+    each round's pair is side by side). A JSON line per round and mode: tokens/s, time to first
+    token p50/p95; the concurrent one says whether every reply equals the same request's reply
+    alone, and its speed-up over the sequential run of its round."""
     with socket.socket() as s:  # a free port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -433,52 +434,63 @@ def bench_serve_http(checkpoint, clients=16, max_tokens=128, slots=16):
            "--compile-cache", ""]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        start = time.perf_counter()
-        while True:  # the server compiles every program before it serves: wait for that
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/health")
-                if json.loads(conn.getresponse().read())["compiled"]:
-                    break
-            except (OSError, ValueError):
-                pass
-            if server.poll() is not None:
-                raise RuntimeError(f"chat.py --serve exited with {server.returncode}")
-            time.sleep(0.5)
-        startup = time.perf_counter() - start
+        startup = wait_until_compiled(server, port)
         questions = [f"Tell me about topic number {i}, please." for i in range(clients)]
-        results = {}
-        for mode in ("sequential", "concurrent"):
-            replies = [None] * clients
-            t = time.perf_counter()
-            if mode == "sequential":
-                for i, q in enumerate(questions):
-                    replies[i] = stream_reply(port, q, max_tokens)
-            else:
-                def ask(i):
-                    replies[i] = stream_reply(port, questions[i], max_tokens)
-                threads = [threading.Thread(target=ask, args=(i,)) for i in range(clients)]
-                for thread in threads:
-                    thread.start()
-                for thread in threads:
-                    thread.join()
-            wall = time.perf_counter() - t
-            results[mode] = replies
-            tokens = sum(r[3] for r in replies)
-            line = {"bench": "serve-http", "mode": mode, "clients": clients,
-                    "max_tokens": max_tokens, "slots": slots, "wall_s": round(wall, 2),
-                    "tokens": tokens, "tok_per_s": round(tokens / wall, 1),
-                    "ttft_ms_p50": round(1e3 * percentile([r[1] for r in replies], 50), 1),
-                    "ttft_ms_p95": round(1e3 * percentile([r[1] for r in replies], 95), 1),
-                    "startup_s": round(startup, 1)}
-            if mode == "concurrent":
-                sequential = results["sequential"]
-                line["same_replies"] = [r[0] for r in replies] == [r[0] for r in sequential]
-                line["speedup"] = round(sum(r[2] for r in sequential) / wall, 2)
-            print(json.dumps(line), flush=True)
+        for round_ in range(rounds):
+            sequential = None
+            for mode in ("sequential", "concurrent"):
+                t = time.perf_counter()
+                replies = ask_all(port, questions, max_tokens, at_once=mode == "concurrent")
+                wall = time.perf_counter() - t
+                tokens = sum(r[3] for r in replies)
+                line = {"bench": "serve-http", "round": round_, "mode": mode,
+                        "clients": clients, "max_tokens": max_tokens, "slots": slots,
+                        "wall_s": round(wall, 2), "tokens": tokens,
+                        "tok_per_s": round(tokens / wall, 1),
+                        "ttft_ms_p50": round(1e3 * percentile([r[1] for r in replies], 50), 1),
+                        "ttft_ms_p95": round(1e3 * percentile([r[1] for r in replies], 95), 1),
+                        "startup_s": round(startup, 1)}
+                if sequential is None:
+                    sequential = replies
+                else:
+                    line["same_replies"] = [r[0] for r in replies] == [r[0] for r in sequential]
+                    line["speedup"] = round(sum(r[2] for r in sequential) / wall, 2)
+                print(json.dumps(line), flush=True)
     finally:
         server.terminate()
         server.wait()
+
+
+def wait_until_compiled(server, port):
+    """Seconds until a starting chat.py server says it has compiled every program."""
+    start = time.perf_counter()
+    while True:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if json.loads(conn.getresponse().read())["compiled"]:
+                return time.perf_counter() - start
+        except (OSError, ValueError):
+            pass
+        if server.poll() is not None:
+            raise RuntimeError(f"chat.py --serve exited with {server.returncode}")
+        time.sleep(0.5)
+
+
+def ask_all(port, questions, max_tokens, at_once):
+    """stream_reply for each question: one after another, or each from its own thread at once."""
+    if not at_once:
+        return [stream_reply(port, q, max_tokens) for q in questions]
+    replies = [None] * len(questions)
+
+    def ask(i):
+        replies[i] = stream_reply(port, questions[i], max_tokens)
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return replies
 
 
 def infer_bench_prompt(cfg, length):

@@ -36,6 +36,7 @@ import codecs
 import contextlib
 import dataclasses
 import http.server
+import itertools
 import json
 import os
 import pickle
@@ -133,11 +134,11 @@ def chat_engine(params, cfg, tok, slots=1, waiting=None):
 
 def sample_replies(eng, tok, prompt, replies, sampling):
     """Submit the Replies to a started engine, the calculator on: an iterator that feeds each reply
-    its tokens until every one has finished, yielding (choice, token id, content text made final,
-    calculator part closed or None, its logprobs or None) per token; a reply cut off by its budget
-    yields (choice, None, its held-back text, None, None) last. sampling: an engine.Sampling, whose
-    stop ids become the reply's. Closing the iterator cancels the request (engine.Busy is raised
-    here, before anything is read)."""
+    its tokens until every one has finished. It yields a device call's steps at a time, a list of
+    (choice, token id, content text made final, calculator part closed or None, its logprobs or
+    None); a reply cut off by its budget gives (choice, None, its held-back text, None, None) last.
+    sampling: an engine.Sampling, whose stop ids become the reply's. Closing the iterator cancels
+    the request (engine.Busy is raised here, before anything is read)."""
     sampling = dataclasses.replace(sampling, stop_ids=data.reply_stops(tok))
     request = eng.submit(prompt, sampling, n=len(replies), tool=data.calculator_tool(tok),
                          stream=True)
@@ -146,14 +147,18 @@ def sample_replies(eng, tok, prompt, replies, sampling):
 
 def _read_replies(request, replies):
     try:
-        for event in request:
-            reply = replies[event.choice]
-            if reply.finish:  # a stop string ended it: its tokens are no longer read
-                continue
-            if event.token is None:  # cut off
-                yield event.choice, None, reply.end(), None, None
-            else:
-                yield event.choice, event.token, *reply.add(event.token), event.logprobs
+        for batch in request.batches():
+            steps = []
+            for event in batch:
+                reply = replies[event.choice]
+                if reply.finish:  # a stop string ended it: its tokens are no longer read
+                    continue
+                if event.token is None:  # cut off
+                    steps.append((event.choice, None, reply.end(), None, None))
+                else:
+                    said = reply.add(event.token)
+                    steps.append((event.choice, event.token, *said, event.logprobs))
+            yield steps
             if all(r.finish for r in replies):
                 return
     finally:
@@ -175,7 +180,8 @@ def _print_reply(eng, tok, ids, sampling):
     print("\nAssistant: ", end="", flush=True)
     reply = Reply(tok)
     call = None  # a calculator call waits for its result
-    for *_, piece, part, _ in sample_replies(eng, tok, ids, [reply], sampling):
+    steps = sample_replies(eng, tok, ids, [reply], sampling)
+    for *_, piece, part, _ in itertools.chain.from_iterable(steps):
         if part and part["type"] == "python":
             call = part["text"]
         elif part or (piece and call is not None):
@@ -314,6 +320,17 @@ def _logprobs(tok, t, probs, top):
     return {**entry(t, chosen), "top_logprobs": [entry(i, lp) for i, lp in likeliest[:top]]}
 
 
+def _add_delta(deltas, text, part):
+    """Append a step's content text (joined to the content delta before it) or the calculator part
+    it closed (whole, a delta of its own) to a choice's deltas."""
+    if text and deltas and "content" in deltas[-1]:
+        deltas[-1]["content"] += text
+    elif text:
+        deltas.append({"content": text})
+    elif part:
+        deltas.append({"parts": [part]})
+
+
 def _error_body(status, message, code=None):
     kind = "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
@@ -429,6 +446,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                                    logprobs=logprobs)
         replies = [Reply(tok, opts["stop"]) for _ in range(n)]
         tokens = [[] for _ in range(n)]  # each choice's logprobs entries
+        sent = [0] * n  # how many of them a stream has sent
         try:
             steps = sample_replies(self.server.engine, tok, prompt, replies, sampling)
         except engine.Busy as e:  # the waiting line is full: the client retries
@@ -436,17 +454,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         try:
             if stream:
                 self._start_stream(chunk, n)
-            for i, t, text, part, probs in steps:
-                in_text = t is not None and replies[i].kind == "text" \
-                    and t not in tok.special.values()
-                entry = [_logprobs(tok, t, probs, opts["top_logprobs"])] if logprobs and in_text \
-                    else []
-                tokens[i] += entry
-                if stream and (text or part):  # a calculator part goes whole once closed
-                    delta = {"content": text} if text else {"parts": [part]}
-                    lp = {"logprobs": {"content": entry}} if logprobs else {}
-                    self._event(chunk([{"index": i, "delta": delta, **lp,
-                                        "finish_reason": None}]))
+            for batch in steps:  # a device call's tokens: one event per choice and part
+                deltas = [[] for _ in range(n)]
+                for i, t, text, part, probs in batch:
+                    in_text = t is not None and replies[i].kind == "text" \
+                        and t not in tok.special.values()
+                    if logprobs and in_text:
+                        tokens[i].append(_logprobs(tok, t, probs, opts["top_logprobs"]))
+                    _add_delta(deltas[i], text, part)
+                if stream and logprobs:
+                    self._send_deltas(chunk, deltas, tokens, sent)
+                elif stream:
+                    self._send_deltas(chunk, deltas)
             self._finish(head, chunk, prompt, replies, tokens, opts)
         except engine.EngineError as e:  # the engine started afresh: this request is lost
             if not stream:
@@ -458,6 +477,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                              sum(len(r.ids) for r in replies))
         finally:
             steps.close()  # a request still running frees its slots
+
+    def _send_deltas(self, chunk, deltas, entries=None, sent=None):
+        """Each choice's deltas as events; entries: each choice's logprobs entries, the sent[i]
+        first of them sent already, the rest going with its next delta."""
+        for i, choice in enumerate(deltas):
+            for delta in choice:
+                lp = {}
+                if entries is not None:
+                    lp = {"logprobs": {"content": entries[i][sent[i]:]}}
+                    sent[i] = len(entries[i])
+                self._event(chunk([{"index": i, "delta": delta, **lp, "finish_reason": None}]))
 
     def _finish(self, head, chunk, prompt, replies, tokens, opts):
         """The end of a completion: the stream's last events, or the whole JSON reply."""
@@ -576,6 +606,9 @@ def serve(eng, tok, host="127.0.0.1", port=8000, allow_origins=(), **defaults):
         sys.exit(f"error: cannot serve on {host}:{port} ({e}): choose another --host or --port")
     url = f"http://{host}:{server.server_address[1]}"
     print(f"chat at {url}/ ; OpenAI-compatible API at {url}/v1 (model 'nanochat'); Ctrl+C stops")
+    # the engine thread waits for the GIL after each device call while handlers hold it: let
+    # them hand it over sooner than Python's default 5 ms
+    sys.setswitchinterval(0.001)
     eng.start(warm_up=True)
     server.serve_forever()
 

@@ -332,17 +332,22 @@ def admit(p, state, request, python, *, cfg, attn=nc.causal_attention):
     return state, records
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attn", "rows", "kmax"),
+@functools.partial(jax.jit, static_argnames=("cfg", "attn", "rows", "view", "kmax"),
                    donate_argnames="state")
-def decode_chunk(p, state, control, *, cfg, attn, rows, kmax):
-    """Up to control["steps"] (at most kmax) tokens for every live slot of the first `rows`: (state,
-    records (kmax, rows, W), -1 where a slot emitted nothing). control, traced: steps; exit_on_done,
-    hand back when a choice ends (requests wait for a slot); cancel (B,), slots to stop first;
-    python, as admit's; logprobs, emit's. Hands back early when a slot closes a python block."""
-    # 1. stop the cancelled slots, then take the first `rows`: a copy of a few rows a chunk
+def decode_chunk(p, state, control, *, cfg, attn, rows, view, kmax):
+    """Up to control["steps"] (at most kmax) tokens for every live slot of the first `rows`, whose
+    positions stay under `view`: (state, records (kmax, rows, W), -1 where a slot emitted nothing).
+    control, traced: steps; exit_on_done, hand back when a choice ends (requests wait for a slot);
+    cancel (B,), slots to stop first; python, as admit's; logprobs, emit's. Hands back early when
+    a slot closes a python block."""
+    # 1. stop the cancelled slots, then take the first `rows`, their cache up to `view`: a copy
+    # once a chunk, where every step reads what it holds
     live = state["live"] & ~control["cancel"]
     state = {**state, "live": live}
-    s = jax.tree.map(lambda a: a[:rows], state)
+
+    def part(a):
+        return a[:rows, :, :view] if a.ndim == 4 else a[:rows]
+    s = jax.tree.map(part, state)
     records = jnp.full((kmax, rows, 3 + 2 * TOP_LOGPROBS), -1, jnp.int32)
 
     def step(carry):
@@ -372,8 +377,9 @@ def decode_chunk(p, state, control, *, cfg, attn, rows, kmax):
     carry = (0, s, records, False)
     _, s, records, _ = jax.lax.while_loop(more, step, carry)
     # 5. the rows back in place (the state is donated: no second cache)
-    def put_back(whole, part):
-        return whole.at[:rows].set(part)
+    def put_back(whole, done):
+        at = (slice(None, rows), slice(None), slice(None, view)) if whole.ndim == 4 else slice(rows)
+        return whole.at[at].set(done)
     state = jax.tree.map(put_back, state, s)
     return state, records
 
@@ -427,6 +433,7 @@ class Request:
         self.error = None
         self.cancelled = False
         self.events = queue.Queue() if stream else None
+        self.pending = []  # events of the device call being handed out
 
     @property
     def done(self):
@@ -444,21 +451,34 @@ class Request:
         else:
             self.finish[event.choice] = event.finish
         if self.events is not None:
-            self.events.put(event)
+            self.pending.append(event)
+
+    def flush(self):
+        """Hand the reader a device call's events at once: one wake-up, not one a token."""
+        if self.pending:
+            self.events.put(self.pending)
+            self.pending = []
 
     def fail(self, error):
         self.error = error
         if self.events is not None:
+            self.flush()
             self.events.put(error)
 
-    def __iter__(self):
+    def batches(self):
+        """The events a device call at a time, lists, as they come (the stream ends when every
+        choice has); EngineError if the engine failed while serving the request."""
         ended = 0
         while ended < self.n:
-            event = self.events.get()
-            if isinstance(event, EngineError):
-                raise event
-            ended += event.finish is not None
-            yield event
+            batch = self.events.get()
+            if isinstance(batch, EngineError):
+                raise batch
+            ended += sum(event.finish is not None for event in batch)
+            yield batch
+
+    def __iter__(self):
+        for batch in self.batches():
+            yield from batch
 
 
 class Engine:
@@ -483,6 +503,10 @@ class Engine:
         # first, so that a few requests cost a few rows
         powers = {min(slots, 4**i) for i in range(slots.bit_length())}
         self.row_buckets = rows or sorted(powers)
+        # and a chunk over all the slots reads the cache only as far as they reach: to a
+        # quarter of the context, a half, or all of it
+        S = cfg.sequence_len
+        self.views = sorted({max(1, S // 4), max(1, S // 2), S})
         self.inbox = collections.deque()
         self.wake = threading.Condition()  # guards the inbox; notified on each submit
         self.stats = collections.Counter()  # device calls (admits, chunks, hops), tokens
@@ -561,9 +585,11 @@ class Engine:
         busy = [slot for slot, owner in enumerate(self.owner) if owner is not None]
         if not busy and not self.stopping:
             return admitted
-        # 3. one chunk over the fewest rows that hold every busy slot
+        # 3. one chunk over the fewest rows that hold every busy slot, the cache as far as the
+        # slots may reach in it
         highest = max(busy, default=0)
         rows = min(r for r in self.row_buckets if r > highest)
+        view = self.view(rows, busy)
         cancel = np.zeros(self.slots, bool)
         cancel[list(self.stopping)] = True
         logprobs = any(self.owner[slot][0].sampling.logprobs for slot in busy)
@@ -573,16 +599,31 @@ class Engine:
                    "python": self.python,
                    "logprobs": np.bool_(logprobs)}
         self.state, records = decode_chunk(self.p, self.state, control, cfg=self.cfg,
-                                           attn=self.attn, rows=rows, kmax=self.kmax)
+                                           attn=self.attn, rows=rows, view=view,
+                                           kmax=self.kmax)
         self.stopping.clear()
         self.stats["calls"] += 1
         self.stats["chunks"] += 1
         # 4. the one copy to the host; its records step by step, slot by slot
         records = np.asarray(records)
         steps, slots = np.nonzero(records[:, :, 0] >= 0)
+        readers = {self.owner[slot][0] for slot in set(slots.tolist()) if self.owner[slot]}
         for i, slot in zip(steps.tolist(), slots.tolist()):
             self.take(slot, records[i, slot])
+        for request in readers:
+            request.flush()
         return True
+
+    def view(self, rows, busy):
+        """How far into the cache a chunk over `rows` reads: the whole context, except that a
+        chunk over all the slots stops at the first view past every slot's next kmax tokens."""
+        if rows == 1 or rows < self.row_buckets[-1]:
+            return self.cfg.sequence_len
+        reach = 0
+        for slot in busy:
+            request, choice = self.owner[slot]
+            reach = max(reach, len(request.prompt) + len(request.tokens[choice]) + self.kmax)
+        return min((v for v in self.views if v >= reach), default=self.cfg.sequence_len)
 
     def admit_waiting(self):
         """Start waiting requests, first come first served, while their choices find free
@@ -618,8 +659,10 @@ class Engine:
         # 3. one copy to the host for every admission of the round
         copied = jax.device_get([records for _, records in started])
         for (slots, _), records in zip(started, copied):
+            request = self.owner[slots[0]][0]
             for j, slot in enumerate(slots):
                 self.take(slot, records[j])
+            request.flush()
         return bool(started)
 
     def request_arrays(self, request, slots, first):
@@ -697,15 +740,18 @@ class Engine:
             arrays = self.request_arrays(empty, [], 0)
             self.state, _ = admit(self.p, self.state, arrays, self.python, cfg=self.cfg,
                                   attn=self.attn)
-        # 2. a chunk of each row count, decoding no step
+        # 2. a chunk of each row count and view, decoding no step
         control = {"steps": np.int32(0),
                    "exit_on_done": np.bool_(False),
                    "cancel": np.zeros(self.slots, bool),
                    "python": self.python,
                    "logprobs": np.bool_(False)}
         for rows in self.row_buckets:
-            self.state, _ = decode_chunk(self.p, self.state, control, cfg=self.cfg,
-                                         attn=self.attn, rows=rows, kmax=self.kmax)
+            full = rows == 1 or rows < self.row_buckets[-1]
+            for view in [S] if full else self.views:
+                self.state, _ = decode_chunk(self.p, self.state, control, cfg=self.cfg,
+                                             attn=self.attn, rows=rows, view=view,
+                                             kmax=self.kmax)
         # 3. resume, of slot B: out of range, it changes nothing
         nothing = np.zeros(S, np.int32)
         self.state = resume(self.state, np.int32(self.slots), nothing, np.int32(0))

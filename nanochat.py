@@ -241,9 +241,13 @@ def smear(x, gate_w, lam, prev=None):
 def write_rows(cache, new, pos):
     """cache (B, K, S, D) with each row's new (B, T, K, D) written at that row's pos (B,), in place
     on a donated cache."""
+    new = new.swapaxes(1, 2)  # (B, K, T, D), the cache's layout
+    if cache.shape[0] == 1:  # XLA copies a one-row cache to scatter into it: write it in place
+        return jax.lax.dynamic_update_slice(cache, new, (0, 0, pos[0], 0))
+
     def write(row, new_row, p):
         return jax.lax.dynamic_update_slice(row, new_row, (0, p, 0))
-    return jax.vmap(write)(cache, new.swapaxes(1, 2), pos)
+    return jax.vmap(write)(cache, new, pos)
 
 
 def attention(w, x, ve, cos, sin, window, attn, cache=None, pos=0):

@@ -3395,6 +3395,11 @@ class FakeEngine:
 
 
 class FakeRequest(list):
+    """Its events, in one batch: as if one device call made them all."""
+
+    def batches(self):
+        return [list(self)]
+
     def cancel(self):
         pass
 
@@ -3425,7 +3430,7 @@ def test_replies_decode_utf8_incrementally(monkeypatch, server):
     def reply(stream):
         replies = chat.sample_replies(FakeEngine(stream), bt, [bt.bos], [chat.Reply(bt)],
                                       engine.Sampling(max_tokens=32))
-        return [(t, text) for _, t, text, *_ in replies]
+        return [(t, text) for _, t, text, *_ in itertools.chain.from_iterable(replies)]
 
     # each once whole
     assert reply(b) == [(b[0], ""), (b[1], "é"), (b[2], ""), (b[3], ""), (b[4], "東"), (None, "")]
@@ -3434,7 +3439,8 @@ def test_replies_decode_utf8_incrementally(monkeypatch, server):
     monkeypatch.setattr(server, "engine", FakeEngine(b[:4] + [bt.bos]))
     req = {"messages": HI, "stream": True, "stream_options": {"include_usage": True}}
     chunks = events(request(server, "POST", "/v1/chat/completions", req)[2])
-    assert [c["choices"][0]["delta"].get("content") for c in chunks[1:-2]] == ["é", "\ufffd"]
+    # one device call's text in one event
+    assert [c["choices"][0]["delta"].get("content") for c in chunks[1:-2]] == ["é\ufffd"]
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["usage"]["completion_tokens"] == 5
 
 
@@ -3485,7 +3491,8 @@ def test_api_sends_calculator_steps_as_parts(monkeypatch, server):
     chunks = events(request(server, "POST", "/v1/chat/completions",
                             {"messages": HI, "stream": True})[2])
     deltas = [c["choices"][0]["delta"] for c in chunks[1:-1]]
-    assert [d.get("content") or d["parts"][0]["text"] for d in deltas] == [*"So ", "6*7", "42", *" it is 42."]
+    # one device call's tokens: its text joined, each calculator part whole
+    assert [d.get("content") or d["parts"][0]["text"] for d in deltas] == list(CALCULATED)
     assert [d["parts"][0]["type"] for d in deltas if "parts" in d] == ["python", "python_output"]
 
 
