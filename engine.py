@@ -55,6 +55,11 @@ def step_keys(keys, pos):
     return jax.vmap(jax.random.fold_in)(keys, pos)
 
 
+def last_positive(x):
+    """The index of each row's last positive entry of x (B, N)."""
+    return x.shape[-1] - 1 - jnp.argmax(x[:, ::-1] > 0, axis=-1)
+
+
 def sample_next_token(logits, keys, temperature, top_k, top_p):
     """Next ids (B,) from logits (B, V), row b drawn with keys[b]: the argmax at temperature 0, else
     a draw from softmax(logits / temperature) over the top_k likeliest (0: all; at most TOP_K_MAX),
@@ -69,11 +74,23 @@ def sample_next_token(logits, keys, temperature, top_k, top_p):
 
     def draw(vals):
         # softmax(vals)'s cumulative sum inverted at a uniform from each row's key: one random
-        # number a row, where the Gumbel trick draws one for every logit
+        # number a row, where the Gumbel trick draws one for every logit. In two levels, as a
+        # cumulative sum over a long axis is slow: the block of 64 that holds the uniform's
+        # mass, then the token within it
         u = jax.vmap(jax.random.uniform)(keys)[:, None]  # (B, 1)
         p = jnp.exp(vals - jnp.max(vals, axis=-1, keepdims=True))
-        cumulative = jnp.cumsum(p, axis=-1)
-        return jnp.sum(cumulative <= u * cumulative[:, -1:], axis=-1)
+        p = jnp.pad(p, ((0, 0), (0, -p.shape[-1] % 64)))  # zeros are never drawn
+        blocks = p.reshape(p.shape[0], -1, 64)  # (B, V / 64, 64)
+        sums = blocks.sum(-1)
+        ends = jnp.cumsum(sums, axis=-1)  # the mass up to each block's end
+        target = u * ends[:, -1:]
+        # (rounding can carry a sum past the last token that has mass: never beyond it)
+        j = jnp.minimum(jnp.sum(ends <= target, axis=-1), last_positive(sums))[:, None]
+        before = jnp.take_along_axis(ends - sums, j, axis=1)  # the mass before block j
+        inside = jnp.take_along_axis(blocks, j[:, :, None], axis=1)[:, 0]  # (B, 64)
+        within = before + jnp.cumsum(inside, axis=-1)
+        k = jnp.minimum(jnp.sum(within <= target, axis=-1), last_positive(inside))
+        return j[:, 0] * 64 + k
 
     def truncated():
         width = min(TOP_K_MAX, scaled.shape[-1])
@@ -487,7 +504,7 @@ class Engine:
     - kmax: the most tokens one device call decodes;
     - python_ids: the ids of <|python_start|> and <|python_end|>, for the calculator;
     - waiting: how many requests may wait for a slot before submit raises Busy (None: any);
-    - rows: the row counts a chunk may run on, a program each (default 1, 4, 16, ...)."""
+    - rows: the row counts a chunk may run on (default 1, 4, 16, ...)."""
 
     def __init__(self, params, cfg, *, slots=16, kmax=16, attn=nc.causal_attention,
                  python_ids=None, waiting=None, rows=None):
@@ -503,10 +520,10 @@ class Engine:
         # first, so that a few requests cost a few rows
         powers = {min(slots, 4**i) for i in range(slots.bit_length())}
         self.row_buckets = rows or sorted(powers)
-        # and a chunk over all the slots reads the cache only as far as they reach: to a
-        # quarter of the context, a half, or all of it
+        # and it reads the cache only as far as its slots reach: a quarter of the context, or
+        # all of it (a program each, and each one costs seconds of start-up)
         S = cfg.sequence_len
-        self.views = sorted({max(1, S // 4), max(1, S // 2), S})
+        self.views = sorted({max(1, S // 4), S})
         self.inbox = collections.deque()
         self.wake = threading.Condition()  # guards the inbox; notified on each submit
         self.stats = collections.Counter()  # device calls (admits, chunks, hops), tokens
@@ -589,7 +606,7 @@ class Engine:
         # slots may reach in it
         highest = max(busy, default=0)
         rows = min(r for r in self.row_buckets if r > highest)
-        view = self.view(rows, busy)
+        view = self.view(busy)
         cancel = np.zeros(self.slots, bool)
         cancel[list(self.stopping)] = True
         logprobs = any(self.owner[slot][0].sampling.logprobs for slot in busy)
@@ -614,11 +631,9 @@ class Engine:
             request.flush()
         return True
 
-    def view(self, rows, busy):
-        """How far into the cache a chunk over `rows` reads: the whole context, except that a
-        chunk over all the slots stops at the first view past every slot's next kmax tokens."""
-        if rows == 1 or rows < self.row_buckets[-1]:
-            return self.cfg.sequence_len
+    def view(self, busy):
+        """How far into the cache a chunk reads: the first view past every busy slot's next
+        kmax tokens."""
         reach = 0
         for slot in busy:
             request, choice = self.owner[slot]
@@ -670,7 +685,7 @@ class Engine:
         S = self.cfg.sequence_len
         n = len(request.prompt)
         # the prompt padded at the end to its bucket
-        prompt = np.zeros((1, min(bucket(n), S)), np.int32)
+        prompt = np.zeros((1, self.prompt_bucket(n)), np.int32)
         prompt[0, :n] = request.prompt
         # slot B, out of range, for the choices past n: writes nothing
         padded = np.full(self.choices, self.slots, np.int32)
@@ -689,6 +704,14 @@ class Engine:
                 "top_p": np.float32(s.top_p),
                 "budget": np.int32(min(s.max_tokens, S - n)),
                 "stops": stops}
+
+    def prompt_bucket(self, n):
+        """The padded length of a prompt of n tokens, an admit program each: 64, 256, 1024, ...
+        (a prefill costs little next to a compile), at most the context."""
+        padded = 64
+        while padded < n:
+            padded *= 4
+        return min(padded, self.cfg.sequence_len)
 
     def take(self, slot, record):
         """Hand one record of a slot to its request: the token, the calculator, the end."""
@@ -730,29 +753,28 @@ class Engine:
         self.stats["hops"] += 1
 
     def warm_up(self):
-        """Compile every program a request can need: each prompt bucket's admit, each row
-        count's chunk, resume. No slot changes; after it nothing compiles."""
+        """Compile every program a request can need: each prompt bucket's admit, each chunk of
+        a row count and a view, resume; each called so that it changes nothing (an admit that
+        starts no choice, a chunk of no step, a resume of slot B, out of range)."""
         S = self.cfg.sequence_len
-        # 1. admit for each bucket, starting no choice
-        buckets = {min(bucket(n), S) for n in range(1, S)}
-        for T in sorted(buckets):
+        # 1. admit for each bucket
+        for T in sorted({self.prompt_bucket(n) for n in range(1, S)}):
             empty = Request([0] * T, Sampling(max_tokens=1), 1, None, False)
             arrays = self.request_arrays(empty, [], 0)
             self.state, _ = admit(self.p, self.state, arrays, self.python, cfg=self.cfg,
                                   attn=self.attn)
-        # 2. a chunk of each row count and view, decoding no step
+        # 2. a chunk of each row count and view
         control = {"steps": np.int32(0),
                    "exit_on_done": np.bool_(False),
                    "cancel": np.zeros(self.slots, bool),
                    "python": self.python,
                    "logprobs": np.bool_(False)}
         for rows in self.row_buckets:
-            full = rows == 1 or rows < self.row_buckets[-1]
-            for view in [S] if full else self.views:
+            for view in self.views:
                 self.state, _ = decode_chunk(self.p, self.state, control, cfg=self.cfg,
                                              attn=self.attn, rows=rows, view=view,
                                              kmax=self.kmax)
-        # 3. resume, of slot B: out of range, it changes nothing
+        # 3. resume
         nothing = np.zeros(S, np.int32)
         self.state = resume(self.state, np.int32(self.slots), nothing, np.int32(0))
         jax.block_until_ready(self.state)
