@@ -21,7 +21,6 @@ import time
 START = float(os.environ.get("BENCH_START", time.time()))
 
 import argparse
-import collections
 import dataclasses
 import http.client
 import json
@@ -354,8 +353,9 @@ def count_compiles():
 
 def bench_serve(configs=("nano", "d6"), slots=16, kmax=16, streams=(1, 4, 16), new=200, rounds=3):
     """Concurrent streams through the slot engine (prompts of 16-64 random tokens, `new` tokens at
-    temperature 1, no stop ids), beside today's reference `generate` at batch 1 with the same
-    protocol: a JSON line per setting, the median of `rounds` runs, compiles after warm-up."""
+    temperature 1, no stop ids), beside the reference `generate` at batch 1 with the same
+    protocol: a JSON line per setting, the median of `rounds` rounds (each round runs every
+    setting, so that a drifting machine hits them all alike), compiles after warm-up."""
     attn = kernels.attention()
     for name in configs:
         cfg = CONFIGS[name]
@@ -365,31 +365,34 @@ def bench_serve(configs=("nano", "d6"), slots=16, kmax=16, streams=(1, 4, 16), n
                    for _ in range(max(streams))]
         head = {"bench": "serve", "config": name, "params": nc.num_scaling_params(cfg)["total"],
                 "device": jax.devices()[0].device_kind, "new_tokens": new}
-        # the reference host loop, one token a device call
-        for i in range(2):  # compiles (the cache of prompt + new tokens), then a warm run
-            sampling = engine.Sampling(max_tokens=new, seed=i)
-            collections.deque(engine.generate(params, cfg, prompts[0], sampling, attn=attn),
-                              maxlen=0)
-        runs = []
-        for i in range(rounds):
-            sampling = engine.Sampling(max_tokens=new, seed=i)
-            t = time.perf_counter()
-            steps = sum(1 for _ in engine.generate(params, cfg, prompts[0], sampling, attn=attn))
-            runs.append(steps / (time.perf_counter() - t))
-        print(json.dumps({**head, "what": "generate", "streams": 1,
-                          "tok_per_s": round(statistics.median(runs), 1)}), flush=True)
         eng = engine.Engine(params, cfg, slots=slots, kmax=kmax, attn=attn)
         t = time.perf_counter()
         eng.warm_up()
         warm_up_s = time.perf_counter() - t
+        generate_run(params, cfg, prompts[0], new, attn)  # compiles the reference's programs
         compiles = count_compiles()
+        reference = []
+        results = {n: [] for n in streams}
+        for _ in range(rounds):
+            reference.append(generate_run(params, cfg, prompts[0], new, attn))
+            for n in streams:
+                results[n].append(serve_streams(eng, prompts[:n], new))
+        print(json.dumps({**head, "what": "generate", "streams": 1,
+                          "tok_per_s": round(statistics.median(reference), 1)}), flush=True)
         for n in streams:
-            results = [serve_streams(eng, prompts[:n], new) for _ in range(rounds)]
-            median = sorted(results, key=lambda r: r["tok_per_s"])[len(results) // 2]
+            median = sorted(results[n], key=lambda r: r["tok_per_s"])[rounds // 2]
             print(json.dumps({**head, "what": "engine", "slots": slots, "kmax": kmax, **median,
                               "warm_up_s": round(warm_up_s, 1),
                               "compiles_after_warm_up": len(compiles),
                               "peak_rss_gb": round(peak_rss_gb(), 2)}), flush=True)
+
+
+def generate_run(params, cfg, prompt, new, attn):
+    """Tokens/s of the reference `generate` (one token a device call) at batch 1, temperature 1."""
+    sampling = engine.Sampling(max_tokens=new, seed=1)
+    t = time.perf_counter()
+    steps = sum(1 for _ in engine.generate(params, cfg, prompt, sampling, attn=attn))
+    return steps / (time.perf_counter() - t)
 
 
 def stream_reply(port, content, max_tokens):

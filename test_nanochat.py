@@ -1549,6 +1549,42 @@ def test_bench_json_lines():
     assert np.isfinite(t["loss"]) and 0 < t["step_s"] and t["first_call_s"] > 0
 
 
+# nanochat's scripts/infer_bench.py writes these keys (commit 92d63d4): ours must too
+INFER_BENCH_KEYS = {
+    "source", "step", "model_config", "gpu", "peak_bandwidth_bytes_per_sec", "total_vram_bytes",
+    "num_params", "param_dtypes", "weight_bytes", "kv_bytes_per_token", "kv_read_bytes_per_step",
+    "context_mid", "peak_flops_per_sec", "decode_flops_per_token", "ceiling_bs1_tok_per_sec",
+    "max_full_context_rows", "prompt_tokens", "decode_tokens", "temperature", "sweep", "prefill"}
+INFER_BENCH_SWEEP_KEYS = {"batch_size", "ttft_sec", "tpot_sec", "tok_per_sec", "mbu_percent",
+                          "mfu_percent", "peak_vram_bytes", "decode_steps"}
+
+
+@pytest.mark.slow  # engines of their own for a tiny model
+def test_bench_serve_and_infer_bench(monkeypatch, capsys):
+    """bench.py serve: streams through the engine report their tokens and latencies; its
+    --infer-bench ends with one JSON document of nanochat's infer_bench schema, whose MBU and MFU
+    follow nanochat's formulas from the document's own numbers."""
+    import bench
+    eng = engine.Engine(random_params(TINY, 0), TINY, slots=4, kmax=4)
+    r = bench.serve_streams(eng, [[1, 2, 3], [4, 5]], 10)
+    assert r["streams"] == 2 and r["tokens"] == 20 and 0 < r["ttft_ms_p50"] <= r["ttft_ms_p95"]
+    assert r["device_calls_per_token"] < 0.5 and r["host_hops_per_token"] == 0
+    monkeypatch.setitem(bench.CONFIGS, "tiny", TINY)
+    bench.bench_infer("tiny", batch_sizes=(1, 2), decode_tokens=8, kmax=4)
+    doc = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert set(doc) == INFER_BENCH_KEYS and doc["prompt_tokens"] == 56
+    assert [set(row) for row in doc["sweep"]] == [INFER_BENCH_SWEEP_KEYS] * 2
+    assert set(doc["prefill"]) == {"tok_per_sec", "mfu_percent", "time_sec"}
+    # TINY: 3 layers, K*D = 16 channels of k and of v, fp32; every window past context 60
+    assert doc["kv_bytes_per_token"] == 3 * 2 * 16 * 4
+    assert doc["kv_read_bytes_per_step"] == 2 * 16 * 4 * (60 + 60 + 60)
+    for row in doc["sweep"]:
+        moved = doc["weight_bytes"] + row["batch_size"] * doc["kv_read_bytes_per_step"]
+        mbu = 100 * moved / row["tpot_sec"] / doc["peak_bandwidth_bytes_per_sec"]
+        assert row["mbu_percent"] == pytest.approx(mbu, rel=1e-3, abs=0.01)
+        assert row["decode_steps"] == 7
+
+
 # --------------------------------------------------------------------------------------------------
 # data.py: tokenizer, corpora, packing, chat format, calculator, synthetic tasks
 
