@@ -706,9 +706,9 @@ class Engine:
                 "stops": stops}
 
     def prompt_bucket(self, n):
-        """The padded length of a prompt of n tokens, an admit program each: 64, 256, 1024, ...
+        """The padded length of a prompt of n tokens, an admit program each: 32, 128, 512, ...
         (a prefill costs little next to a compile), at most the context."""
-        padded = 64
+        padded = 32
         while padded < n:
             padded *= 4
         return min(padded, self.cfg.sequence_len)
