@@ -706,12 +706,13 @@ class Engine:
                 "stops": stops}
 
     def prompt_bucket(self, n):
-        """The padded length of a prompt of n tokens, an admit program each: 32, 128, 512, ...
-        (a prefill costs little next to a compile), at most the context."""
-        padded = 32
-        while padded < n:
-            padded *= 4
-        return min(padded, self.cfg.sequence_len)
+        """The padded length of a prompt of n tokens, an admit program each: the context, a
+        quarter of it, a sixteenth, ... down to 32 tokens (a prefill costs little next to a
+        compile: 512 gives 32, 128, 512; 256 gives 64, 256)."""
+        padded = self.cfg.sequence_len
+        while padded // 4 >= max(n, 32):
+            padded //= 4
+        return padded
 
     def take(self, slot, record):
         """Hand one record of a slot to its request: the token, the calculator, the end."""
