@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import glob
 import json
-import math
 import os
 import pathlib
 import pickle

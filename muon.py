@@ -1,20 +1,11 @@
 """nanochat's MuonAdamW as pure functions over any pytree:
-`init(params, labels, groups) -> state`, `update(grads, state, params, labels, groups) ->
-(params, state)`.
 
-The caller says how each leaf is optimized, as data: `labels` is a pytree like params with a group
-name per leaf, and `groups` maps names to hyper-parameters, dict(kind="adamw", lr, betas, eps,
-weight_decay) or dict(kind="muon", lr, momentum, weight_decay, beta2, dtype); nanochat.param_groups
-builds nanochat's. They may be traced values, so schedules never recompile. Muon leaves are
-matrices (in, out), `x @ W`, or stacks of them (..., in, out).
-- Muon (arXiv 2502.16982): Nesterov momentum in nanochat's lerp form; MuonEq (every output unit's
-  weights get the same norm); Polar Express orthogonalization (arXiv 2505.16932: nanochat's five
-  (a, b, c) triples, after dividing by 1.01 ||X||_F); Muon+ rescaling to the Frobenius norm of a
-  semi-orthogonal matrix; NorMuon's variance reduction (arXiv 2510.05491) with a second moment
-  factored per output unit (per input when there are more inputs); cautious weight decay (arXiv
-  2510.12402: decay only where update and weight agree in sign); lr * sqrt(max(1, out / in)).
-  The matrices of one group and shape are orthogonalized in one batched call.
-- AdamW: decoupled weight decay, bias correction, fp32 math.
+    state = init(params, labels, groups)
+    params, state = update(grads, state, params, labels, groups)
+
+`labels` is a pytree like params with a group name per leaf; `groups` maps each name to its
+hyper-parameters, dict(kind="adamw", ...) or dict(kind="muon", ...). nanochat.param_groups builds
+nanochat's. docs/optimizer.md tells what each part of the Muon step does, and where it comes from.
 """
 
 import itertools
@@ -34,31 +25,50 @@ POLAR_EXPRESS = (  # (a, b, c) per iteration: X <- aX + (bA + cA^2)X, A = XX^T
 
 
 def second_moment_shape(w):
-    """NorMuon's factored second moment of a matrix (..., in, out): per output unit, or per input
-    when in > out."""
-    *k, n, m = w.shape
-    return (*k, 1, m) if m >= n else (*k, n, 1)
+    """NorMuon's factored second moment of a matrix (..., in, out): one number per output unit,
+    or per input unit when there are more inputs."""
+    *stack, n_in, n_out = w.shape
+    if n_out >= n_in:
+        return (*stack, 1, n_out)
+    return (*stack, n_in, 1)
 
 
 def init(params, labels, groups):
     """Optimizer state: a step counter, first moments like params, second moments (factored for
-    Muon leaves). Host zeros, which jit takes as they are: jnp.zeros would compile a device op for
-    every shape."""
+    Muon leaves). Host zeros, which jit takes as they are: jnp.zeros would compile a device op
+    for every shape."""
+    def first(w):
+        return np.zeros(w.shape, w.dtype)
+
     def second(w, label):
-        muon = groups[label]["kind"] == "muon"
-        return np.zeros(second_moment_shape(w) if muon else w.shape, np.float32)
+        if groups[label]["kind"] == "muon":
+            return np.zeros(second_moment_shape(w), np.float32)
+        return np.zeros(w.shape, np.float32)
+
     return {"step": np.zeros((), np.int32),
-            "mom": jax.tree.map(lambda w: np.zeros(w.shape, w.dtype), params),
+            "mom": jax.tree.map(first, params),
             "var": jax.tree.map(second, params, labels)}
+
+
+def frobenius(x):
+    """The Frobenius norm of each matrix of a stack (..., m, n), kept as (..., 1, 1)."""
+    return jnp.linalg.norm(x, axis=(-2, -1), keepdims=True)
+
+
+def matrix_sum(x):
+    """The sum over each matrix of a stack (..., m, n), kept as (..., 1, 1)."""
+    return jnp.sum(x, axis=(-2, -1), keepdims=True)
 
 
 def polar_express(x):
     """Approximate the orthogonal polar factor U V^T of a stack of matrices x (K, m, n)."""
     m, n = x.shape[-2:]
-    norm = jnp.linalg.norm(x.astype(jnp.float32), axis=(-2, -1), keepdims=True)
+    # scale so that every singular value is at most 1
+    norm = frobenius(x.astype(jnp.float32))
     x = x / (norm * 1.01 + 1e-6).astype(x.dtype)
     for a, b, c in POLAR_EXPRESS:
-        if m > n:  # tall: iterate on the small n x n Gram matrix
+        if m > n:
+            # tall: iterate on the small n x n Gram matrix
             A = x.mT @ x
             x = a * x + x @ (b * A + c * A @ A)
         else:
@@ -67,72 +77,107 @@ def polar_express(x):
     return x
 
 
-def muon_step(p, g, buf, buf2, lr, momentum, weight_decay, beta2=0.9, dtype=jnp.float32):
-    """One Muon step on a stack of matrices p (K, in, out); returns (p, buf, buf2)."""
-    n, m = p.shape[-2:]  # fan in, fan out
-    buf = buf + (1 - momentum) * (g - buf)  # momentum EMA, lerp(buf, g, 1 - mu)
-    g = g + momentum * (buf - g)  # Nesterov: lerp(g, buf, mu)
-    # MuonEq: every output unit's weight vector gets the same norm, ||G||_F / sqrt(out)
-    units = jnp.maximum(jnp.linalg.norm(g, axis=-2, keepdims=True), 1e-6)
-    g = g * (jnp.linalg.norm(g, axis=(-2, -1), keepdims=True) / m**0.5) / units
+def muon_step(p, g, buf, buf2, *, lr, momentum, weight_decay, beta2=0.9, dtype=jnp.float32):
+    """One Muon step on a stack of matrices p (K, in, out): (p, buf, buf2), buf the momentum and
+    buf2 NorMuon's second moment."""
+    n_in, n_out = p.shape[-2:]
+    # 1. Nesterov momentum in nanochat's lerp form
+    buf = buf + (1 - momentum) * (g - buf)  # lerp(buf, g, 1 - momentum)
+    g = g + momentum * (buf - g)  # lerp(g, buf, momentum)
+    # 2. MuonEq: every output unit's weight vector gets the same norm, ||G||_F / sqrt(out)
+    units = jnp.linalg.norm(g, axis=-2, keepdims=True)  # (K, 1, out)
+    units = jnp.maximum(units, 1e-6)
+    g = g * (frobenius(g) / n_out**0.5) / units
+    # 3. orthogonalize, in `dtype`
     g = polar_express(g.astype(dtype)).astype(p.dtype)
-    # Muon+: snap to the Frobenius norm of an exactly semi-orthogonal matrix
-    g = g * (min(m, n) ** 0.5 / jnp.maximum(jnp.linalg.norm(g, axis=(-2, -1), keepdims=True), 1e-6))
-    # NorMuon: a per-unit adaptive scale from an EMA of the mean square, the Frobenius norm kept
-    axis = -2 if m >= n else -1
+    # 4. Muon+: snap to the Frobenius norm of an exactly semi-orthogonal matrix
+    g = g * (min(n_out, n_in) ** 0.5 / jnp.maximum(frobenius(g), 1e-6))
+    # 5. NorMuon: a per-unit scale from an EMA of the mean square, the Frobenius norm kept
+    axis = -2 if n_out >= n_in else -1
     size = g.shape[axis]
     v_mean = jnp.mean(g * g, axis=axis, keepdims=True)
-    v_norm = jnp.sqrt(jnp.sum(v_mean, axis=(-2, -1), keepdims=True) * size)
+    v_norm = jnp.sqrt(matrix_sum(v_mean) * size)
     buf2 = buf2 + (1 - beta2) * (v_mean - buf2)
-    step = jax.lax.rsqrt(jnp.maximum(buf2, 1e-10))
-    v_norm_new = jnp.sqrt(jnp.sum(v_mean * size * step * step, axis=(-2, -1), keepdims=True))
-    g = g * (step * (v_norm / jnp.maximum(v_norm_new, 1e-10)))
-    # cautious weight decay, and the shape-aware lr
-    lr = lr * max(1.0, m / n) ** 0.5
-    mask = (g * p) >= 0
-    return p - (lr * g + lr * weight_decay * p * mask), buf, buf2
+    unit_scale = jax.lax.rsqrt(jnp.maximum(buf2, 1e-10))
+    v_norm_new = jnp.sqrt(matrix_sum(v_mean * size * unit_scale * unit_scale))
+    g = g * (unit_scale * (v_norm / jnp.maximum(v_norm_new, 1e-10)))
+    # 6. the shape-aware learning rate, and cautious weight decay: only where the update and
+    # the weight agree in sign
+    lr = lr * max(1.0, n_out / n_in) ** 0.5
+    agree = (g * p) >= 0
+    p = p - (lr * g + lr * weight_decay * p * agree)
+    return p, buf, buf2
 
 
-def adamw_step(p, g, m, v, t, lr, beta1, beta2, weight_decay, eps=1e-10):
-    """One AdamW step, decoupled weight decay first, then the bias-corrected update: (p, m, v)."""
+def adamw_step(p, g, m, v, t, *, lr, beta1, beta2, weight_decay, eps=1e-10):
+    """One AdamW step at step t (from 1): decoupled weight decay first, then the bias-corrected
+    update. Returns (p, m, v)."""
     p = p * (1 - lr * weight_decay)
     m = m + (1 - beta1) * (g - m)
     v = v + (1 - beta2) * (g * g - v)
     denom = jnp.sqrt(v / (1 - beta2**t)) + eps
-    return p - (lr / (1 - beta1**t)) * m / denom, m, v
+    p = p - (lr / (1 - beta1**t)) * m / denom
+    return p, m, v
 
 
 def update(grads, state, params, labels, groups, shards=1, place=None):
     """One MuonAdamW step: each leaf by the group its label names. Returns (params, state).
+
     shards, place: split each Muon stack over `shards` devices, padded with zero matrices to a
     multiple of them (zeros stay zeros through the step) and laid out by place(stack), the
-    caller's sharding hint: each device then orthogonalizes whole matrices of its share, as
+    caller's sharding hint. Each device then orthogonalizes whole matrices of its share, as
     nanochat's ranks do, whatever the layer count."""
-    t, treedef = state["step"] + 1, jax.tree.structure(params)
-    trees = (params, grads, state["mom"], state["var"], labels)
-    p, g, m, v, names = (treedef.flatten_up_to(tree) for tree in trees)
-    out, stacks = [None] * len(p), {}
+    t = state["step"] + 1
+    treedef = jax.tree.structure(params)
+    p = treedef.flatten_up_to(params)
+    g = treedef.flatten_up_to(grads)
+    m = treedef.flatten_up_to(state["mom"])
+    v = treedef.flatten_up_to(state["var"])
+    names = treedef.flatten_up_to(labels)
+    out = [None] * len(p)  # (p, m, v) of each leaf
+    # 1. AdamW leaves one by one; Muon leaves gathered by group and matrix shape
+    stacks = {}
     for i, name in enumerate(names):
         hp = groups[name]
         if hp["kind"] == "adamw":
-            out[i] = adamw_step(p[i], g[i], m[i], v[i], t, hp["lr"], *hp["betas"],
-                                hp["weight_decay"], hp["eps"])
+            beta1, beta2 = hp["betas"]
+            out[i] = adamw_step(p[i], g[i], m[i], v[i], t,
+                                lr=hp["lr"],
+                                beta1=beta1,
+                                beta2=beta2,
+                                weight_decay=hp["weight_decay"],
+                                eps=hp["eps"])
         else:
             stacks.setdefault((name, p[i].shape[-2:]), []).append(i)
-    # Muon: the matrices of one group and shape in one stack, stepped once, scattered back
+    # 2. each Muon stack stepped in one call
     for (name, _), idx in stacks.items():
-        hp, sizes = groups[name], [math.prod(p[i].shape[:-2]) for i in idx]
+        hp = groups[name]
+        sizes = [math.prod(p[i].shape[:-2]) for i in idx]  # matrices in each leaf
 
-        def cat(xs):
-            x = jnp.concatenate([xs[i].reshape(-1, *xs[i].shape[-2:]) for i in idx])
+        def concat(leaves):
+            matrices = [leaves[i].reshape(-1, *leaves[i].shape[-2:]) for i in idx]
+            x = jnp.concatenate(matrices)
             if shards > 1:
-                x = place(jnp.pad(x, ((0, -len(x) % shards), (0, 0), (0, 0))))
+                extra = -len(x) % shards
+                x = place(jnp.pad(x, ((0, extra), (0, 0), (0, 0))))
             return x
-        stack = muon_step(cat(p), cat(g), cat(m), cat(v), hp["lr"], hp["momentum"],
-                          hp["weight_decay"], hp["beta2"], hp["dtype"])
-        stack = [a[:sum(sizes)] for a in stack]  # the padding dropped
+        stack = muon_step(concat(p), concat(g), concat(m), concat(v),
+                          lr=hp["lr"],
+                          momentum=hp["momentum"],
+                          weight_decay=hp["weight_decay"],
+                          beta2=hp["beta2"],
+                          dtype=hp["dtype"])
+        # 3. the padding dropped, each leaf's matrices back in its shape
+        stack = [a[:sum(sizes)] for a in stack]
         splits = list(itertools.accumulate(sizes))[:-1]
-        for i, *parts in zip(idx, *(jnp.split(a, splits) for a in stack)):
-            out[i] = tuple(a.reshape(like.shape) for a, like in zip(parts, (p[i], m[i], v[i])))
-    new_p, new_m, new_v = (treedef.unflatten([o[k] for o in out]) for k in range(3))
-    return new_p, {"step": t, "mom": new_m, "var": new_v}
+        pieces = [jnp.split(a, splits) for a in stack]
+        for j, i in enumerate(idx):
+            new_p, new_m, new_v = (piece[j] for piece in pieces)
+            out[i] = (new_p.reshape(p[i].shape),
+                      new_m.reshape(m[i].shape),
+                      new_v.reshape(v[i].shape))
+    # 4. back to trees
+    new_params = treedef.unflatten([leaf[0] for leaf in out])
+    new_mom = treedef.unflatten([leaf[1] for leaf in out])
+    new_var = treedef.unflatten([leaf[2] for leaf in out])
+    return new_params, {"step": t, "mom": new_mom, "var": new_var}

@@ -32,7 +32,6 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -54,7 +53,6 @@ import execution
 import kernels
 import muon
 import nanochat as nc
-import report
 import rl
 import scaling
 import scaling_fits
@@ -565,8 +563,9 @@ def test_muon_stacks_do_not_mix():
     p, g, buf = (jax.random.normal(kk, (3, 48, 16)) for kk in k[:3])
     buf2 = jnp.abs(jax.random.normal(k[3], (3, 48, 1)))
     step = jax.jit(muon.muon_step)
-    together = step(p, g, buf, buf2, 0.02, 0.9, 0.1)
-    alone = [step(p[i:i + 1], g[i:i + 1], buf[i:i + 1], buf2[i:i + 1], 0.02, 0.9, 0.1) for i in range(3)]
+    hp = dict(lr=0.02, momentum=0.9, weight_decay=0.1)
+    together = step(p, g, buf, buf2, **hp)
+    alone = [step(p[i:i + 1], g[i:i + 1], buf[i:i + 1], buf2[i:i + 1], **hp) for i in range(3)]
     for j in range(3):
         np.testing.assert_allclose(together[j], jnp.concatenate([a[j] for a in alone]), atol=1e-6)
 
@@ -603,14 +602,16 @@ def test_adamw_matches_numpy():
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
         p = p - lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
-        jp, jm, jv = muon.adamw_step(jp, jnp.asarray(g), jm, jv, t, lr, b1, b2, wd)
+        jp, jm, jv = muon.adamw_step(jp, jnp.asarray(g), jm, jv, t, lr=lr, beta1=b1, beta2=b2,
+                                     weight_decay=wd)
     np.testing.assert_allclose(jp, p, rtol=0, atol=1e-6)
 
 
 def test_optimizer_groups_follow_nanochat(tiny_params, monkeypatch):
     state = init_opt(tiny_params)
     calls, step = [], muon.muon_step
-    monkeypatch.setattr(muon, "muon_step", lambda p, *a: calls.append(p.shape) or step(p, *a))
+    monkeypatch.setattr(muon, "muon_step",
+                        lambda p, *a, **hp: calls.append(p.shape) or step(p, *a, **hp))
     jax.eval_shape(nanochat_update, tiny_params, state, tiny_params)
     shapes = {w.shape[1:] for w in jax.tree.leaves(tiny_params["h"])}
     # one batched Polar Express per shape, nanochat's shape groups
@@ -1489,7 +1490,7 @@ def test_default_pipeline(tmp_path):
     assert set(results["base"]["core"]["results"]) == {"pydoc_qa", "opposites", "because_schema", "doc_lm", "doc_lm_qa"}
     assert set(results["sft"]["chatcore"]["results"]) == set(tasks.CHAT_TASKS)
     # the report card, from each stage's report.json
-    report = open(os.path.join(root, "report.md")).read()
+    card = open(os.path.join(root, "report.md")).read()
     for stage in ("base", "sft", "rl"):
         r = json.load(open(os.path.join(root, stage, "report.json")))
         assert r["tokens"] > 0 and r["train_time"] > 0 and r["machine"]["jax"] == jax.__version__
@@ -1499,13 +1500,13 @@ def test_default_pipeline(tmp_path):
         row = (f"| {stage} | {nc.num_scaling_params(cfg)['total']:,} | {flops:,.0f} | {r['steps']} | {r['tokens']:,} | "
                f"{r['train_time']:.0f} s | {100 * mfu:.1f}% | {r['val_bpb']:.4f} | "
                f"{'' if core is None else f'{core:.4f}'} | {'' if chatcore is None else f'{chatcore:.4f}'} |")
-        assert row in report and f"\n## {stage}\n" in report
-        assert all(f"- `{p!r}` -> `{c!r}`" in report for p, c in r["samples"].items())
-    assert f"| {platform.python_version()}, jax {jax.__version__} (cpu) | 1 x cpu |" in report
-    assert f"CORE on `{CORE_DIR / 'eval_bundle'}`:\n\n| task | accuracy | centred |" in report
-    assert f"ChatCORE tasks on `{tmp_path / 'chat'}`:\n\n| task | accuracy |" in report
-    assert "| hand-written questions | arithmetic | counting | spelling | identity |" in report
-    assert f"| opposites | {results['base']['core']['results']['opposites']:.4f} |" in report
+        assert row in card and f"\n## {stage}\n" in card
+        assert all(f"- `{p!r}` -> `{c!r}`" in card for p, c in r["samples"].items())
+    assert f"| {platform.python_version()}, jax {jax.__version__} (cpu) | 1 x cpu |" in card
+    assert f"CORE on `{CORE_DIR / 'eval_bundle'}`:\n\n| task | accuracy | centred |" in card
+    assert f"ChatCORE tasks on `{tmp_path / 'chat'}`:\n\n| task | accuracy |" in card
+    assert "| hand-written questions | arithmetic | counting | spelling | identity |" in card
+    assert f"| opposites | {results['base']['core']['results']['opposites']:.4f} |" in card
     # a stage run alone rewrites the card from every stage's part
     os.remove(os.path.join(root, "report.md"))
     train.main(argv + ["--stage", "rl", "--eval-tasks", "0"])
