@@ -1,33 +1,17 @@
-"""nanochat's GPT as pure JAX functions over a plain dict of arrays, with its KV-cache forward.
+"""nanochat's GPT as pure JAX functions over a plain dict of arrays, with its KV-cache
+forward: the same logits, loss and gradients as karpathy/nanochat's `gpt.py` for the
+same weights.
 
-The model of karpathy/nanochat's `gpt.py`: the same logits, loss and gradients for the same weights.
-- RoPE (arXiv 2104.09864), base 100000, split halves, rotating by -theta as nanochat does; then
-  QK RMS-norm and q, k *= 1.2
-- parameter-free RMSNorm (eps: fp32 machine epsilon, as F.rms_norm), also right after the embedding
-- ReLU^2 MLP (4x), no biases, untied wte / lm_head, GQA, vocab padded to a multiple of 64
-- sliding windows from a pattern like "SSSL": S = a quarter of the context rounded up to 128;
-  the last layer is always L
-- value embeddings (ResFormer, arXiv 2410.17897) on alternating layers, the last one included,
-  mixed into v through a 3 * sigmoid gate that reads the first 12 channels of the block input
-- smear, a cheap bigram: x_t += smear_lambda * sigmoid(gate(x_t[:24])) * x_{t-1}
-- backout: subtract backout_lambda * (the residual after layer n_layer // 2) before the final norm
-- per-layer resid_lambdas and x0_lambdas (x = a_i x + b_i x0); fp32 logits softcapped at 15;
-  cross-entropy that ignores target -1
-Params are fp32 masters; compute_dtype="bfloat16" casts them once at the top of the forward pass,
-and norm statistics, the softmax, logits and loss stay fp32 (nanochat's COMPUTE_DTYPE).
+Read `init_params` (the weights and their names), `param_groups` (how the optimizer
+treats each leaf), then `block`: one layer over one layer's weights, shared by training,
+prefill and decode. Attention is one function argument, `attn` (default: the plain
+`causal_attention`); kernels.py gives faster ones of the same signature, so the model
+never names a backend. `forward_cached` feeds tokens through a KV cache whose rows each
+sit at their own position; engine.py generates. docs/model.md lists nanochat's
+architecture choices, each with the function that makes it.
 
-Read `init_params`, `param_groups` (how the optimizer treats each leaf), then `block`: one layer
-over one layer's weights, shared by training, prefill and decode. Attention is one call, `attn`, a
-function argument whose default is the plain `causal_attention`; kernels.py gives faster functions
-of the same signature for each backend, so the model never names one.
-For inference, `forward_cached` feeds tokens through a preallocated KV cache whose rows each sit at
-their own position: written in place at traced positions, masks from absolute positions (sliding
-windows hold while decoding), so rows of different lengths decode together. engine.py generates.
-
-Weights are (in, out), `x @ W`; checkpoint.py converts them to PyTorch's (out, in) and back.
-Per-layer weights of a kind are stacked on a leading axis (layers, or value-embedding layers for
-`value_embeds` and `ve_gate`) so that Muon steps them in one batched call; `unstack` slices them.
-Dimensions: B batch, T time (S cache slots), C n_embd, H n_head, K n_kv_head, D head_dim, V vocab.
+Weights are (in, out), `x @ W`. Dimensions: B batch, T time (S cache slots), C n_embd, H
+n_head, K n_kv_head, D head_dim, V vocab.
 """
 
 import dataclasses
@@ -42,14 +26,22 @@ import numpy as np
 ROPE_BASE = 100000.0
 SOFTCAP = 15.0
 QK_SCALE = 1.2
-SMEAR_CHANNELS = 24  # the smear gate reads this many channels of the current token
-VE_GATE_CHANNELS = 12  # the value-embedding gate reads this many channels of the block input
-EPS = float(np.finfo(np.float32).eps)  # F.rms_norm's default eps for fp32
+# the smear gate reads this many channels of the current token
+SMEAR_CHANNELS = 24
+# the value-embedding gate reads this many channels of the block input
+VE_GATE_CHANNELS = 12
+# F.rms_norm's default eps for fp32
+EPS = float(np.finfo(np.float32).eps)
+# every layer's attention matrices (ve_gate is only some layers')
+ATTENTION_MATRICES = ("c_q", "c_k", "c_v", "c_proj")
+# nanochat's scalar parameters
+SCALARS = ("resid_lambdas", "x0_lambdas", "smear_gate", "smear_lambda", "backout_lambda")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """nanochat's GPTConfig (the same field names), plus the compute dtype of the forward pass."""
+    """nanochat's GPTConfig (the same field names), plus the compute dtype of the
+    forward pass."""
     sequence_len: int = 2048
     vocab_size: int = 32768
     n_layer: int = 12
@@ -60,15 +52,18 @@ class Config:
     compute_dtype: str = "float32"  # or "bfloat16": bf16 matmuls, fp32 master weights
 
     def __post_init__(self):
-        C, H, K, pattern = self.n_embd, self.n_head, self.n_kv_head, self.window_pattern
+        C = self.n_embd
+        H = self.n_head
+        K = self.n_kv_head
+        pattern = self.window_pattern
         if C % H or (C // H) % 2:
             raise ValueError(f"n_embd {C} must split into n_head {H} heads of even size")
         if H % K:
             raise ValueError(f"n_head {H} must be a multiple of n_kv_head {K}")
         if not pattern or set(pattern.upper()) - set("SL"):
-            raise ValueError(f"window_pattern {pattern!r} must be a non-empty string of S and L")
+            raise ValueError(f"window_pattern {pattern!r} must be a string of S and L")
         if C < SMEAR_CHANNELS:
-            raise ValueError(f"n_embd must be at least {SMEAR_CHANNELS}: the smear gate reads them")
+            raise ValueError(f"n_embd must be at least {SMEAR_CHANNELS} (the smear gate)")
 
     @property
     def head_dim(self):
@@ -81,11 +76,13 @@ class Config:
     @property
     def ve_layers(self):
         """Layers with a value embedding: alternating, the last layer always included."""
-        return [i for i in range(self.n_layer) if i % 2 == (self.n_layer - 1) % 2]
+        last = self.n_layer - 1
+        return [i for i in range(self.n_layer) if i % 2 == last % 2]
 
 
 def config_for_depth(depth, vocab_size, aspect_ratio=64, head_dim=128, **kwargs):
-    """nanochat's --depth dial: width = depth * aspect_ratio, rounded up to whole heads."""
+    """nanochat's --depth dial: width = depth * aspect_ratio, rounded up to whole
+    heads."""
     model_dim = -(-depth * aspect_ratio // head_dim) * head_dim
     n_head = model_dim // head_dim
     return Config(vocab_size=vocab_size, n_layer=depth, n_head=n_head, n_kv_head=n_head,
@@ -93,18 +90,31 @@ def config_for_depth(depth, vocab_size, aspect_ratio=64, head_dim=128, **kwargs)
 
 
 def window_sizes(cfg):
-    """Each layer's attention window, in tokens back from the query (w >= T: full causal)."""
-    short = -(-cfg.sequence_len // 4 // 128) * 128  # a quarter of the context, in FA3's 128 tiles
+    """Each layer's attention window in tokens back from the query (T or more: causal)."""
+    # a short window: a quarter of the context, rounded up to FA3's tiles of 128
+    short = -(-cfg.sequence_len // 4 // 128) * 128
     pattern = cfg.window_pattern.upper()
-    return [short if pattern[i % len(pattern)] == "S" and i < cfg.n_layer - 1 else cfg.sequence_len
-            for i in range(cfg.n_layer)]
+    sizes = []
+    for i in range(cfg.n_layer):
+        # the pattern repeats over the layers; the last layer is always long
+        is_short = pattern[i % len(pattern)] == "S" and i < cfg.n_layer - 1
+        sizes.append(short if is_short else cfg.sequence_len)
+    return sizes
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def init_params(cfg, key):
-    """nanochat's init_weights; every parameter is drawn from its own key, derived from its name."""
-    C, L, V, K, D = cfg.n_embd, cfg.n_layer, cfg.padded_vocab, cfg.n_kv_head, cfg.head_dim
-    H, n_ve = cfg.n_head, len(cfg.ve_layers)
+    """nanochat's init_weights; every parameter is drawn from its own key, derived from
+    its name. The weights of a kind are stacked over the layers (over the
+    value-embedding layers for `value_embeds` and `ve_gate`), so that Muon steps each
+    stack in one call."""
+    C = cfg.n_embd
+    L = cfg.n_layer
+    V = cfg.padded_vocab
+    H = cfg.n_head
+    K = cfg.n_kv_head
+    D = cfg.head_dim
+    n_ve = len(cfg.ve_layers)
     s = 3**0.5 / C**0.5  # U(-s, s) has std 1 / sqrt(C)
 
     def uniform(name, shape, lo, hi):
@@ -115,12 +125,14 @@ def init_params(cfg, key):
         k = jax.random.fold_in(key, zlib.crc32(name.encode()))
         return std * jax.random.normal(k, shape, jnp.float32)
 
+    # the per-layer scalars ramp linearly from the first layer to the last
     ramp = jnp.arange(L, dtype=jnp.float32) / max(L - 1, 1)
     attn = {
         "c_q": uniform("c_q", (L, C, H * D), -s, s),
         "c_k": uniform("c_k", (L, C, K * D), -s, s),
         "c_v": uniform("c_v", (L, C, K * D), -s, s),
-        "c_proj": jnp.zeros((L, C, C)),  # zero projections: every block starts as the identity
+        # zero projections: every block starts as the identity
+        "c_proj": jnp.zeros((L, C, C)),
         "ve_gate": uniform("ve_gate", (n_ve, VE_GATE_CHANNELS, K), 0.0, 0.02),
     }
     mlp = {
@@ -142,13 +154,15 @@ def init_params(cfg, key):
 
 def param_groups(params, lr_mult=1.0, momentum=0.95, weight_decay=0.0, unembedding_lr=0.004,
                  embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5, muon_dtype="float32"):
-    """nanochat's setup_optimizer as data for muon.py: (labels, a pytree like params naming each
-    leaf's group; groups, each group's hyper-parameters). The schedules change lr_mult, momentum
-    and weight_decay."""
-    scale = (params["wte"].shape[1] / 768) ** -0.5  # embeddings and head: lr / sqrt(n_embd / 768)
+    """nanochat's setup_optimizer as data for muon.py: (labels, a pytree like params
+    naming each leaf's group; groups, each group's hyper-parameters). The schedules
+    change lr_mult, momentum and weight_decay."""
+    # embeddings and head: lr / sqrt(n_embd / 768)
+    scale = (params["wte"].shape[1] / 768) ** -0.5
 
     def adamw(lr, beta1, beta2, wd):
-        return dict(kind="adamw", lr=lr * lr_mult, betas=(beta1, beta2), eps=1e-10, weight_decay=wd)
+        return dict(kind="adamw", lr=lr * lr_mult, betas=(beta1, beta2), eps=1e-10,
+                    weight_decay=wd)
 
     groups = {
         "h": dict(kind="muon", lr=matrix_lr * lr_mult, momentum=momentum,
@@ -160,89 +174,109 @@ def param_groups(params, lr_mult=1.0, momentum=0.95, weight_decay=0.0, unembeddi
         "x0_lambdas": adamw(scalar_lr, 0.96, 0.95, 0.0),
         "smear": adamw(0.2, 0.8, 0.95, 0.0),  # smear and backout scalars: fixed lr, not scaled
     }
-    labels = {k: jax.tree.map(lambda _: k if k in groups else "smear", v)
-              for k, v in params.items()}
+    # each leaf is labelled with its top-level name's group; smear and backout share one
+    labels = {}
+    for name, tree in params.items():
+        group = name if name in groups else "smear"
+        labels[name] = jax.tree.map(lambda _, group=group: group, tree)
     return labels, groups
 
-# ------------------------------------------------------------------------------------- the model
+# ---------------------------------------------------------------------------- the model
 
 
 def rms_norm(x):
     """Parameter-free RMSNorm with fp32 statistics."""
     x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + EPS)).astype(x.dtype)
+    mean_square = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    return (x32 * jax.lax.rsqrt(mean_square + EPS)).astype(x.dtype)
 
 
 def linear(x, w):
-    """x (..., C) @ w (C, D) as one 2-D matmul: the same numbers, and XLA then takes the weight
-    gradient without a transposed copy of the output's gradient."""
-    return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
+    """x (..., C) @ w (C, D) as one 2-D matmul: the same numbers, and XLA then takes the
+    weight gradient without a transposed copy of the output's gradient."""
+    y = x.reshape(-1, x.shape[-1]) @ w
+    return y.reshape(*x.shape[:-1], w.shape[-1])
 
 
 def rotary(positions, head_dim):
-    """cos, sin tables (..., T, D/2) for absolute positions (T,), or (B, T): one row each."""
-    inv_freq = 1.0 / ROPE_BASE ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    """RoPE's tables `rope` = (cos, sin), each (..., T, D/2), for absolute positions
+    (T,), or (B, T): one row each."""
+    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    inv_freq = 1.0 / ROPE_BASE**exponents
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(freqs), jnp.sin(freqs)
 
 
-def apply_rotary(x, cos, sin):
-    """Rotate the split halves of x (B, T, H, D) by -theta, the sign of nanochat's checkpoints."""
+def apply_rotary(x, rope):
+    """Rotate the split halves of x (B, T, H, D) by -theta, the sign of nanochat's
+    checkpoints; rope: rotary's (cos, sin)."""
+    cos, sin = rope
     d = x.shape[-1] // 2
-    x1, x2 = x[..., :d], x[..., d:]  # slices, not jnp.split, whose gradient is a concatenate
+    # slices, not jnp.split, whose gradient is a concatenate
+    x1 = x[..., :d]
+    x2 = x[..., d:]
     # (T, 1, D/2) or (B, T, 1, D/2): one table for every head
     cos = cos[..., None, :].astype(x.dtype)
     sin = sin[..., None, :].astype(x.dtype)
-    return jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], axis=-1)
+    y1 = x1 * cos + x2 * sin
+    y2 = x2 * cos - x1 * sin
+    return jnp.concatenate([y1, y2], axis=-1)
 
 
 def attention_mask(q_pos, k_pos, window):
-    """(..., Tq, Tk) bool from absolute positions q_pos (..., Tq) and k_pos (Tk,): causal, at most
-    `window` tokens back (window + 1 keys). Training, prefill and decode share it: is_causal=True
-    is wrong when Tq and Tk differ."""
+    """(..., Tq, Tk) bool from absolute positions q_pos (..., Tq) and k_pos (Tk,):
+    causal, at most `window` tokens back (window + 1 keys). Training, prefill and
+    decode share it: is_causal=True is wrong when Tq and Tk differ."""
     back = q_pos[..., :, None] - k_pos
     return (back >= 0) & (back <= window)
 
 
 def attend(q, k, v, mask):
-    """Softmax attention of q (B, Tq, H, D) over k, v (B, Tk, K, D) under mask (Tq, Tk), or
-    (B, Tq, Tk) with a row each; the K kv heads serve the H query heads (GQA); scores and softmax
-    in fp32."""
-    mask = mask.reshape((-1, 1) + mask.shape[-2:])  # (1 or B, 1, Tq, Tk): every head alike
+    """Softmax attention of q (B, Tq, H, D) over k, v (B, Tk, K, D) under mask (Tq, Tk),
+    or (B, Tq, Tk) with a row each; the K kv heads serve the H query heads (GQA);
+    scores and softmax in fp32."""
+    # (1 or B, 1, Tq, Tk): every head alike
+    mask = mask.reshape((-1, 1) + mask.shape[-2:])
     return jax.nn.dot_product_attention(q, k, v, mask=mask)
 
 
 def query_positions(pos, T):
-    """The absolute positions of T tokens fed at pos: (T,) for a scalar pos, (B, T) for one
-    position per row (rows of a KV cache at different lengths)."""
+    """The absolute positions of T tokens fed at pos: (T,) for a scalar pos, (B, T) for
+    one position per row (rows of a KV cache at different lengths)."""
     return jnp.asarray(pos)[..., None] + jnp.arange(T)
 
 
 def causal_attention(q, k, v, window, pos=None):
-    """The model's attention, `attn`: queries at positions pos, pos + 1, ... over keys at 0, 1, ...
-    (pos None: training, q and k the same positions 0..T-1; pos (B,): each row its own, k and v a
-    KV cache's (B, K, S, D)), causal within `window`."""
+    """The model's attention, `attn`: queries at positions pos, pos + 1, ... over keys
+    at 0, 1, ... (pos None: training, q and k the same positions 0..T-1; pos (B,):
+    each row its own, k and v a KV cache's (B, K, S, D)), causal within `window`."""
     if pos is not None:  # a cache is stored heads first
         k = k.swapaxes(1, 2)
         v = v.swapaxes(1, 2)
     q_pos = query_positions(0 if pos is None else pos, q.shape[1])
-    return attend(q, k, v, attention_mask(q_pos, jnp.arange(k.shape[1]), window))
+    mask = attention_mask(q_pos, jnp.arange(k.shape[1]), window)
+    return attend(q, k, v, mask)
 
 
 def smear(x, gate_w, lam, prev=None):
-    """x_t += lam * sigmoid(x_t[:24] @ gate_w) * x_{t-1} on the normed embeddings (B, T, C);
-    x_{-1} is `prev` (B, C), a KV cache's last token, or zeros: one formula for training, prefill
-    and decode."""
-    prev = jnp.zeros_like(x[:, :1]) if prev is None else prev[:, None]
+    """x_t += lam * sigmoid(x_t[:24] @ gate_w) * x_{t-1} on the normed embeddings (B, T,
+    C); x_{-1} is `prev` (B, C), a KV cache's last token, or zeros: one formula for
+    training, prefill and decode."""
+    if prev is None:
+        prev = jnp.zeros_like(x[:, :1])
+    else:
+        prev = prev[:, None]
     gate = lam * jax.nn.sigmoid(x[..., :SMEAR_CHANNELS] @ gate_w)  # (B, T, 1)
-    return x + gate * jnp.concatenate([prev, x[:, :-1]], axis=1)
+    before = jnp.concatenate([prev, x[:, :-1]], axis=1)  # each token's predecessor
+    return x + gate * before
 
 
 def write_rows(cache, new, pos):
-    """cache (B, K, S, D) with each row's new (B, T, K, D) written at that row's pos (B,), in place
-    on a donated cache."""
+    """cache (B, K, S, D) with each row's new (B, T, K, D) written at that row's pos
+    (B,), in place on a donated cache."""
     new = new.swapaxes(1, 2)  # (B, K, T, D), the cache's layout
-    if cache.shape[0] == 1:  # XLA copies a one-row cache to scatter into it: write it in place
+    # XLA copies a one-row cache to scatter into it: write it in place
+    if cache.shape[0] == 1:
         return jax.lax.dynamic_update_slice(cache, new, (0, 0, pos[0], 0))
 
     def write(row, new_row, p):
@@ -250,86 +284,116 @@ def write_rows(cache, new, pos):
     return jax.vmap(write)(cache, new, pos)
 
 
-def attention(w, x, ve, cos, sin, window, attn, cache=None, pos=0):
-    """Causal self-attention of x (B, T, C), normed, with one layer's weights w: (y, cache or None).
+def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0):
+    """Causal self-attention of x (B, T, C), normed, with one layer's attention weights
+    w: (y, cache or None). ve: the tokens' value embeddings (B, T, K*D), or None.
 
-    Without a cache the tokens sit at positions 0..T-1. With one (k, v: (B, K, S, D)) row b's
-    tokens sit at pos[b]: their k and v are written there, and the queries attend over every
-    slot, the mask hiding the slots not written yet."""
+    Without a cache the tokens sit at positions 0..T-1. With one (k, v: (B, K, S, D))
+    row b's tokens sit at pos[b]: their k and v are written there, and the queries
+    attend over every slot, the mask hiding the slots not written yet."""
     B, T, C = x.shape
-    D = cos.shape[-1] * 2
-    q = linear(x, w["c_q"]).reshape(B, T, -1, D)  # (B, T, H, D)
-    k = linear(x, w["c_k"]).reshape(B, T, -1, D)  # (B, T, K, D)
+    D = rope[0].shape[-1] * 2
+    # 1. queries (B, T, H, D), keys and values (B, T, K, D)
+    q = linear(x, w["c_q"]).reshape(B, T, -1, D)
+    k = linear(x, w["c_k"]).reshape(B, T, -1, D)
     v = linear(x, w["c_v"]).reshape(B, T, -1, D)
-    if ve is not None:  # ResFormer: mix the token's value embedding into v, gated in (0, 3)
+    # 2. ResFormer: the token's value embedding mixed into v, gated in (0, 3)
+    if ve is not None:
         gate = 3 * jax.nn.sigmoid(x[..., :VE_GATE_CHANNELS] @ w["ve_gate"])  # (B, T, K)
         v = v + gate[..., None] * ve.reshape(v.shape)
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    q, k = rms_norm(q) * QK_SCALE, rms_norm(k) * QK_SCALE
+    # 3. RoPE, then QK-norm
+    q = apply_rotary(q, rope)
+    k = apply_rotary(k, rope)
+    q = rms_norm(q) * QK_SCALE
+    k = rms_norm(k) * QK_SCALE
+    # 4. attend over this chunk, or write k, v into the cache and attend over it (in
+    # place on a donated cache: one compiled step serves every position)
     if cache is None:
         y = attn(q, k, v, window)
-    else:  # in place on the donated cache: one compiled step serves every position
-        cache = (write_rows(cache[0], k, pos), write_rows(cache[1], v, pos))
-        y = attn(q, *cache, window, pos)
+    else:
+        k_cache = write_rows(cache[0], k, pos)
+        v_cache = write_rows(cache[1], v, pos)
+        cache = (k_cache, v_cache)
+        y = attn(q, k_cache, v_cache, window, pos)
     return linear(y.reshape(B, T, C), w["c_proj"]), cache
 
 
-def block(layer, x, x0, ve, cos, sin, window, attn=causal_attention, cache=None, pos=0):
-    """One transformer layer on the residual stream x (B, T, C); x0: the smeared embeddings.
-    Returns (x, cache)."""
-    x = layer["resid_lambda"] * x + layer["x0_lambda"] * x0
-    y, cache = attention(layer["attn"], rms_norm(x), ve, cos, sin, window, attn, cache, pos)
+def block(layer, x, x0, ve, rope, *, window, attn=causal_attention, cache=None, pos=0):
+    """One transformer layer on the residual stream x (B, T, C): (x, cache). layer: one
+    layer's weights (`unstack`); x0: the smeared embeddings; ve: as `attention`'s."""
+    # 1. nanochat's per-layer mix of the stream and the embeddings
+    x = layer["resid_lambdas"] * x + layer["x0_lambdas"] * x0
+    # 2. attention
+    y, cache = attention(layer["attn"], rms_norm(x), ve, rope,
+                         window=window, attn=attn, cache=cache, pos=pos)
     x = x + y
-    h = jnp.square(jax.nn.relu(linear(rms_norm(x), layer["mlp"]["c_fc"])))  # ReLU^2
+    # 3. the MLP, ReLU^2
+    h = linear(rms_norm(x), layer["mlp"]["c_fc"])
+    h = jnp.square(jax.nn.relu(h))
     return x + linear(h, layer["mlp"]["c_proj"]), cache
 
 
 def unstack(params, cfg):
-    """The params with the stacked weights split into `layers`, one dict per layer as `block` takes
-    it. Inside jit each slice is a copy, small beside a training step but large beside a decode
-    step, so `generate` unstacks once, outside jit."""
-    keys = ("h", "value_embeds", "resid_lambdas", "x0_lambdas")
-    # one split op, whose gradient is one concatenate (slices' would be a full-size pad each)
-    s = jax.tree.map(lambda a: [x.reshape(a.shape[1:]) for x in jnp.split(a, len(a))],
-                     {k: params[k] for k in keys})
-    h, layers = s["h"], []
+    """The params with the stacked weights sliced into `layers`: layer i's dict is the
+    stored tree at index i under the same names (attn, mlp, resid_lambdas, x0_lambdas;
+    on a value-embedding layer also value_embeds and attn's ve_gate). Inside jit each
+    slice is a copy, small beside a training step but large beside a decode step, so
+    `generate` unstacks once, outside jit."""
+    # 1. each stack split in one op, whose gradient is one concatenate (slices' would be
+    # a full-size pad each)
+    def split(a):
+        return [x.reshape(a.shape[1:]) for x in jnp.split(a, len(a))]
+    stacked = ("h", "value_embeds", "resid_lambdas", "x0_lambdas")
+    s = jax.tree.map(split, {name: params[name] for name in stacked})
+    # 2. layer i's slices; the value-embedding stacks hold only the ve_layers
+    layers = []
     for i in range(cfg.n_layer):
-        layer = {"attn": {k: h["attn"][k][i] for k in ("c_q", "c_k", "c_v", "c_proj")},
-                 "mlp": {k: w[i] for k, w in h["mlp"].items()},
-                 "resid_lambda": s["resid_lambdas"][i],
-                 "x0_lambda": s["x0_lambdas"][i]}
+        attn = {name: s["h"]["attn"][name][i] for name in ATTENTION_MATRICES}
+        mlp = {name: w[i] for name, w in s["h"]["mlp"].items()}
+        layer = {"attn": attn,
+                 "mlp": mlp,
+                 "resid_lambdas": s["resid_lambdas"][i],
+                 "x0_lambdas": s["x0_lambdas"][i]}
         if i in cfg.ve_layers:
             j = cfg.ve_layers.index(i)
-            layer["attn"]["ve_gate"] = h["attn"]["ve_gate"][j]
-            layer["value_embed"] = s["value_embeds"][j]
+            attn["ve_gate"] = s["h"]["attn"]["ve_gate"][j]
+            layer["value_embeds"] = s["value_embeds"][j]
         layers.append(layer)
     rest = ("wte", "lm_head", "smear_gate", "smear_lambda", "backout_lambda")
-    return {"layers": layers, **{k: params[k] for k in rest}}
+    return {"layers": layers, **{name: params[name] for name in rest}}
 
 
-def trunk(p, tokens, x, cfg, attn, caches=None, pos=0, remat=False):
-    """The layers, backout and final norm over the smeared embeddings x (B, T, C) of tokens at
-    positions pos, pos + 1, ...; p is unstacked. Returns (normed hidden states, layer caches).
-    remat: the backward pass recomputes each block's activations instead of keeping them."""
-    cos, sin = rotary(query_positions(pos, tokens.shape[1]), cfg.head_dim)
+def trunk(p, tokens, x, cfg, *, attn, caches=None, pos=0, remat=False):
+    """The layers, backout and final norm over the smeared embeddings x (B, T, C) of
+    tokens at positions pos, pos + 1, ...; p is unstacked. Returns (normed hidden
+    states, layer caches). remat: the backward pass recomputes each block's
+    activations instead of keeping them."""
+    rope = rotary(query_positions(pos, tokens.shape[1]), cfg.head_dim)
     caches = caches or [None] * cfg.n_layer
-    x0, x_backout = x, None
-    layer_fn = jax.checkpoint(block, static_argnums=(6, 7)) if remat else block  # window, attn
+    x0 = x
+    x_backout = None
     for i, (layer, window) in enumerate(zip(p["layers"], window_sizes(cfg))):
-        ve = layer["value_embed"][tokens] if "value_embed" in layer else None
-        x, caches[i] = layer_fn(layer, x, x0, ve, cos, sin, window, attn, caches[i], pos)
+        layer_fn = functools.partial(block, window=window, attn=attn)
+        if remat:
+            layer_fn = jax.checkpoint(layer_fn)
+        ve = layer["value_embeds"][tokens] if "value_embeds" in layer else None
+        x, caches[i] = layer_fn(layer, x, x0, ve, rope, cache=caches[i], pos=pos)
         if i == cfg.n_layer // 2:
             x_backout = x
-    x = x - p["backout_lambda"] * x_backout  # backout: remove part of the mid-network residual
+    # backout: remove part of the mid-network residual
+    x = x - p["backout_lambda"] * x_backout
     return rms_norm(x), caches
 
 
 def hidden(params, tokens, cfg, attn=causal_attention, remat=False):
     """The transformer trunk: tokens (B, T) -> final normed hidden states (B, T, C)."""
-    p = unstack(jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params), cfg)
+    # the weights in the compute dtype, sliced per layer
+    cast = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params)
+    p = unstack(cast, cfg)
     x = rms_norm(p["wte"][tokens])  # (B, T, C)
     x = smear(x, p["smear_gate"], p["smear_lambda"])
-    return trunk(p, tokens, x, cfg, attn, remat=remat)[0]
+    x, _ = trunk(p, tokens, x, cfg, attn=attn, remat=remat)
+    return x
 
 
 def logits_from_hidden(params, x, cfg):
@@ -345,49 +409,63 @@ def forward(params, tokens, cfg, attn=causal_attention):
 
 
 def loss_fn(params, tokens, targets, cfg, reduction="mean", attn=causal_attention, remat=False):
-    """Cross-entropy, ignoring targets < 0: the mean over valid targets, or (B, T) with 'none'."""
+    """Cross-entropy, ignoring targets < 0: the mean over valid targets, or (B, T) with
+    'none'."""
     x = hidden(params, tokens, cfg, attn, remat)
-    logits = logits_from_hidden(params, x.reshape(-1, x.shape[-1]), cfg)  # (B*T, V): one 2-D matmul
+    # (B*T, V) logits: one 2-D matmul
+    logits = logits_from_hidden(params, x.reshape(-1, x.shape[-1]), cfg)
     t = targets.reshape(-1)
     valid = t >= 0
-    picked = jnp.take_along_axis(logits, jnp.where(valid, t, 0)[:, None], axis=-1)[:, 0]
-    nll = jnp.where(valid, jax.nn.logsumexp(logits, axis=-1) - picked, 0.0)
+    # each target's logit (an ignored target reads index 0, then counts 0)
+    safe = jnp.where(valid, t, 0)
+    picked = jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    nll = jnp.where(valid, log_z - picked, 0.0)
     if reduction == "none":
         return nll.reshape(targets.shape)
-    return nll.sum() / jnp.maximum(valid.sum(), 1)  # (torch gives nan when every target is ignored)
+    # at least 1: torch gives nan when every target is ignored
+    return nll.sum() / jnp.maximum(valid.sum(), 1)
 
-# ------------------------------------------------------------------------------------- inference
+# ---------------------------------------------------------------------------- inference
 
 
 def init_cache(cfg, batch, max_len):
-    """An empty KV cache: per layer k, v (B, K, S, D), heads first so that a decode step reads each
-    head's keys as one block; the smear's last embedding (B, C); each row's position (B,), the
-    number of tokens it holds. Zeros, never uninitialized memory: a masked slot still enters the
-    softmax's weighted sum, and 0 * NaN is NaN."""
+    """An empty KV cache: per layer k, v (B, K, S, D), heads first so that a decode step
+    reads each head's keys as one block; the smear's last embedding (B, C); each
+    row's position (B,), the number of tokens it holds. Zeros, never uninitialized
+    memory: a masked slot still enters the softmax's weighted sum, and 0 * NaN is
+    NaN."""
     shape = (batch, cfg.n_kv_head, max_len, cfg.head_dim)
     dtype = cfg.compute_dtype
-    layers = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.n_layer)]
+    layers = []
+    for _ in range(cfg.n_layer):
+        layers.append((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))  # k, v
     return {"layers": layers,
             "prev": jnp.zeros((batch, cfg.n_embd), cfg.compute_dtype),
             "pos": jnp.zeros((batch,), jnp.int32)}
 
 
 def forward_cached(p, tokens, cache, cfg, attn, length=None):
-    """(logits (B, vocab_size) after the last of `length` valid tokens, the advanced cache): prefill
-    (T > 1) or decode. p: unstacked, in the compute dtype; tokens (B, T) go in at each row's
-    position. A prompt padded at the end to a bucket writes junk k, v past `length`, which later
-    writes replace before any query can see them."""
+    """(logits (B, vocab_size) after the last of `length` valid tokens, the advanced
+    cache): prefill (T > 1) or decode. p: unstacked, in the compute dtype; tokens (B, T)
+    go in at each row's position. A prompt padded at the end to a bucket writes junk k,
+    v past `length`, which later writes replace before any query can see them."""
     length = tokens.shape[1] if length is None else length
-    e = rms_norm(p["wte"][tokens])  # (B, T, C) before the smear: the next chunk's smear reads it
+    # 1. the embeddings, smeared with the cache's last one (e, before the smear, is what
+    # the next chunk's smear reads)
+    e = rms_norm(p["wte"][tokens])  # (B, T, C)
     x = smear(e, p["smear_gate"], p["smear_lambda"], cache["prev"])
-    x, layers = trunk(p, tokens, x, cfg, attn, list(cache["layers"]), cache["pos"])
+    # 2. the layers, each writing its keys and values at each row's position
+    x, layers = trunk(p, tokens, x, cfg, attn=attn, caches=list(cache["layers"]),
+                      pos=cache["pos"])
 
+    # 3. the logits after the last valid token, and the advanced cache
     def last(a):
         return jax.lax.dynamic_index_in_dim(a, length - 1, axis=1, keepdims=False)
     cache = {"layers": layers, "prev": last(e), "pos": cache["pos"] + length}
     return logits_from_hidden(p, last(x), cfg), cache
 
-# ---------------------------------------------------------------------------------- counting
+# ----------------------------------------------------------------------------- counting
 
 
 def param_shapes(cfg):
@@ -401,21 +479,24 @@ def count(tree):
 
 
 def num_scaling_params(cfg):
-    """Parameter counts in nanochat's groups (scaling laws use transformer_matrices + lm_head)."""
+    """Parameter counts in nanochat's groups (scaling laws use transformer_matrices +
+    lm_head)."""
     s = param_shapes(cfg)
     groups = {k: count(s[k]) for k in ("wte", "value_embeds", "lm_head")}
     groups["transformer_matrices"] = count(s["h"])
-    scalars = ("resid_lambdas", "x0_lambdas", "smear_gate", "smear_lambda", "backout_lambda")
-    groups["scalars"] = count([s[k] for k in scalars])
+    scalars = [s[name] for name in SCALARS]
+    groups["scalars"] = count(scalars)
     groups["total"] = count(s)
     assert sum(groups.values()) == 2 * groups["total"]
     return groups
 
 
 def estimate_flops(cfg):
-    """Training FLOPs per token (forward + backward), nanochat's estimate_flops: 6 N_matmul +
-    attention."""
+    """Training FLOPs per token (forward + backward), nanochat's estimate_flops: 6
+    N_matmul + attention."""
     s = param_shapes(cfg)
     matmul = count(s["h"]) + count(s["smear_gate"]) + count(s["lm_head"])
-    attn = sum(12 * cfg.n_head * cfg.head_dim * min(w, cfg.sequence_len) for w in window_sizes(cfg))
+    # attention: 12 FLOPs per query channel and key in reach, forward and backward
+    reach = [min(w, cfg.sequence_len) for w in window_sizes(cfg)]
+    attn = sum(12 * cfg.n_head * cfg.head_dim * r for r in reach)
     return 6 * matmul + attn
