@@ -619,8 +619,8 @@ def step_memory(cfg, devices, device_batch_size, shard="optimizer", remat=False,
         lowered = train.jit_train_step.lower(
             abstract(params, p_specs), abstract(opt_state, o_specs), (rows, rows), 0,
             train.base_schedule(1000, weight_decay=0.2), train.learning_rates(), cfg=cfg,
-            attn=kernels.attention(attention), remat=remat,
-            mesh=mesh if shard != "none" else None, shard=shard)
+            attn=kernels.attention(attention),
+            layout=train.Layout(shard=shard, mesh=mesh if shard != "none" else None, remat=remat))
         # CPU XLA's default schedule is for concurrency and keeps every activation alive
         scheduler = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
         compiled = lowered.compile(scheduler)

@@ -157,6 +157,8 @@ def param_groups(params, lr_mult=1.0, momentum=0.95, weight_decay=0.0, unembeddi
     """nanochat's setup_optimizer as data for muon.py: (labels, a pytree like params
     naming each leaf's group; groups, each group's hyper-parameters). The schedules
     change lr_mult, momentum and weight_decay."""
+    # the defaults are nanochat's setup_optimizer's; its base_train passes other learning rates
+    # (train.Optim's)
     # embeddings and head: lr / sqrt(n_embd / 768)
     scale = (params["wte"].shape[1] / 768) ** -0.5
 

@@ -5,7 +5,7 @@ P x G through the slot engine at once (`rollout`), rewards each reply with its t
 and trains on the sampled tokens with per-token weights: the advantage, a reply's reward minus
 the mean of its group (`rl_batch`). No KL penalty, no ratio or clipping, the loss normalized per
 token (DAPO, arXiv 2503.14476). The prompts and samples of a step follow from (seed, step), so a
-resumed run is exact. `rl_stage` gives train.run_stage the stage; `evaluate_passk` is nanochat's
+resumed run is exact. `rl_stage` gives train.run_stage the stage's fields; `evaluate_passk` is nanochat's
 pass@k.
 """
 
@@ -76,7 +76,7 @@ def evaluate_passk(params, cfg, tok, rl_tasks, n, k, seed, max_tokens):
     questions = {t: [(c, reward) for c in itertools.islice(test(), n)]
                  for t, (_, test, reward, _) in rl_tasks.items()}
     everything = [q for t in rl_tasks for q in questions[t]]
-    groups = iter(rollout(params, cfg, tok, everything, seed, k, max_tokens))
+    groups = iter(rollout(params, cfg, tok, everything, seed, num_samples=k, max_tokens=max_tokens))
     out = {}
     for t in rl_tasks:
         hits = [np.cumsum(next(groups)[2]) > 0 for _ in questions[t]]
@@ -91,7 +91,8 @@ def rl_stage(out, tok, task_names=("spelling", "counting"), seed=0, chat_data=No
     replies to each of `prompts` questions of the tasks (tasks.rl_tasks: ours, or "gsm8k" from
     chat_data) and takes one REINFORCE step on them; lr_frac of the base lrs, decaying linearly to
     0, no weight decay. iterations <= 0: one epoch of the dataset task. pass@k on eval_n test
-    questions per task before, after, and every eval_every steps (0: never)."""
+    questions per task before, after, and every eval_every steps (0: never). Returns the fields
+    of a train.Stage (train.py imports this file, so it builds the Stage)."""
     if jax.process_count() > 1:
         raise ValueError("the RL stage runs in one process (any number of its devices); run it "
                          "without --coordinator")
@@ -108,7 +109,8 @@ def rl_stage(out, tok, task_names=("spelling", "counting"), seed=0, chat_data=No
         drawn = rl_prompts(rl_tasks, step, prompts)
         # prompts and samples follow from (seed, step): a resumed run is exact
         step_seed = seed * 1_000_003 + step * prompts
-        groups = rollout(evaluate.local(params), cfg, tok, drawn, step_seed, samples, max_tokens)
+        groups = rollout(evaluate.local(params), cfg, tok, drawn, step_seed,
+                         num_samples=samples, max_tokens=max_tokens)
         longest = max(len(r) for g in groups for r in g[0])
         T = min(cfg.sequence_len, engine.bucket(longest))  # few shapes: few compiles
         print(f"step {step + 1:5d} | reward {np.mean([g[2] for g in groups]):.3f}", flush=True)
@@ -119,16 +121,16 @@ def rl_stage(out, tok, task_names=("spelling", "counting"), seed=0, chat_data=No
 
     def passk(params, step, last, results, log):  # nanochat's, on 8 samples (its device batch)
         if eval_n > 0 and (step == 0 or last or eval_every > 0 and step % eval_every == 0):
-            r = evaluate_passk(evaluate.local(params), cfg, tok, rl_tasks, eval_n, min(samples, 8),
-                               1, max_tokens)
+            r = evaluate_passk(evaluate.local(params), cfg, tok, rl_tasks, n=eval_n,
+                               k=min(samples, 8), seed=1, max_tokens=max_tokens)
             results["pass@k" if last else "pass@k before" if step == 0 else f"pass@k {step}"] = r
             print(f"step {step:5d} | {json.dumps(r)}")
             log({"step": step, "pass@k": r})
     sched = dict(warmup_steps=0, warmdown_ratio=1.0, final_lr_frac=0.0, momentum=0.95,
                  momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
-    return dict(cfg=cfg, init=lambda: params, next_batch=next_batch, evaluate=passk,
+    return dict(name="rl", cfg=cfg, init=lambda: params, sample=next_batch, evaluate=passk,
                 iterations=iterations if iterations > 0 else epoch, lr_frac=lr_frac,
-                shape=f"{prompts} prompts x {samples} samples", sched=sched)
+                shape=f"{prompts} prompts x {samples} samples", schedule=sched)
 
 # -------------------------------------------------------------------------------- command line
 

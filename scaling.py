@@ -233,8 +233,8 @@ def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_r
     """A runner for run_sweep: one spec's seeds trained by train.run_stage in-process one by one,
     each in its own checkpoint root under out/runs (an interrupted run resumes from it), or with
     together=True as one vmapped program (train_together; an interrupted group starts over).
-    optim: train.plan's keyword values (the batch is `batch`); model: train.model_config's more
-    keywords (window_pattern, dtype); run: train.run_stage's (attention, data_shards, debug);
+    optim: train.Optim's values (the batch is `batch`); model: train.model_config's more
+    keywords (window_pattern, dtype); run: train.Run's (attention, data_shards, debug);
     distributed: sharding.init_distributed's; restart: kernels.tune_process's."""
     import jax
     import checkpoint
@@ -259,11 +259,12 @@ def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_r
     def one(spec):
         t = time.perf_counter()
         root, stage, warmup = run_of(spec)
-        evals = dict(val_docs=data.corpus(data_paths, "val"), eval_every=stage["iterations"],
+        evals = dict(val_docs=data.corpus(data_paths, "val"), eval_every=stage.iterations,
                      eval_steps=eval_steps, sample_every=0)
-        _, cfg, _, info = train.run_stage("base", stage, tok, root, device_batch_size,
-                                          {**optim, "warmup_steps": warmup}, evals, resume=True,
-                                          keep=1, **run)
+        settings = train.Run(out=root, device_batch_size=device_batch_size, resume=True, keep=1,
+                             **run)
+        optim_of_run = train.Optim(**{**optim, "warmup_steps": warmup})
+        _, cfg, _, info = train.run_stage(stage, tok, settings, optim_of_run, evals)
         with open(os.path.join(checkpoint.latest_checkpoint(root, ("base",)), "meta.json")) as f:
             epoch = max(s["epoch"] for s in json.load(f)["data_states"])
         return dict(model_row(cfg), num_iterations=info["steps"],
@@ -277,7 +278,7 @@ def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_r
         stages = [run_of(spec)[1] for spec in specs]
         warmup = run_of(specs[0])[2]
         cfg, steps, _, bpb = train_together(stages, tok, device_batch_size,
-                                            {**optim, "warmup_steps": warmup},
+                                            train.Optim(**{**optim, "warmup_steps": warmup}),
                                             data.corpus(data_paths, "val"), eval_steps,
                                             attention=run.get("attention", "auto"))
         return [dict(model_row(cfg), num_iterations=steps, tokens_trained=steps * batch,
@@ -341,17 +342,17 @@ def train_together(stages, tok, device_batch_size, optim, val_docs, eval_steps, 
     import muon
     import nanochat as nc
     import train
-    cfg = stages[0]["cfg"]
+    cfg = stages[0].cfg
     T, rows = cfg.sequence_len, device_batch_size * jax.device_count()
-    sched, base_lrs, batch, _ = train.plan(cfg, rows, stages[0]["iterations"], **optim)
+    sched, base_lrs, batch, _ = train.packed_plan(stages[0], optim, rows)
 
     def stack(trees):
         return jax.tree.map(lambda *x: jnp.stack(x), *trees)
     lrs = stack(lrs or [base_lrs] * len(stages))  # {name: (runs,)}
-    inits = [s["init"]() for s in stages]
+    inits = [s.init() for s in stages]
     params, opt_state = stack(inits), stack([muon.init(p, *nc.param_groups(p)) for p in inits])
     split = NamedSharding(sharding.data_mesh(), P(None, "data"))
-    streams = [sharding.sharded_batches(s["packer"], tok, s["docs"], batch // (rows * T), rows, T,
+    streams = [sharding.sharded_batches(s.packer, tok, s.docs, batch // (rows * T), rows, T,
                                         split)[0] for s in stages]
     step = functools.partial(train.train_step, cfg=cfg, attn=kernels.attention(attention))
     step_fn = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, None, None, 0)), donate_argnums=(0, 1))

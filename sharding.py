@@ -96,14 +96,13 @@ def data_mesh():
     return Mesh(np.array(jax.devices()), ("data",))
 
 
-def place(params, opt_state, mesh, mode=None):
-    """(params, opt_state, mode): host or device arrays put onto mesh, split as the mode
-    (choose_mode's) says."""
-    mode = choose_mode(mode, mesh.size)
+def place(params, opt_state, mesh, mode):
+    """(params, opt_state): host or device arrays put onto mesh, split as the mode (one of
+    MODES, choose_mode's) says."""
     p_specs, o_specs = state_specs(params, opt_state, mesh.size, mode)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), (p_specs, o_specs),
                              is_leaf=is_spec)
-    return *jax.device_put((params, opt_state), shardings), mode
+    return jax.device_put((params, opt_state), shardings)
 
 
 def choose_mode(mode, n, log=print):

@@ -665,15 +665,15 @@ def fresh_root(train_root, tmp_path):
 def run_base(root, iterations, seed=0, model=None, optim=None, evals=None, device_batch_size=4,
              **kwargs):
     """train.run_stage on a fresh tiny base model, wired as train.main wires TRAIN_ARGS, through the
-    values API: (params, cfg, losses, info). kwargs: run_stage's (resume, save_every, debug, ...).
+    values API: (params, cfg, losses, info). kwargs: train.Run's (resume, save_every, debug, ...).
     """
     tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
     cfg = train.model_config(tok.n_vocab, **{**TINY_MODEL, **(model or {})})
     stage = train.base_stage(cfg, data.corpus(None, "train", seed=seed), jax.random.key(seed),
                              iterations)
     evals = {"eval_every": 0, "sample_every": 0, **(evals or {})}
-    return train.run_stage("base", stage, tok, root, device_batch_size,
-                           {**TINY_OPTIM, **(optim or {})}, evals, **kwargs)
+    run = train.Run(out=root, device_batch_size=device_batch_size, **kwargs)
+    return train.run_stage(stage, tok, run, train.Optim(**{**TINY_OPTIM, **(optim or {})}), evals)
 
 
 def test_schedules_follow_nanochat():
@@ -701,14 +701,14 @@ def test_schedules_follow_nanochat():
 ])
 def test_horizon_follows_nanochat(depth, tokens, batch, iters, lr_scale, wd):
     cfg = nc.config_for_depth(depth, 32768)
-    steps, b, scale, weight_decay = train.horizon(cfg, 32, -1, total_batch_size=-1,
-                                                  batch_lr_scale=-1)
+    steps, b, scale, weight_decay = train.horizon(
+        cfg, 32, -1, train.Optim(total_batch_size=-1, batch_lr_scale=-1))
     assert (steps, b) == (iters, batch) and float(f"{steps * b:.4g}") == pytest.approx(tokens, rel=2e-3)
     assert scale == pytest.approx(lr_scale, abs=1e-4) and weight_decay == pytest.approx(wd, rel=1e-2)
-    flops = train.horizon(cfg, 32, -1, total_batch_size=-1, target_flops=1e18)[0]
+    flops = train.horizon(cfg, 32, -1, train.Optim(total_batch_size=-1, target_flops=1e18))[0]
     assert flops == round(1e18 / (nc.estimate_flops(cfg) * batch))
     # --num-iterations wins
-    assert train.horizon(cfg, 32, 7, total_batch_size=-1, target_flops=1e18)[0] == 7
+    assert train.horizon(cfg, 32, 7, train.Optim(total_batch_size=-1, target_flops=1e18))[0] == 7
 
 
 def test_bits_per_byte(tiny_params):
@@ -1066,10 +1066,10 @@ def run_stage(root, name, iterations=None, resume=False, **stage_kwargs):
         stage = train.sft_stage(root, tok, data.corpus(None, "train"), iterations=iterations)
     else:
         given = {} if iterations is None else {"iterations": iterations}
-        stage = rl.rl_stage(root, tok, **{**RL_TINY, **given, **stage_kwargs})
-    optim = {**TINY_OPTIM, "total_batch_size": 512}
-    return train.run_stage(name, stage, tok, root, 4, optim, {"eval_every": 0, "sample_every": 0},
-                           resume=resume)
+        stage = train.Stage(**rl.rl_stage(root, tok, **{**RL_TINY, **given, **stage_kwargs}))
+    optim = train.Optim(**{**TINY_OPTIM, "total_batch_size": 512})
+    run = train.Run(out=root, device_batch_size=4, resume=resume)
+    return train.run_stage(stage, tok, run, optim, {"eval_every": 0, "sample_every": 0})
 
 
 @pytest.mark.slow  # base, SFT and RL stages: the pipeline
@@ -1347,8 +1347,9 @@ def test_remat_lowers_the_step_temp_bytes():
     x = jax.ShapeDtypeStruct((1, 8, 128), jnp.int32)
     temp = {}
     for remat in (False, True):
-        lowered = train.jit_train_step.lower(params, opt, (x, x), 0, train.base_schedule(10),
-                                             train.learning_rates(), cfg=cfg, remat=remat)
+        lowered = train.jit_train_step.lower(params, opt, (x, x), 0, train.base_schedule(10, 0.0),
+                                             train.learning_rates(), cfg=cfg,
+                                             layout=train.Layout(remat=remat))
         compiled = lowered.compile({"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"})
         temp[remat] = compiled.memory_analysis().temp_size_in_bytes
     assert temp[True] < 0.95 * temp[False], temp
@@ -4251,8 +4252,9 @@ def test_seeds_trained_together_equal_one_by_one(train_root, tmp_path):
                                            "tokenizer.json"))
     cfg = train.model_config(tok.n_vocab, **TINY_MODEL)
     stages = [train.base_stage(cfg, data.corpus(None, "train", seed=s), jax.random.key(s), 5) for s, _ in runs]
-    lrs = [train.learning_rates(matrix_lr=lr) for _, lr in runs]
-    cfg, steps, losses, bpb = scaling.train_together(stages, tok, 4, TINY_OPTIM, data.corpus(None, "val"), 2, lrs)
+    lrs = [train.learning_rates(train.Optim(matrix_lr=lr)) for _, lr in runs]
+    cfg, steps, losses, bpb = scaling.train_together(stages, tok, 4, train.Optim(**TINY_OPTIM),
+                                                   data.corpus(None, "val"), 2, lrs)
     assert cfg == alone[0][1] and steps == 5 and losses.shape == (5, 3)
     np.testing.assert_allclose(losses, np.array([r[2] for r in alone]).T, rtol=2e-5)
     np.testing.assert_allclose(bpb, [r[3]["val_bpb"] for r in alone], rtol=2e-5)

@@ -1,23 +1,28 @@
-"""Train nanochat in JAX: pretraining, SFT and RL in one jitted step; checkpoints resume exactly.
+"""Train nanochat in JAX: pretraining, SFT and RL in one jitted step; checkpoints resume
+exactly.
 
     python train.py                  # the default pipeline: tokenizer -> base -> SFT -> RL
     python train.py --stage base --depth 6 --data 'shards/*.parquet' ...
 
-- `train_step`: forward, backward (a `lax.scan` over micro-batches sums the gradients) and the
-  MuonAdamW update in one `jax.jit`, params and optimizer state donated. nanochat's schedules
-  (lr warmup and warmdown to a final fraction, Muon momentum warmup and warmdown, cosine Muon
-  weight decay) are computed inside from the traced step, so nothing recompiles. The horizon, the
-  batch size and the lr scaling follow nanochat's rules (`horizon`).
-- `train_loop`: the loop alone, over explicit values; it raises on a non-finite loss and, after
-  saving, on Ctrl-C. `base_stage`, `sft_stage` and `rl_stage` say what a stage starts from and
-  trains on; `run_stage` runs one with devices, data, evaluation and checkpoints (with the loader's
-  position, so that --resume is exact).
-- RL (rl.py) is the same train step, with per-token weights: the rollouts' advantages.
-- Data parallel with `jax.sharding`: a "data" mesh axis splits the batch; --shard splits the
-  optimizer state (the default on several devices) or it and the params (FSDP) over it too
-  (sharding.py); --remat recomputes each block in the backward pass. Several hosts join through
-  `jax.distributed.initialize`, each process packing its own shard of the documents.
-- --debug runs the same step un-jitted with NaN checks, so print() and breakpoint() work inside.
+- `train_step`: forward, backward (a `lax.scan` over micro-batches sums the
+  gradients) and the MuonAdamW update in one `jax.jit`, params and optimizer state
+  donated. nanochat's schedules (lr warmup and warmdown to a final fraction, Muon
+  momentum warmup and warmdown, cosine Muon weight decay) are computed inside from
+  the traced step, so nothing recompiles. The horizon, the batch size and the lr
+  scaling follow nanochat's rules (`horizon`).
+- `train_loop`: the loop alone, over explicit values; it raises on a non-finite loss
+  and, after saving, on Ctrl-C. `base_stage`, `sft_stage` and `rl_stage` say what a
+  stage starts from and trains on; `run_stage` runs one with devices, data,
+  evaluation and checkpoints (with the loader's position, so that --resume is exact).
+- RL (rl.py) is the same train step, with per-token weights: the rollouts'
+  advantages.
+- Data parallel with `jax.sharding`: a "data" mesh axis splits the batch; --shard
+  splits the optimizer state (the default on several devices) or it and the params
+  (FSDP) over it too (sharding.py); --remat recomputes each block in the backward
+  pass. Several hosts join through `jax.distributed.initialize`, each process packing
+  its own shard of the documents.
+- --debug runs the same step un-jitted with NaN checks, so print() and breakpoint()
+  work inside.
 """
 
 import argparse
@@ -30,6 +35,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,122 +54,188 @@ import rl
 import sharding
 import tasks
 
-# -------------------------------------------------------------------------------------- the step
+# --------------------------------------------------------------------------- settings
+
+
+@dataclasses.dataclass(frozen=True)
+class Optim:
+    """The horizon, batch and learning-rate settings, one default each: the default
+    run's, which are nanochat's base_train defaults but for the batch."""
+    # tokens per step; nanochat's default is -1, its Power Lines rule (`horizon`)
+    total_batch_size: int = 4096
+    target_flops: float = -1.0  # base training FLOPs (-1: from the data ratio)
+    target_param_data_ratio: float = 12.0  # tokens per scaling parameter
+    batch_lr_scale: float = 1.0  # -1: sqrt(batch / 2^19)
+    weight_decay: float = 0.28  # Muon's, before its scaling with the batch and horizon
+    warmup_steps: int = 40
+    warmdown_ratio: float = 0.65
+    final_lr_frac: float = 0.05
+    # base_train's learning rates (nanochat's setup_optimizer has other defaults: see
+    # nanochat.param_groups)
+    embedding_lr: float = 0.3
+    unembedding_lr: float = 0.008
+    matrix_lr: float = 0.02
+    scalar_lr: float = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How the training state lies on the devices (sharding.py): --shard's mode, the
+    mesh it splits over (None: as on one device), and --remat (recompute each block
+    in the backward pass). A static argument of the jitted step."""
+    shard: str = "none"
+    mesh: jax.sharding.Mesh | None = None
+    remat: bool = False
+
+# ----------------------------------------------------------------------------------- the step
 
 
 def schedules(step, s):
-    """(lr multiplier, Muon momentum, Muon weight decay) at a traced step, from the schedule s."""
-    n, warmup = s["num_iterations"], s["warmup_steps"]
+    """(lr multiplier, Muon momentum, Muon weight decay) at a traced step, from the
+    schedule s."""
+    n = s["num_iterations"]
+    warmup = s["warmup_steps"]
     warmdown = jnp.round(s["warmdown_ratio"] * n)
-    p = (n - step) / jnp.maximum(warmdown, 1)
+    # 1. the lr: a linear warmup, flat, then a linear warmdown to final_lr_frac
+    p = (n - step) / jnp.maximum(warmdown, 1)  # 1 -> 0 through the warmdown
     decay = p + (1 - p) * s["final_lr_frac"]
-    lrm = jnp.where(step < warmup, (step + 1) / jnp.maximum(warmup, 1),
-                    jnp.where(step <= n - warmdown, 1.0, decay))
+    warming_lr = (step + 1) / jnp.maximum(warmup, 1)
+    lrm = jnp.where(step < warmup, warming_lr, jnp.where(step <= n - warmdown, 1.0, decay))
+    # 2. Muon's momentum: up from momentum_start, flat, then down to momentum_end
     f = step / s["momentum_warmup"]
     q = 1 - p  # progress through the warmdown
     warming = (1 - f) * s["momentum_start"] + f * s["momentum"]
     cooling = (1 - q) * s["momentum"] + q * s["momentum_end"]
-    momentum = jnp.where(step < s["momentum_warmup"], warming,
-                         jnp.where(step >= n - warmdown, cooling, s["momentum"]))
+    late = jnp.where(step >= n - warmdown, cooling, s["momentum"])
+    momentum = jnp.where(step < s["momentum_warmup"], warming, late)
+    # 3. Muon's weight decay: a cosine to 0
     weight_decay = s["weight_decay"] * 0.5 * (1 + jnp.cos(jnp.pi * step / n))
     return lrm, momentum, weight_decay
 
 
 def weighted_loss(params, cfg, inputs, targets, weights=None, attn=nc.causal_attention,
                   remat=False):
-    """The mean cross-entropy over valid targets; with per-token weights (RL's advantages)
-    sum(nll * w) / valid, nanochat's chat_rl objective with DAPO's token-level normalization."""
+    """The mean cross-entropy over valid targets; with per-token weights (RL's
+    advantages) sum(nll * w) / valid, nanochat's chat_rl objective with DAPO's
+    token-level normalization."""
     if weights is None:
         return nc.loss_fn(params, inputs, targets, cfg, attn=attn, remat=remat)
-    nll = nc.loss_fn(params, inputs, targets, cfg, "none", attn, remat)  # -log p of each token
+    # -log p of each token
+    nll = nc.loss_fn(params, inputs, targets, cfg, reduction="none", attn=attn, remat=remat)
     return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(targets >= 0), 1)
 
 
 def train_step(params, opt_state, batch, step, sched, lrs, cfg, attn=nc.causal_attention,
-               remat=False, mesh=None, shard="none"):
-    """Forward, backward over A micro-batches and one MuonAdamW update. batch: (inputs, targets),
-    int (A, B, T) each, and RL's per-token weights (A, B, T); sched: `schedules`' constants; lrs:
-    the base learning rates (`learning_rates`); attn: the model's attention (kernels.py); remat:
-    recompute each block in the backward pass; mesh, shard: the state's layout (sharding.py)."""
+               layout=Layout()):
+    """Forward, backward over A micro-batches and one MuonAdamW update. batch: (inputs,
+    targets), int (A, B, T) each, and RL's per-token weights (A, B, T); sched:
+    `schedules`' constants; lrs: the base learning rates (`learning_rates`); attn: the
+    model's attention (kernels.py)."""
+    mesh = layout.mesh
+    # 1. this step's hyper-parameters, as muon.py's parameter groups
     lrm, momentum, weight_decay = schedules(step, sched)
     labels, groups = nc.param_groups(params, lrm, momentum, weight_decay,
                                      muon_dtype=cfg.compute_dtype, **lrs)
-    p_kind, o_kind = sharding.kinds(shard)
+    p_kind, o_kind = sharding.kinds(layout.shard)
 
+    # 2. the gradients summed over the micro-batches, then divided by A as nanochat does
     def micro(grads, b):
-        loss, g = jax.value_and_grad(weighted_loss)(params, cfg, *b, attn=attn, remat=remat)
+        loss_and_grad = jax.value_and_grad(weighted_loss)
+        loss, g = loss_and_grad(params, cfg, *b, attn=attn, remat=layout.remat)
         return sharding.constrain(jax.tree.map(jnp.add, grads, g), mesh, p_kind), loss
-
-    grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), batch)
-    grads = jax.tree.map(lambda g: g / batch[0].shape[0], grads)  # nanochat divides each by A
-    # (with a mesh) the gradients reduce-scattered, the params sliced to the state's layout, and
-    # Muon's stacks split into whole matrices per device
-    grads, params = (sharding.constrain(t, mesh, o_kind) for t in (grads, params))
-    split = (1, None)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, losses = jax.lax.scan(micro, zeros, batch)
+    grads = jax.tree.map(lambda g: g / batch[0].shape[0], grads)
+    # 3. (with a mesh) the gradients reduce-scattered, the params sliced to the state's
+    # layout, and Muon's stacks split into whole matrices per device
+    grads = sharding.constrain(grads, mesh, o_kind)
+    params = sharding.constrain(params, mesh, o_kind)
+    shards, place = 1, None
     if mesh is not None:
-        split = (mesh.size, lambda stack: sharding.constrain(stack, mesh, "stack"))
-    params, opt_state = muon.update(grads, opt_state, params, labels, groups, *split)
-    params = sharding.constrain(params, mesh, p_kind)  # as they came in: no recompile
+        shards = mesh.size
+        place = functools.partial(sharding.constrain, mesh=mesh, kind="stack")
+    params, opt_state = muon.update(grads, opt_state, params, labels, groups,
+                                    shards=shards, place=place)
+    # 4. the state back in the layout it came in (no recompile), and whether all was
+    # finite
+    params = sharding.constrain(params, mesh, p_kind)
     opt_state = sharding.constrain(opt_state, mesh, o_kind)
     finite = jnp.isfinite(losses).all()
     finite &= jnp.all(jnp.array([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
     return params, opt_state, {"loss": losses.mean(), "lrm": lrm, "finite": finite}
 
 
-jit_train_step = jax.jit(train_step, static_argnames=("cfg", "attn", "remat", "mesh", "shard"),
+jit_train_step = jax.jit(train_step, static_argnames=("cfg", "attn", "layout"),
                          donate_argnames=("params", "opt_state"))
 
 
-def horizon(cfg, rows_per_step, num_iterations=-1, total_batch_size=-1, target_flops=-1.0,
-            target_param_data_ratio=12.0, batch_lr_scale=1.0, weight_decay=0.28):
-    """nanochat's scaling rules: (steps, tokens per step, batch lr scale, scaled Muon weight decay).
-    Steps: num_iterations if positive, else from target_flops, else target_param_data_ratio tokens
-    per scaling parameter; total_batch_size -1 is nanochat's Power Lines rule (arXiv 2505.13738:
-    B_opt grows as D^0.383), batch_lr_scale -1 its sqrt(batch / 2^19)."""
+def horizon(cfg, rows_per_step, iterations, optim):
+    """nanochat's scaling rules: (steps, tokens per step, batch lr scale, scaled Muon
+    weight decay). Steps: iterations if positive, else from optim.target_flops, else
+    target_param_data_ratio tokens per scaling parameter; total_batch_size -1 is
+    nanochat's Power Lines rule (arXiv 2505.13738: B_opt grows as D^0.383),
+    batch_lr_scale -1 its sqrt(batch / 2^19)."""
     def n_scaling(c):
         counts = nc.num_scaling_params(c)
         return counts["transformer_matrices"] + counts["lm_head"]
-    target_tokens = target_param_data_ratio * n_scaling(cfg)
-    d_ref = target_param_data_ratio * n_scaling(nc.config_for_depth(12, cfg.vocab_size))
-    b_ref, batch = 2**19, total_batch_size
+    # 1. the tokens this model should see, and those of nanochat's reference, d12
+    target_tokens = optim.target_param_data_ratio * n_scaling(cfg)
+    d12 = nc.config_for_depth(12, cfg.vocab_size)
+    d_ref = optim.target_param_data_ratio * n_scaling(d12)
+    b_ref = 2**19
+    # 2. the batch: given, or grown from the reference's as the data grows
+    batch = optim.total_batch_size
     if batch <= 0:
         batch = 2 ** round(math.log2(b_ref * (target_tokens / d_ref) ** 0.383))
         batch = max(batch, rows_per_step * cfg.sequence_len)
-    if num_iterations > 0:
-        steps = num_iterations
-    elif target_flops > 0:
-        steps = round(target_flops / (nc.estimate_flops(cfg) * batch))
+    # 3. the steps
+    if iterations > 0:
+        steps = iterations
+    elif optim.target_flops > 0:
+        steps = round(optim.target_flops / (nc.estimate_flops(cfg) * batch))
     else:
         steps = int(target_tokens) // batch
-    lr_scale = (batch / b_ref) ** 0.5 if batch_lr_scale < 0 else batch_lr_scale
-    return steps, batch, lr_scale, weight_decay * (batch / b_ref) ** 0.5 * d_ref / target_tokens
+    # 4. the lr scale and the weight decay follow the batch and the horizon
+    lr_scale = optim.batch_lr_scale
+    if lr_scale < 0:
+        lr_scale = (batch / b_ref) ** 0.5
+    weight_decay = optim.weight_decay * (batch / b_ref) ** 0.5 * d_ref / target_tokens
+    return steps, batch, lr_scale, weight_decay
 
 
-def base_schedule(steps, weight_decay=0.0, warmup_steps=40, warmdown_ratio=0.65,
-                  final_lr_frac=0.05):
-    """The pretraining schedule's constants (train_step's `sched`), nanochat's momentum ramps."""
-    return dict(num_iterations=steps, warmup_steps=warmup_steps, warmdown_ratio=warmdown_ratio,
-                final_lr_frac=final_lr_frac, momentum_start=0.85, momentum=0.97,
-                momentum_end=0.90, momentum_warmup=400, weight_decay=weight_decay)
+def base_schedule(steps, weight_decay, optim=Optim()):
+    """The pretraining schedule's constants (train_step's `sched`), nanochat's momentum
+    ramps."""
+    return dict(num_iterations=steps,
+                warmup_steps=optim.warmup_steps,
+                warmdown_ratio=optim.warmdown_ratio,
+                final_lr_frac=optim.final_lr_frac,
+                momentum_start=0.85,
+                momentum=0.97,
+                momentum_end=0.90,
+                momentum_warmup=400,
+                weight_decay=weight_decay)
 
 
-def learning_rates(scale=1.0, embedding_lr=0.3, unembedding_lr=0.008, matrix_lr=0.02,
-                   scalar_lr=0.5):
+def learning_rates(optim=Optim(), scale=1.0):
     """The base learning rates (train_step's `lrs`), each times scale."""
-    return dict(unembedding_lr=unembedding_lr * scale, embedding_lr=embedding_lr * scale,
-                matrix_lr=matrix_lr * scale, scalar_lr=scalar_lr * scale)
+    return dict(unembedding_lr=optim.unembedding_lr * scale,
+                embedding_lr=optim.embedding_lr * scale,
+                matrix_lr=optim.matrix_lr * scale,
+                scalar_lr=optim.scalar_lr * scale)
 
-# -------------------------------------------------------------------------------------- the loop
+# ----------------------------------------------------------------------------------- the loop
 
 
 @contextlib.contextmanager
 def ctrl_c_flag():
-    """Within it, Ctrl-C fills the yielded list instead of raising (a second one raises), for the
-    loop to read where params, step and data position agree: a KeyboardInterrupt inside the step
-    would leave donated buffers behind."""
+    """Within it, Ctrl-C fills the yielded list instead of raising (a second one
+    raises), for the loop to read where params, step and data position agree: a
+    KeyboardInterrupt inside the step would leave donated buffers behind."""
     pressed = []
 
-    def handler(*_):  # note the press, and put back the handler that raises
+    # a press is noted, and the handler that raises is back for the next one
+    def handler(*_):
         pressed.append(signal.signal(signal.SIGINT, signal.default_int_handler))
     previous = signal.signal(signal.SIGINT, handler)
     try:
@@ -172,47 +244,72 @@ def ctrl_c_flag():
         signal.signal(signal.SIGINT, previous)
 
 
-def train_loop(params, opt_state, next_batch, states, step, sched, lrs, cfg, *,
-               attn=nc.causal_attention, before_step=lambda *a: None, save=lambda *a: None,
-               save_every=-1, stop=(), log=lambda record: None, debug=False, layout=None,
-               mesh=None):
-    """Train from `step` to sched["num_iterations"]: (params, opt_state, this call's losses).
+@contextlib.contextmanager
+def step_scope(debug=False, mesh=None):
+    """Where each step runs: inside the mesh (splash's shard_map reads it); with debug,
+    un-jitted and with NaN checks, so print() and breakpoint() work in the step."""
+    in_mesh = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+    with jax.disable_jit(debug), jax.debug_nans(debug), in_mesh:
+        yield
 
-    next_batch(params, step) -> (batch, data states after it) (RL samples it from the params);
-    before_step(params, step, last) runs before each step and at the end; save(params, opt_state,
-    step, states) -> its path, every save_every steps and at the end. Raises FloatingPointError on
-    a non-finite loss, and KeyboardInterrupt (after saving) once `stop` is non-empty anywhere.
-    layout: train_step's remat, mesh and shard; mesh: the context mesh of each step (splash's
-    shard_map reads it), not of before_step and next_batch, which may run on one device."""
-    steps, start, last_saved, losses, smooth = sched["num_iterations"], step, None, [], 0.0
-    step_fn, flops = train_step if debug else jit_train_step, nc.estimate_flops(cfg)
+
+def nothing(*args):
+    """A hook that does nothing."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+    """What train_loop calls besides the step."""
+    before_step: Callable = nothing  # (params, step, last): evaluations and samples
+    save: Callable = nothing  # (params, opt_state, step, states) -> the checkpoint's path
+    save_every: int = -1  # steps between checkpoints (-1: only the last)
+    log: Callable = nothing  # (record): a line of metrics.jsonl
+    stop: Sequence = ()  # non-empty once Ctrl-C was pressed (ctrl_c_flag)
+
+
+def train_loop(params, opt_state, next_batch, states, step, *, steps, step_fn, flops,
+               hooks=Hooks(), scope=step_scope):
+    """Train from `step` to `steps`: (params, opt_state, this call's losses).
+
+    next_batch(params, step) -> (batch, data states after it) (RL samples it from the
+    params); step_fn(params, opt_state, batch, step) -> (params, opt_state, metrics),
+    inside scope(); flops: per token, for the log line. Raises FloatingPointError on a
+    non-finite loss, and KeyboardInterrupt (after saving) once hooks.stop is non-empty
+    anywhere."""
+    start = step
+    last_saved = None
+    losses = []
+    smooth = 0.0
     t_run = time.perf_counter()
     while True:
-        last, pressed = step == steps, bool(stop)
-        if jax.process_count() > 1:  # all stop if one was pressed: one saving alone would hang
+        last = step == steps
+        # 1. Ctrl-C: save where params, step and data agree (all processes, or one would
+        # hang)
+        pressed = bool(hooks.stop)
+        if jax.process_count() > 1:
             pressed = bool(multihost_utils.process_allgather(np.array(pressed)).any())
         if pressed:
-            saved = save(params, opt_state, step, states)
+            saved = hooks.save(params, opt_state, step, states)
             raise KeyboardInterrupt(f"interrupted: saved {saved}; continue with --resume")
-        before_step(params, step, last)
-        if last or (save_every > 0 and step > 0 and step % save_every == 0):
-            last_saved = save(params, opt_state, step, states)
+        # 2. evaluate, save, and stop at the end
+        hooks.before_step(params, step, last)
+        periodic = hooks.save_every > 0 and step > 0 and step % hooks.save_every == 0
+        if last or periodic:
+            last_saved = hooks.save(params, opt_state, step, states)
         if last:
             return params, opt_state, losses
+        # 3. one step
         batch, next_states = next_batch(params, step)
         t0 = time.perf_counter()
-        context = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-        with jax.disable_jit(debug), jax.debug_nans(debug), context:
-            params, opt_state, m = step_fn(params, opt_state, batch, step, sched, lrs, cfg=cfg,
-                                           attn=attn, **(layout or {}))
-        loss, dt = float(m["loss"]), time.perf_counter() - t0
+        with scope():
+            params, opt_state, m = step_fn(params, opt_state, batch, step)
+        loss = float(m["loss"])
+        dt = time.perf_counter() - t0
         if not bool(m["finite"]):
-            saved = (f"the last good checkpoint is {last_saved} (--resume continues from it)"
-                     if last_saved else "no checkpoint was saved yet (--save-every N saves one "
-                     "every N steps)")
-            raise FloatingPointError(f"step {step}: loss {loss} is not finite; {saved}. Lower the "
-                                     "learning rates")
-        step, states = step + 1, next_states
+            raise FloatingPointError(diverged(step, loss, last_saved))
+        step = step + 1
+        states = next_states
+        # 4. the live line and the metrics
         losses.append(loss)
         smooth = 0.9 * smooth + 0.1 * loss
         tps = batch[0].size / dt
@@ -220,127 +317,216 @@ def train_loop(params, opt_state, next_batch, states, step, sched, lrs, cfg, *,
         print(f"step {step:5d}/{steps} | loss {smooth / (1 - 0.9 ** (step - start)):.4f} | lrm "
               f"{float(m['lrm']):.3f} | {dt * 1e3:.0f} ms | {tps:,.0f} tok/s | "
               f"{tps * flops / 1e9:,.1f} GFLOP/s | eta {eta / 60:.1f} min", flush=True)
-        log({"step": step, "loss": loss, "lrm": float(m["lrm"]), "dt": dt,
-             "tokens": batch[0].size, "tok_per_s": tps})
+        hooks.log({"step": step, "loss": loss, "lrm": float(m["lrm"]), "dt": dt,
+                   "tokens": batch[0].size, "tok_per_s": tps})
 
-# ------------------------------------------------------------------------------------ the stages
+
+def diverged(step, loss, last_saved):
+    """The message of a non-finite loss: where to go on from."""
+    if last_saved:
+        where = f"the last good checkpoint is {last_saved} (--resume continues from it)"
+    else:
+        where = "no checkpoint was saved yet (--save-every N saves one every N steps)"
+    return f"step {step}: loss {loss} is not finite; {where}. Lower the learning rates"
+
+# --------------------------------------------------------------------------------- the stages
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One training stage: the model, the params it starts from, what it trains on, for
+    how long and how fast. base_stage, sft_stage and rl.rl_stage build them."""
+    name: str  # base, sft or rl: its checkpoints go under out/<name>
+    cfg: nc.Config
+    init: Callable  # () -> the params it starts from (unless it resumes)
+    iterations: int  # steps; base: -1 follows nanochat's rules (`horizon`)
+    schedule: dict = dataclasses.field(default_factory=dict)  # base_schedule values it changes
+    lr_frac: float = 1.0  # its learning rates: this fraction of the base ones
+    packer: Callable | None = None  # packed stages: data.pretrain_batches or sft_batches ...
+    docs: Callable | None = None  # ... over these documents (epoch -> texts)
+    sample: Callable | None = None  # RL: sample(params, step, split) -> (batch, states)
+    evaluate: Callable | None = None  # more evaluation before each step (RL's pass@k)
+    shape: str = ""  # the startup line's words for a step's batch (RL's)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Where and how run_stage runs a stage: train.py's flags of the same names."""
+    out: str = "checkpoints"  # the root: a stage's checkpoints go under out/<stage>
+    device_batch_size: int = 16  # rows per device per micro-batch
+    resume: bool = False  # continue from the stage's newest checkpoint, exactly
+    keep: int = 3  # checkpoints kept
+    save_every: int = -1  # a checkpoint every N steps (-1: only the last)
+    debug: bool = False  # the step un-jitted with NaN checks
+    data_shards: int = 0  # sharding.sharded_batches' (0: one per process)
+    attention: str = "auto"  # the training step's route of kernels.ROUTES
+    shard: str | None = None  # --shard (None: sharding.choose_mode's default)
+    remat: bool = False
 
 
 def model_config(vocab_size, depth=3, aspect_ratio=32, head_dim=32, max_seq_len=256,
                  window_pattern="L", dtype="auto"):
-    """The model of a depth (nanochat's dial); dtype auto: float32 on a CPU, else bfloat16."""
+    """The model of a depth (nanochat's dial); dtype auto: float32 on a CPU, else
+    bfloat16."""
     if dtype == "auto":
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    return nc.config_for_depth(depth, vocab_size, aspect_ratio, head_dim, sequence_len=max_seq_len,
-                               window_pattern=window_pattern, compute_dtype=dtype)
+    return nc.config_for_depth(depth, vocab_size, aspect_ratio, head_dim,
+                               sequence_len=max_seq_len, window_pattern=window_pattern,
+                               compute_dtype=dtype)
 
 
 def base_stage(cfg, documents, key, iterations=-1):
     """Pretraining from fresh weights on documents (epoch -> texts, data.corpus)."""
-    return dict(cfg=cfg, init=lambda: kernels.init_params(cfg, key), packer=data.pretrain_batches,
-                docs=documents, iterations=iterations)
+    return Stage(name="base",
+                 cfg=cfg,
+                 init=lambda: kernels.init_params(cfg, key),
+                 iterations=iterations,
+                 packer=data.pretrain_batches,
+                 docs=documents)
 
 
 def sft_stage(out, tok, documents, seed=0, conversations=(), text_every=8, iterations=1500,
               lr_frac=0.8):
-    """SFT from the newest base checkpoint on the synthetic chat tasks (and user conversations)
-    with a pretraining document every `text_every` conversations, and nanochat's chat_sft
-    schedule: lr_frac of the lrs, no warmup, a linear warmdown over the last half to 0, no weight
-    decay."""
+    """SFT from the newest base checkpoint on the synthetic chat tasks (and user
+    conversations) with a pretraining document every `text_every` conversations, and
+    nanochat's chat_sft schedule: lr_frac of the lrs, no warmup, a linear warmdown over
+    the last half to 0, no weight decay."""
     params, cfg = checkpoint.load_stage(out, "base", tok)
+    # the tasks' conversations, the user's, and a corpus document every text_every
     mixture = tasks.sft_mixture(seed, list(conversations), documents, text_every)
-    sched = dict(warmup_steps=0, warmdown_ratio=0.5, final_lr_frac=0.0, momentum=0.95,
-                 momentum_end=0.95, momentum_warmup=300, weight_decay=0.0)
-    return dict(cfg=cfg, init=lambda: params, packer=data.sft_batches, docs=mixture,
-                iterations=iterations, lr_frac=lr_frac, sched=sched)
+    schedule = dict(warmup_steps=0, warmdown_ratio=0.5, final_lr_frac=0.0, momentum=0.95,
+                    momentum_end=0.95, momentum_warmup=300, weight_decay=0.0)
+    return Stage(name="sft",
+                 cfg=cfg,
+                 init=lambda: params,
+                 iterations=iterations,
+                 schedule=schedule,
+                 lr_frac=lr_frac,
+                 packer=data.sft_batches,
+                 docs=mixture)
 
 
-def plan(cfg, rows, iterations, lr_frac=1.0, overrides=None, *, total_batch_size=-1,
-         target_flops=-1.0, target_param_data_ratio=12.0, batch_lr_scale=1.0, weight_decay=0.28,
-         warmup_steps=40, warmdown_ratio=0.65, final_lr_frac=0.05, embedding_lr=0.3,
-         unembedding_lr=0.008, matrix_lr=0.02, scalar_lr=0.5):
-    """A stage's (sched, lrs, tokens per step, batch lr scale) from nanochat's rules (`horizon`),
-    the pretraining schedule with the stage's `overrides`, and the base lrs times lr_frac."""
-    steps, batch, lr_scale, wd = horizon(cfg, rows, iterations, total_batch_size, target_flops,
-                                         target_param_data_ratio, batch_lr_scale, weight_decay)
-    sched = {**base_schedule(steps, wd, warmup_steps, warmdown_ratio, final_lr_frac),
-             **(overrides or {})}
-    lrs = learning_rates(lr_scale, embedding_lr, unembedding_lr, matrix_lr, scalar_lr)
-    return sched, {k: v * lr_frac for k, v in lrs.items()}, batch, lr_scale
+def packed_plan(stage, optim, rows):
+    """A packed stage's (sched, lrs, tokens per step, batch lr scale) from nanochat's
+    rules (`horizon`): the pretraining schedule with the stage's changes, the base
+    lrs times its lr_frac. rows: rows of a micro-batch over all devices."""
+    cfg = stage.cfg
+    steps, batch, lr_scale, wd = horizon(cfg, rows, stage.iterations, optim)
+    sched = {**base_schedule(steps, wd, optim), **stage.schedule}
+    lrs = learning_rates(optim, lr_scale)
+    lrs = {name: lr * stage.lr_frac for name, lr in lrs.items()}
+    return sched, lrs, batch, lr_scale
 
 
-def resume_or_init(stage, cfg, out_dir, resume, sched, lrs):
-    """(step, params, opt_state, sched, lrs, loader states): the stage's newest checkpoint with
-    resume (its schedule and position), else its initial params and fresh optimizer state."""
+def sampled_plan(stage, optim):
+    """RL's (sched, lrs): its own steps and schedule, the base lrs times its lr_frac.
+    Its batch is its rollouts, so no batch rule applies."""
+    sched = {**base_schedule(stage.iterations, 0.0, optim), **stage.schedule}
+    lrs = {name: lr * stage.lr_frac for name, lr in learning_rates(optim).items()}
+    return sched, lrs
+
+
+def resume_or_init(stage, out_dir, resume, sched, lrs):
+    """(step, params, opt_state, sched, lrs, loader states): the stage's newest
+    checkpoint with resume (its schedule and position), else its initial params and
+    fresh optimizer state."""
+    # 1. the newest checkpoint, if it holds the model these flags make
     if resume and (found := checkpoint.load_newest(out_dir)):
         path, params, opt_state, meta = found
         saved = checkpoint.config_from(meta["config"], path)
-        if saved != cfg:  # another --depth, --max-seq-len, ...: the weights would not fit
-            raise ValueError(f"{path} holds {saved}, but these flags make {cfg}: resume with the "
-                             "flags it was trained with, or train into another --out")
+        if saved != stage.cfg:  # another --depth, --max-seq-len, ...: the weights would not fit
+            raise ValueError(f"{path} holds {saved}, but these flags make {stage.cfg}: resume "
+                             "with the flags it was trained with, or train into another --out")
         print(f"resuming {path} at step {meta['step']}")
         return meta["step"], params, opt_state, meta["schedule"], meta["lrs"], meta["data_states"]
-    params = stage["init"]()
+    # 2. else the stage's first params and a fresh optimizer state
+    params = stage.init()
     return 0, params, muon.init(params, *nc.param_groups(params)), sched, lrs, None
 
 
-def describe(name, cfg, sched, shape, attention, lr_scale, layout=""):
-    """The startup line: the model, its size, the steps, the devices, the kernel, the layout."""
+def print_startup(stage, sched, shape, attention, lr_scale, layout_words):
+    """The startup line: the model, its size, the steps, the devices, the kernel, the
+    layout."""
+    cfg = stage.cfg
     route = kernels.route(attention, jax.default_backend(), jnp.dtype(cfg.compute_dtype),
                           cfg.sequence_len, cfg.head_dim)
-    print(f"{name}: {cfg}\n{nc.num_scaling_params(cfg)['total']:,} params, "
+    print(f"{stage.name}: {cfg}\n{nc.num_scaling_params(cfg)['total']:,} params, "
           f"{sched['num_iterations']} steps of {shape}, {jax.device_count()} devices, attention "
-          f"{route}, lr scale {lr_scale:.3f}, Muon wd {sched['weight_decay']:.3g}\n{layout}")
+          f"{route}, lr scale {lr_scale:.3f}, Muon wd {sched['weight_decay']:.3g}\n"
+          f"{layout_words}")
 
 
-def stage_batches(tok, stage, A, rows, T, mesh, data_shards=0, states=None):
-    """(next_batch(params, step), loader states): RL's sampled from the params, else packed."""
+def stage_batches(tok, stage, run, batch, mesh, states=None):
+    """(next_batch(params, step), loader states): RL's sampled from the params, else
+    packed into micro-batches of the run's rows, `batch` tokens a step."""
     split = NamedSharding(mesh, P(None, "data"))  # rows over the devices
-    if "next_batch" in stage:
-        return functools.partial(stage["next_batch"], split=split), states
-    batches, states = sharding.sharded_batches(stage["packer"], tok, stage["docs"], A, rows, T,
-                                              split, data_shards, states)
+    # RL: each step's batch sampled from the params of that step
+    if stage.sample is not None:
+        return functools.partial(stage.sample, split=split), states
+    # packed: each process packs its shard of the documents, from the saved position
+    T = stage.cfg.sequence_len
+    rows = run.device_batch_size * jax.device_count()
+    A = batch // (rows * T)  # micro-batches a step
+    batches, states = sharding.sharded_batches(stage.packer, tok, stage.docs, A, rows, T,
+                                              split=split, data_shards=run.data_shards,
+                                              states=states)
     return (lambda params, step: next(batches)), states
 
 
-def run_stage(name, stage, tok, out, device_batch_size=16, optim=None, evals=None, resume=False,
-              keep=3, save_every=-1, debug=False, data_shards=0, attention="auto", record=None,
-              shard=None, remat=False):
-    """Run a stage (base_stage, sft_stage, rl_stage) to its horizon, or on from its newest
-    checkpoint under out/name: (params, cfg, this run's losses, info). optim: `plan`'s keyword
-    values; evals: evaluate.during_training's; attention: a route of kernels.ROUTES; record: more
-    to save in each checkpoint's meta (train.py: its flags); shard, remat: --shard, --remat."""
-    cfg, out_dir = stage["cfg"], os.path.join(out, name)
-    T, rows = cfg.sequence_len, device_batch_size * jax.device_count()
-    sched, lrs, batch, lr_scale = plan(cfg, rows, stage["iterations"], stage.get("lr_frac", 1.0),
-                                       stage.get("sched"), **(optim or {}))
-    if rows < 1 or batch % (rows * T):  # (at least a row on each device of the mesh)
-        raise ValueError(f"--total-batch-size {batch} must be a multiple of {rows * T} (device "
-                         f"batch {device_batch_size}, at least 1, x devices x T)")
-    step, params, opt_state, sched, lrs, states = resume_or_init(stage, cfg, out_dir, resume,
-                                                                 sched, lrs)
-    mesh = sharding.data_mesh()
-    params, opt_state, shard = sharding.place(params, opt_state, mesh, shard)
-    layout = dict(remat=remat, mesh=mesh if shard != "none" else None, shard=shard)
-    next_batch, states = stage_batches(tok, stage, batch // (rows * T), rows, T, mesh,
-                                       data_shards, states)
-    shape = stage.get("shape", f"{batch:,} tokens ({batch // (rows * T)} x {rows} x {T})")
-    describe(name, cfg, sched, shape, attention, lr_scale,
-             sharding.describe(params, opt_state, jax.device_count(), shard))
-    os.makedirs(out_dir, exist_ok=True)
-    meta = {"stage": name, "config": dataclasses.asdict(cfg), "tokenizer": "tokenizer.json",
-            "schedule": sched, "lrs": lrs, "args": record or {}}
-    results = {"val_bpb": None, "tokens": 0, "train_time": 0.0}
+def checkpoint_saver(stage, tok, run, meta, results):
+    """save(params, opt_state, step, states) for train_loop: the state gathered from
+    every process, written by process 0 with the tokenizer inside the atomic write
+    (chat.py needs it); returns the checkpoint's path on every process."""
+    out_dir = os.path.join(run.out, stage.name)
 
     def save(params, opt_state, step, states):
         info = {**meta, "step": step, "data_states": checkpoint.gather_states(states),
                 "val_bpb": results["val_bpb"]}
-        params, opt_state = checkpoint.gather_tree((params, opt_state))  # every process joins
-        if jax.process_index() == 0:  # the tokenizer inside the atomic write: chat.py needs it
-            return checkpoint.save_checkpoint(out_dir, step, params, opt_state, info, keep,
-                                              {"tokenizer.json": tok.save})
-        return os.path.join(out_dir, f"step_{step:06d}")  # process 0's: every message names it
+        # a collective: every process joins, process 0 writes
+        params, opt_state = checkpoint.gather_tree((params, opt_state))
+        if jax.process_index() == 0:
+            return checkpoint.save_checkpoint(out_dir, step, params, opt_state, info,
+                                              keep=run.keep, files={"tokenizer.json": tok.save})
+        return os.path.join(out_dir, f"step_{step:06d}")
+    return save
 
+
+def run_stage(stage, tok, run=Run(), optim=Optim(), evals=None, record=None):
+    """Run a stage to its horizon, or on from its newest checkpoint under
+    run.out/<name>: (params, cfg, this run's losses, info). evals:
+    evaluate.during_training's; record: more to save in each checkpoint's meta
+    (train.py: its flags)."""
+    cfg = stage.cfg
+    out_dir = os.path.join(run.out, stage.name)
+    T = cfg.sequence_len
+    rows = run.device_batch_size * jax.device_count()
+    # 1. the schedule and learning rates: RL's own, a packed stage's by nanochat's rules
+    if stage.sample is not None:
+        sched, lrs = sampled_plan(stage, optim)
+        batch, lr_scale, shape = None, 1.0, stage.shape
+    else:
+        sched, lrs, batch, lr_scale = packed_plan(stage, optim, rows)
+        if rows < 1 or batch % (rows * T):  # (at least a row on each device of the mesh)
+            raise ValueError(f"--total-batch-size {batch} must be a multiple of {rows * T} "
+                             f"(device batch {run.device_batch_size}, at least 1, x devices x T)")
+        shape = f"{batch:,} tokens ({batch // (rows * T)} x {rows} x {T})"
+    # 2. the params and optimizer state, fresh or resumed, laid out on the devices
+    step, params, opt_state, sched, lrs, states = resume_or_init(stage, out_dir, run.resume,
+                                                                 sched, lrs)
+    mesh = sharding.data_mesh()
+    shard = sharding.choose_mode(run.shard, mesh.size)
+    params, opt_state = sharding.place(params, opt_state, mesh, shard)
+    layout = Layout(shard=shard, mesh=mesh if shard != "none" else None, remat=run.remat)
+    next_batch, states = stage_batches(tok, stage, run, batch, mesh, states)
+    words = sharding.describe(params, opt_state, jax.device_count(), shard)
+    print_startup(stage, sched, shape, run.attention, lr_scale, words)
+    # 3. the step, the checkpoints and the metrics
+    step_fn = functools.partial(train_step if run.debug else jit_train_step, sched=sched, lrs=lrs,
+                                cfg=cfg, attn=kernels.attention(run.attention), layout=layout)
+    os.makedirs(out_dir, exist_ok=True)
+    meta = {"stage": stage.name, "config": dataclasses.asdict(cfg), "tokenizer": "tokenizer.json",
+            "schedule": sched, "lrs": lrs, "args": record or {}}
+    results = {"val_bpb": None, "tokens": 0, "train_time": 0.0}
     t = time.perf_counter()
     metrics = os.path.join(out_dir, "metrics.jsonl") if jax.process_index() == 0 else os.devnull
     with open(metrics, "a") as f, ctrl_c_flag() as stop:
@@ -349,12 +535,16 @@ def run_stage(name, stage, tok, out, device_batch_size=16, optim=None, evals=Non
             if "dt" in entry and entry["step"] > step + 1:  # for MFU; the first step compiled
                 results["tokens"] += entry["tokens"]
                 results["train_time"] += entry["dt"]
-        before = evaluate.during_training(name, tok, cfg, results, log, device_batch_size,
-                                          stage_eval=stage.get("evaluate"), **(evals or {}))
-        params, _, losses = train_loop(params, opt_state, next_batch, states, step, sched, lrs,
-                                       cfg, attn=kernels.attention(attention), before_step=before,
-                                       save=save, save_every=save_every, stop=stop, log=log,
-                                       debug=debug, layout=layout, mesh=mesh)
+        before = evaluate.during_training(stage.name, tok, cfg, results, log,
+                                          run.device_batch_size, stage_eval=stage.evaluate,
+                                          **(evals or {}))
+        hooks = Hooks(before_step=before, save=checkpoint_saver(stage, tok, run, meta, results),
+                      save_every=run.save_every, log=log, stop=stop)
+        # 4. the loop
+        params, _, losses = train_loop(params, opt_state, next_batch, states, step,
+                                       steps=sched["num_iterations"], step_fn=step_fn,
+                                       flops=nc.estimate_flops(cfg), hooks=hooks,
+                                       scope=functools.partial(step_scope, run.debug, mesh))
     info = {**results, "steps": sched["num_iterations"], "time": time.perf_counter() - t}
     return params, cfg, losses, info
 
@@ -364,9 +554,7 @@ STAGES = ("base", "sft", "rl")
 QUESTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata",
                          "heldout_questions.jsonl")
 CACHE = os.path.expanduser("~/.cache/nanochat_jax/xla")
-OPTIM = ("total_batch_size", "target_flops", "target_param_data_ratio", "batch_lr_scale",
-         "weight_decay", "warmup_steps", "warmdown_ratio", "final_lr_frac", "embedding_lr",
-         "unembedding_lr", "matrix_lr", "scalar_lr")  # the flags that are plan()'s keywords
+DEFAULT = Optim()  # the flags' defaults
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -399,7 +587,9 @@ def add_model_flags(p):
     a("--window-pattern", default="L", help="e.g. SSSL: S = a quarter of the context, L = all")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
       help="compute dtype (auto: float32 on a CPU, bfloat16 on a GPU or TPU)")
-    a("--attention", default="auto", choices=kernels.ROUTES, help="attention kernel (kernels.py)")
+    a("--attention", default="auto", choices=kernels.ROUTES,
+      help="the training step's attention kernel (kernels.py; evaluation and generation "
+           "choose their own)")
     a("--remat", action="store_true", help="recompute each block in the backward: less memory")
 
 
@@ -407,20 +597,32 @@ def add_optim_flags(p):
     a = p.add_argument_group("horizon and batch").add_argument
     a("--num-iterations", type=int, default=600, help="base steps (-1: from flops or ratio)")
     a("--sft-iterations", type=int, default=1500, help="SFT steps")
-    a("--target-flops", type=float, default=-1.0, help="base training FLOPs (-1: the ratio)")
-    a("--target-param-data-ratio", type=float, default=12.0, help="tokens per scaling parameter")
-    a("--device-batch-size", type=int, default=16, help="rows per device per micro-batch")
-    a("--total-batch-size", type=int, default=4096, help="tokens per step (-1: nanochat's rule)")
+    a("--target-flops", type=float, default=DEFAULT.target_flops,
+      help="base training FLOPs (-1: the ratio)")
+    a("--target-param-data-ratio", type=float, default=DEFAULT.target_param_data_ratio,
+      help="tokens per scaling parameter")
+    a("--device-batch-size", type=int, default=Run.device_batch_size,
+      help="rows per device per micro-batch")
+    a("--total-batch-size", type=int, default=DEFAULT.total_batch_size,
+      help="tokens per step (-1: nanochat's rule)")
     a = p.add_argument_group("optimization (nanochat's defaults)").add_argument
-    a("--embedding-lr", type=float, default=0.3, help="AdamW lr of wte and the value embeddings")
-    a("--unembedding-lr", type=float, default=0.008, help="AdamW lr of lm_head")
-    a("--matrix-lr", type=float, default=0.02, help="Muon lr of the transformer's matrices")
-    a("--scalar-lr", type=float, default=0.5, help="AdamW lr of the per-layer residual scalars")
-    a("--batch-lr-scale", type=float, default=1.0, help="lr scale (-1: sqrt(batch / 2^19))")
-    a("--weight-decay", type=float, default=0.28, help="Muon weight decay, before its scaling")
-    a("--warmup-steps", type=int, default=40, help="base lr warmup steps (SFT: none)")
-    a("--warmdown-ratio", type=float, default=0.65, help="base steps of lr decay (SFT: 0.5)")
-    a("--final-lr-frac", type=float, default=0.05, help="base lr at the end, a fraction (SFT: 0)")
+    a("--embedding-lr", type=float, default=DEFAULT.embedding_lr,
+      help="AdamW lr of wte and the value embeddings")
+    a("--unembedding-lr", type=float, default=DEFAULT.unembedding_lr, help="AdamW lr of lm_head")
+    a("--matrix-lr", type=float, default=DEFAULT.matrix_lr,
+      help="Muon lr of the transformer's matrices")
+    a("--scalar-lr", type=float, default=DEFAULT.scalar_lr,
+      help="AdamW lr of the per-layer residual scalars")
+    a("--batch-lr-scale", type=float, default=DEFAULT.batch_lr_scale,
+      help="lr scale of packed stages (-1: sqrt(batch / 2^19))")
+    a("--weight-decay", type=float, default=DEFAULT.weight_decay,
+      help="Muon weight decay, before its scaling")
+    a("--warmup-steps", type=int, default=DEFAULT.warmup_steps,
+      help="base lr warmup steps (SFT: none)")
+    a("--warmdown-ratio", type=float, default=DEFAULT.warmdown_ratio,
+      help="base steps of lr decay (SFT: 0.5)")
+    a("--final-lr-frac", type=float, default=DEFAULT.final_lr_frac,
+      help="base lr at the end, a fraction (SFT: 0)")
     a("--init-lr-frac", type=float, default=0.8, help="SFT lrs as a fraction of the base lrs")
 
 
@@ -433,8 +635,9 @@ def add_eval_flags(p):
     a("--chat-data", default=None, help="ChatCORE's datasets' directory: ChatCORE after SFT, RL")
     a("--eval-max", type=int, default=-1, help="at most N examples per CORE, ChatCORE task")
     a("--sample-every", type=int, default=100, help="print a sample every N steps (0: never)")
-    a("--save-every", type=int, default=-1, help="a checkpoint every N steps (-1: only the last)")
-    a("--keep", type=int, default=3, help="checkpoints kept per stage")
+    a("--save-every", type=int, default=Run.save_every,
+      help="a checkpoint every N steps (-1: only the last)")
+    a("--keep", type=int, default=Run.keep, help="checkpoints kept per stage")
     a("--resume", action="store_true", help="continue from the stage's newest checkpoint, exactly")
     a("--seed", type=int, default=0, help="init, data order and SFT mixture seed")
     a("--debug", action="store_true", help="run the step un-jitted with NaN checks (print works)")
@@ -447,7 +650,8 @@ def parse_args(argv=None):
                 sharding.add_flags):
         add(p)
     args = p.parse_args(argv)
-    for k, v in rl.DEFAULTS.items():  # the RL flags not given: ours, or nanochat's on GSM8K
+    # the RL flags not given: ours, or nanochat's on GSM8K
+    for k, v in rl.DEFAULTS.items():
         setattr(args, k, getattr(args, k, v["gsm8k" in args.rl_tasks]))
     return args
 
@@ -457,44 +661,54 @@ def main(argv=None):
     kernels.tune_process(args.compile_cache, restart=argv is None)
     sharding.init_distributed(args.coordinator, args.num_processes, args.process_id,
                               args.distributed)
-    t, results = time.perf_counter(), {}
+    t = time.perf_counter()
+    results = {}
+    # 1. the tokenizer: trained once, then read
     tok = data.tokenizer_for(args.out, args.data, args.vocab_size, args.tokenizer_max_chars,
                              retrain=args.stage == "tokenizer", write=jax.process_index() == 0)
-    graded = args.questions and args.eval_tasks > 0  # the evaluations' data first: bad input fails
+    # 2. the evaluations' data first, so that bad input fails before any training
+    graded = args.questions and args.eval_tasks > 0
     questions = tasks.load_questions(args.questions) if graded else ()
     bundle = evaluate.load_bundle(args.eval_bundle, args.eval_max) if args.eval_bundle else None
     chat_tasks = tasks.load_chat_tasks(args.chat_data, args.eval_max) if args.chat_data else {}
     rows = NamedSharding(sharding.data_mesh(), P("data"))  # evaluations' rows over the devices
-    docs, key = data.corpus(args.data, "train", seed=args.seed), jax.random.key(args.seed)
+    # 3. the settings every stage shares
+    docs = data.corpus(args.data, "train", seed=args.seed)
     evals = dict(val_docs=data.corpus(args.data, "val"), eval_every=args.eval_every,
                  eval_steps=args.eval_steps, sample_every=args.sample_every)
+    optim = Optim(**{field.name: getattr(args, field.name) for field in dataclasses.fields(Optim)})
+    run = Run(**{field.name: getattr(args, field.name) for field in dataclasses.fields(Run)})
+    # 4. each stage: built, trained, evaluated
     for name in {"all": STAGES, "tokenizer": ()}.get(args.stage, (args.stage,)):
-        if name == "base":
-            cfg = model_config(tok.n_vocab, args.depth, args.aspect_ratio, args.head_dim,
-                               args.max_seq_len, args.window_pattern, args.dtype)
-            stage = base_stage(cfg, docs, key, args.num_iterations)
-        elif name == "sft":
-            extra = [c for path in args.sft_data for c in data.load_conversations(path)]
-            stage = sft_stage(args.out, tok, docs, args.seed, extra, args.sft_text_every,
-                              args.sft_iterations, args.init_lr_frac)
-        else:
-            stage = rl.rl_stage(args.out, tok, args.rl_tasks, args.seed, args.chat_data,
-                                args.rl_prompts, args.rl_samples, args.rl_max_tokens,
-                                args.rl_iterations, args.rl_lr_frac, args.rl_eval,
-                                args.rl_eval_every)
-        optim = {k: getattr(args, k) for k in OPTIM}
-        params, cfg, losses, info = run_stage(
-            name, stage, tok, args.out, args.device_batch_size, optim, evals, resume=args.resume,
-            keep=args.keep, save_every=args.save_every, debug=args.debug,
-            data_shards=args.data_shards, attention=args.attention, record=vars(args),
-            shard=args.shard, remat=args.remat)
-        results[name] = report.evaluate_stage(name, params, cfg, tok, losses, info, args.out,
-                                              argv or sys.argv[1:], args.eval_tasks, questions,
-                                              (args.eval_bundle, bundle),
-                                              (args.chat_data, chat_tasks), rows)
+        stage = build_stage(name, args, tok, docs)
+        params, cfg, losses, info = run_stage(stage, tok, run, optim, evals, record=vars(args))
+        results[name] = report.evaluate_stage(
+            name, params, cfg, tok, losses, info,
+            out=args.out, argv=argv or sys.argv[1:], eval_tasks=args.eval_tasks,
+            questions=questions, bundle=(args.eval_bundle, bundle),
+            chat_tasks=(args.chat_data, chat_tasks), rows=rows)
     results["total_minutes"] = (time.perf_counter() - t) / 60
     print(json.dumps(results))
     return results
+
+
+def build_stage(name, args, tok, docs):
+    """The stage `name` as train.py's flags describe it."""
+    if name == "base":
+        cfg = model_config(tok.n_vocab, depth=args.depth, aspect_ratio=args.aspect_ratio,
+                           head_dim=args.head_dim, max_seq_len=args.max_seq_len,
+                           window_pattern=args.window_pattern, dtype=args.dtype)
+        return base_stage(cfg, docs, jax.random.key(args.seed), args.num_iterations)
+    if name == "sft":
+        extra = [c for path in args.sft_data for c in data.load_conversations(path)]
+        return sft_stage(args.out, tok, docs, seed=args.seed, conversations=extra,
+                         text_every=args.sft_text_every, iterations=args.sft_iterations,
+                         lr_frac=args.init_lr_frac)
+    return Stage(**rl.rl_stage(args.out, tok, task_names=args.rl_tasks, seed=args.seed,
+                               chat_data=args.chat_data, prompts=args.rl_prompts,
+                               samples=args.rl_samples, max_tokens=args.rl_max_tokens,
+                               iterations=args.rl_iterations, lr_frac=args.rl_lr_frac,
+                               eval_n=args.rl_eval, eval_every=args.rl_eval_every))
 
 
 if __name__ == "__main__":
