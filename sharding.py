@@ -1,9 +1,10 @@
 """Where the training state lives on a one-axis "data" mesh: train.py's --shard modes.
 
 - none: parameters and optimizer state replicated on every device (plain data parallel).
-- optimizer (ZeRO-1/2, arXiv 1910.02054): the optimizer state split over the devices; each
-  updates its share of the moments and parameters, and XLA gathers the new parameters.
-- full (FSDP): the parameters and the gradients split the same way too; XLA gathers each
+- optimizer (ZeRO-2, arXiv 1910.02054): the optimizer state split over the devices and the
+  gradients reduce-scattered to it; each device updates its share of the moments and
+  parameters, and XLA gathers the new parameters.
+- full (FSDP): the parameters split the same way too; XLA gathers each
   layer's weights where the forward and backward use them and reduce-scatters the gradients.
 Each leaf splits on one axis of its own, the first of those its kind allows that divides the
 device count. The optimizer state is kept split on any axis (the stack of per-layer matrices,
