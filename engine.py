@@ -1,13 +1,14 @@
 """Generation: nanochat's Engine, and an engine that serves many requests at once.
 
-- `generate` is nanochat's Engine.generate token for token: the specification, which the golden
-  test pins to nanochat's own Engine and against which the slot engine is tested.
-- `Engine` serves many requests at once (continuous batching): slots, rows of one KV cache over
-  the whole context, each at its own position. A prompt is prefilled alone into free slots
-  (`admit`); one jitted call decodes up to K tokens for every live slot (`decode_chunk`) with the
-  sampling, stop ids, budgets and the calculator's forced tokens on the device, and hands back
-  early only when the calculator must run (`resume`). A choice's samples depend on its own seed.
-docs/serving.md tells the design. Dimensions: B slots, S sequence_len, V vocab, C choices.
+- `generate` is nanochat's Engine.generate token for token: the specification, which the
+  golden test pins to nanochat's own Engine and against which the slot engine is tested.
+- `Engine` serves many requests at once (continuous batching): slots, rows of one KV
+  cache over the whole context, each at its own position. A prompt is prefilled alone
+  into free slots (`admit`); one jitted call decodes up to K tokens for every live slot
+  (`decode_chunk`) with the sampling, stop ids, budgets and the calculator's forced
+  tokens on the device, and hands back early only when the calculator must run
+  (`resume`). A choice's samples depend on its own seed. docs/serving.md tells the
+  design. Dimensions: B slots, S sequence_len, V vocab, C choices.
 """
 import collections
 import dataclasses
@@ -35,7 +36,8 @@ DONE = 4
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How a request's choices are drawn and when they end (max_tokens, a stop id, the context)."""
+    """How a request's choices are drawn and when they end (max_tokens, a stop id, the
+    context)."""
     max_tokens: int
     temperature: float = 1.0
     top_k: int = 0  # 0: every token
@@ -51,21 +53,24 @@ def row_keys(key, rows):
 
 
 def step_keys(keys, pos):
-    """Each row's key for the token after its first pos: the same draw whatever else is batched."""
+    """Each row's key for the token after its first pos: the same draw whatever else is
+    batched."""
     return jax.vmap(jax.random.fold_in)(keys, pos)
 
 
 def last_positive(x):
     """The index of each row's last positive entry of x (B, N)."""
-    return x.shape[-1] - 1 - jnp.argmax(x[:, ::-1] > 0, axis=-1)
+    flipped = x[:, ::-1] > 0
+    return x.shape[-1] - 1 - jnp.argmax(flipped, axis=-1)
 
 
 def sample_next_token(logits, keys, temperature, top_k, top_p):
-    """Next ids (B,) from logits (B, V), row b drawn with keys[b]: the argmax at temperature 0, else
-    a draw from softmax(logits / temperature) over the top_k likeliest (0: all; at most TOP_K_MAX),
-    then over the smallest set of those holding top_p of the probability (nucleus sampling, arXiv
-    1904.09751, among the TOP_K_MAX likeliest). Settings are traced, one per row or one for all:
-    a new value never recompiles."""
+    """Next ids (B,) from logits (B, V), row b drawn with keys[b]: the argmax at
+    temperature 0, else a draw from softmax(logits / temperature) over the top_k
+    likeliest (0: all; at most TOP_K_MAX), then over the smallest set of those holding
+    top_p of the probability (nucleus sampling, arXiv 1904.09751, among the TOP_K_MAX
+    likeliest). Settings are traced, one per row or one for all: a new value never
+    recompiles."""
     rows = logits.shape[:1]
     temperature = jnp.broadcast_to(temperature, rows)[:, None]  # (B, 1)
     top_k = jnp.broadcast_to(top_k, rows)[:, None]
@@ -73,23 +78,27 @@ def sample_next_token(logits, keys, temperature, top_k, top_p):
     scaled = logits / jnp.maximum(temperature, 1e-6)
 
     def draw(vals):
-        # softmax(vals)'s cumulative sum inverted at a uniform from each row's key: one random
-        # number a row, where the Gumbel trick draws one for every logit. In two levels, as a
-        # cumulative sum over a long axis is slow: the block of 64 that holds the uniform's
-        # mass, then the token within it
+        # softmax(vals)'s cumulative sum inverted at a uniform from each row's key: one
+        # random number a row, where the Gumbel trick draws one for every logit. In two
+        # levels, as a cumulative sum over a long axis is slow: the block of 64 that
+        # holds the uniform's mass, then the token within it
         u = jax.vmap(jax.random.uniform)(keys)[:, None]  # (B, 1)
         p = jnp.exp(vals - jnp.max(vals, axis=-1, keepdims=True))
-        p = jnp.pad(p, ((0, 0), (0, -p.shape[-1] % 64)))  # zeros are never drawn
+        # padded to whole blocks with zeros, which are never drawn
+        pad = -p.shape[-1] % 64
+        p = jnp.pad(p, ((0, 0), (0, pad)))
         blocks = p.reshape(p.shape[0], -1, 64)  # (B, V / 64, 64)
         sums = blocks.sum(-1)
         ends = jnp.cumsum(sums, axis=-1)  # the mass up to each block's end
         target = u * ends[:, -1:]
         # (rounding can carry a sum past the last token that has mass: never beyond it)
-        j = jnp.minimum(jnp.sum(ends <= target, axis=-1), last_positive(sums))[:, None]
+        passed = jnp.sum(ends <= target, axis=-1)
+        j = jnp.minimum(passed, last_positive(sums))[:, None]
         before = jnp.take_along_axis(ends - sums, j, axis=1)  # the mass before block j
         inside = jnp.take_along_axis(blocks, j[:, :, None], axis=1)[:, 0]  # (B, 64)
         within = before + jnp.cumsum(inside, axis=-1)
-        k = jnp.minimum(jnp.sum(within <= target, axis=-1), last_positive(inside))
+        passed = jnp.sum(within <= target, axis=-1)
+        k = jnp.minimum(passed, last_positive(inside))
         return j[:, 0] * 64 + k
 
     def truncated():
@@ -98,12 +107,13 @@ def sample_next_token(logits, keys, temperature, top_k, top_p):
         # top_k: keep the first top_k (0 keeps them all)
         kept = (jnp.arange(width) < top_k) | (top_k == 0)
         vals = jnp.where(kept, vals, -jnp.inf)
-        # top_p: probabilities within the top_k, or within the whole vocab when top_k is 0
+        # top_p: probabilities within the top_k (all of the vocab when top_k is 0)
         whole = jax.nn.logsumexp(scaled, -1, keepdims=True)
         within = jax.nn.logsumexp(vals, -1, keepdims=True)
         p = jnp.exp(vals - jnp.where(top_k > 0, within, whole))
         # a token stays while the mass before it is under top_p
-        vals = jnp.where(jnp.cumsum(p, -1) - p < top_p, vals, -jnp.inf)
+        mass_before = jnp.cumsum(p, -1) - p
+        vals = jnp.where(mass_before < top_p, vals, -jnp.inf)
         picked = draw(vals)
         return jnp.take_along_axis(idx, picked[:, None], axis=-1)[:, 0]
 
@@ -129,10 +139,11 @@ def sample_next_token(logits, keys, temperature, top_k, top_p):
 @functools.partial(jax.jit, static_argnames=("cfg", "max_len", "num_samples", "attn"))
 def prefill(p, tokens, length, key, settings, *, cfg, max_len, num_samples=1,
             attn=nc.causal_attention):
-    """One prompt (1, T), its first `length` tokens real, into a fresh cache of max_len slots copied
-    to num_samples rows: (each row's first sampled token (num_samples,), the logits it was drawn
-    from, the cache). p: unstacked, in the compute dtype; settings: sample_next_token's
-    (temperature, top_k, top_p); row r draws with fold_in(key, r)."""
+    """One prompt (1, T), its first `length` tokens real, into a fresh cache of max_len
+    slots copied to num_samples rows: (each row's first sampled token (num_samples,),
+    the logits it was drawn from, the cache). p: unstacked, in the compute dtype;
+    settings: sample_next_token's (temperature, top_k, top_p); row r draws with
+    fold_in(key, r)."""
     empty = nc.init_cache(cfg, 1, max_len)
     logits, cache = nc.forward_cached(p, tokens, empty, cfg, attn, length)
 
@@ -147,7 +158,8 @@ def prefill(p, tokens, length, key, settings, *, cfg, max_len, num_samples=1,
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attn"), donate_argnames="cache")
 def decode(p, column, cache, key, settings, *, cfg, attn=nc.causal_attention):
-    """Feed one token per row (B,) and sample the next: (ids (B,), logits (B, V), cache)."""
+    """Feed one token per row (B,) and sample the next: (ids (B,), logits (B, V),
+    cache)."""
     logits, cache = nc.forward_cached(p, column[:, None], cache, cfg, attn)
     rows = jnp.arange(column.shape[0])
     keys = step_keys(row_keys(key, rows), cache["pos"])
@@ -155,19 +167,21 @@ def decode(p, column, cache, key, settings, *, cfg, attn=nc.causal_attention):
 
 
 def bucket(n):
-    """The padded length of n prompt tokens, a power of two: a chat compiles once per doubling."""
+    """The padded length of n prompt tokens, a power of two: a chat compiles once per
+    doubling."""
     return max(16, 1 << (n - 1).bit_length())
 
 
 def prepare(params, cfg):
-    """The params as generation reads them: in the compute dtype, unstacked (once, outside jit:
-    inside, each layer's slice would be a copy every step)."""
+    """The params as generation reads them: in the compute dtype, unstacked (once,
+    outside jit: inside, each layer's slice would be a copy every step)."""
     cast = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params)
     return nc.unstack(cast, cfg)
 
 
 def check_prompt(n, cfg, top_k=0):
-    """A one-line error for a prompt of n tokens that leaves no room, or a top_k out of range."""
+    """A one-line error for a prompt of n tokens that leaves no room, or a top_k out of
+    range."""
     if not 0 < n < cfg.sequence_len:
         raise ValueError(f"the prompt has {n} tokens; it must have 1 to {cfg.sequence_len - 1} "
                          "(the model's context)")
@@ -177,13 +191,15 @@ def check_prompt(n, cfg, top_k=0):
 
 def generate(params, cfg, prompt_ids, sampling, *, num_samples=1, tool=None,
              attn=nc.causal_attention):
-    """nanochat's Engine.generate: yields (token_column, mask_column), lists of num_samples ints.
+    """nanochat's Engine.generate: yields (token_column, mask_column), lists of
+    num_samples ints.
 
-    Prefill at batch 1, then decode every row together until each has emitted a stop id, or
-    sampling.max_tokens, or the context is full; row r draws with fold_in(key(seed), r).
-    `tool(row, token)` (e.g. data.calculator_tool(tok), fresh per call) sees every emitted token
-    and returns ids to force into that row, one per step with mask 0 (nanochat's forced_tokens
-    deque). The cache holds the bucket of the prompt and max_tokens."""
+    Prefill at batch 1, then decode every row together until each has emitted a stop
+    id, or sampling.max_tokens, or the context is full; row r draws with
+    fold_in(key(seed), r). `tool(row, token)` (e.g. data.calculator_tool(tok), fresh
+    per call) sees every emitted token and returns ids to force into that row, one
+    per step with mask 0 (nanochat's forced_tokens deque). The cache holds the bucket
+    of the prompt and max_tokens."""
     n = len(prompt_ids)
     check_prompt(n, cfg, sampling.top_k)
     max_tokens = min(sampling.max_tokens, cfg.sequence_len - n)
@@ -205,7 +221,8 @@ def generate(params, cfg, prompt_ids, sampling, *, num_samples=1, tool=None,
     for step in range(max_tokens):
         column = []
         masks = []
-        # each row: its forced token if one waits, else its sample (the one host sync per token)
+        # each row: its forced token if one waits, else its sample (the one host sync
+        # per token)
         for row, token in enumerate(np.asarray(sampled).tolist()):
             masks.append(0 if forced[row] else 1)
             column.append(forced[row].popleft() if forced[row] else token)
@@ -222,9 +239,9 @@ def generate(params, cfg, prompt_ids, sampling, *, num_samples=1, tool=None,
 
 
 def new_state(cfg, slots):
-    """The engine's device state, every slot empty: the KV cache of B rows over the whole context,
-    and per slot (a leading B on every array) what its request asked and where it stands. Each
-    array its own buffer: the state is donated whole."""
+    """The engine's device state, every slot empty: the KV cache of B rows over the
+    whole context, and per slot (a leading B on every array) what its request asked
+    and where it stands. Each array its own buffer: the state is donated whole."""
     def zeros(dtype=jnp.int32):
         return jnp.zeros((slots,), dtype)
     return {
@@ -245,8 +262,9 @@ def new_state(cfg, slots):
 
 
 def logprob_columns(logits, token):
-    """(B, 1 + 2 * TOP_LOGPROBS) int32: token's log-probability under logits (B, V), then the
-    likeliest ids and their log-probabilities; floats as their bits, so a record is one array."""
+    """(B, 1 + 2 * TOP_LOGPROBS) int32: token's log-probability under logits (B, V),
+    then the likeliest ids and their log-probabilities; floats as their bits, so a
+    record is one array."""
     lp = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(lp, token[:, None], axis=1)
     top_lp, top_ids = jax.lax.top_k(lp, TOP_LOGPROBS)
@@ -255,10 +273,10 @@ def logprob_columns(logits, token):
 
 
 def emit(s, logits, pos, python, logprobs):
-    """Each live slot's next token after logits (B, V), nanochat's Engine loop body: (s, records
-    (B, W) int32: the token, or -1 where a slot is idle; its flags; when the traced bool logprobs
-    holds, logprob_columns). s: per-slot arrays (new_state's but the cache); pos (B,): the tokens
-    in each slot's cache."""
+    """Each live slot's next token after logits (B, V), nanochat's Engine loop body: (s,
+    records (B, W) int32: the token, or -1 where a slot is idle; its flags; when the
+    traced bool logprobs holds, logprob_columns). s: per-slot arrays (new_state's but
+    the cache); pos (B,): the tokens in each slot's cache."""
     live = s["live"]
     # 1. a draw from each slot's own key at its position
     keys = step_keys(s["key"], pos)
@@ -297,12 +315,13 @@ def emit(s, logits, pos, python, logprobs):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attn"), donate_argnames="state")
 def admit(p, state, request, python, *, cfg, attn=nc.causal_attention):
-    """Start a request in its slots: prefill its prompt alone, copy the cache into each choice's
-    slot (nanochat's prefill once, replicate), and emit each choice's first token: (state, records
-    (C, W), with logprobs). request, every value traced: prompt (1, T), its first `length` tokens
-    real; n choices, numbered from `first`, into slots (C,), B past n; seed; temperature, top_k,
-    top_p; budget (tokens it may emit); stops (MAX_STOPS,), -1 padded. python: the ids of
-    <|python_start|> and <|python_end|> (-1: no calculator)."""
+    """Start a request in its slots: prefill its prompt alone, copy the cache into each
+    choice's slot (nanochat's prefill once, replicate), and emit each choice's first
+    token: (state, records (C, W), with logprobs). request, every value traced: prompt
+    (1, T), its first `length` tokens real; n choices, numbered from `first`, into slots
+    (C,), B past n; seed; temperature, top_k, top_p; budget (tokens it may emit); stops
+    (MAX_STOPS,), -1 padded. python: the ids of <|python_start|> and <|python_end|> (-1:
+    no calculator)."""
     slots = request["slots"]
     length = request["length"]
     # 1. the prompt alone, in its bucket
@@ -352,13 +371,13 @@ def admit(p, state, request, python, *, cfg, attn=nc.causal_attention):
 @functools.partial(jax.jit, static_argnames=("cfg", "attn", "rows", "view", "kmax"),
                    donate_argnames="state")
 def decode_chunk(p, state, control, *, cfg, attn, rows, view, kmax):
-    """Up to control["steps"] (at most kmax) tokens for every live slot of the first `rows`, whose
-    positions stay under `view`: (state, records (kmax, rows, W), -1 where a slot emitted nothing).
-    control, traced: steps; exit_on_done, hand back when a choice ends (requests wait for a slot);
-    cancel (B,), slots to stop first; python, as admit's; logprobs, emit's. Hands back early when
-    a slot closes a python block."""
-    # 1. stop the cancelled slots, then take the first `rows`, their cache up to `view`: a copy
-    # once a chunk, where every step reads what it holds
+    """Up to control["steps"] (at most kmax) tokens for every live slot of the first
+    `rows`, whose positions stay under `view`: (state, records (kmax, rows, W), -1 where
+    a slot emitted nothing). control, traced: steps; exit_on_done, hand back when a
+    choice ends (requests wait for a slot); cancel (B,), slots to stop first; python, as
+    admit's; logprobs, emit's. Hands back early when a slot closes a python block."""
+    # 1. stop the cancelled slots, then take the first `rows`, their cache up to `view`:
+    # a copy once a chunk, where every step reads what it holds
     live = state["live"] & ~control["cancel"]
     state = {**state, "live": live}
 
@@ -395,16 +414,17 @@ def decode_chunk(p, state, control, *, cfg, attn, rows, view, kmax):
     _, s, records, _ = jax.lax.while_loop(more, step, carry)
     # 5. the rows back in place (the state is donated: no second cache)
     def put_back(whole, done):
-        at = (slice(None, rows), slice(None), slice(None, view)) if whole.ndim == 4 else slice(rows)
-        return whole.at[at].set(done)
+        if whole.ndim == 4:  # a cache: its first rows, up to the view
+            return whole.at[:rows, :, :view].set(done)
+        return whole.at[:rows].set(done)
     state = jax.tree.map(put_back, state, s)
     return state, records
 
 
 @functools.partial(jax.jit, donate_argnames="state")
 def resume(state, slot, forced, n):
-    """A slot that closed a python block emits again: first the n ids of forced (S,), the
-    calculator's output (none when it gave nothing), one a step with mask 0."""
+    """A slot that closed a python block emits again: first the n ids of forced (S,),
+    the calculator's output (none when it gave nothing), one a step with mask 0."""
     return {**state,
             "queue": state["queue"].at[slot].set(forced, mode="drop"),
             "qpos": state["qpos"].at[slot].set(0, mode="drop"),
@@ -419,14 +439,16 @@ class Busy(RuntimeError):
 
 
 class EngineError(RuntimeError):
-    """The engine failed while serving a request; it starts fresh and serves the next ones."""
+    """The engine failed while serving a request; it starts fresh and serves the next
+    ones."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """What happened to one choice: a token (mask 0 when forced; logprobs: its log-probability and
-    the likeliest (id, log-probability) pairs, when asked), or its end (finish: "stop" after a stop
-    id, "length" when its budget or the context ran out)."""
+    """What happened to one choice: a token (mask 0 when forced; logprobs: its
+    log-probability and the likeliest (id, log-probability) pairs, when asked), or its
+    end (finish: "stop" after a stop id, "length" when its budget or the context ran
+    out)."""
     choice: int
     token: int | None = None
     mask: int = 1
@@ -457,8 +479,8 @@ class Request:
         return self.error is not None or all(self.finish)
 
     def cancel(self):
-        """Stop generating (a client went away, a stop string was hit): its slots are free
-        within one device call."""
+        """Stop generating (a client went away, a stop string was hit): its slots are
+        free within one device call."""
         self.cancelled = True
 
     def add(self, event):
@@ -483,8 +505,9 @@ class Request:
             self.events.put(error)
 
     def batches(self):
-        """The events a device call at a time, lists, as they come (the stream ends when every
-        choice has); EngineError if the engine failed while serving the request."""
+        """The events a device call at a time, lists, as they come (the stream ends when
+        every choice has); EngineError if the engine failed while serving the
+        request."""
         ended = 0
         while ended < self.n:
             batch = self.events.get()
@@ -499,11 +522,12 @@ class Request:
 
 
 class Engine:
-    """Continuous batching over `slots` rows of one KV cache: submit() from any thread, step()
-    (or the thread that start() runs) from one.
+    """Continuous batching over `slots` rows of one KV cache: submit() from any thread,
+    step() (or the thread that start() runs) from one.
     - kmax: the most tokens one device call decodes;
     - python_ids: the ids of <|python_start|> and <|python_end|>, for the calculator;
-    - waiting: how many requests may wait for a slot before submit raises Busy (None: any);
+    - waiting: how many requests may wait for a slot before submit raises Busy (None:
+      any);
     - rows: the row counts a chunk may run on (default 1, 4, 16, ...)."""
 
     def __init__(self, params, cfg, *, slots=16, kmax=16, attn=nc.causal_attention,
@@ -516,12 +540,12 @@ class Engine:
         self.python = np.array(python_ids or (-1, -1), np.int32)
         self.waiting = waiting
         self.choices = min(slots, MAX_CHOICES)  # choices one admit call starts
-        # a chunk runs on the first 1, 4, 16, ... slots and the lowest free slot is taken
-        # first, so that a few requests cost a few rows
+        # a chunk runs on the first 1, 4, 16, ... slots and the lowest free slot is
+        # taken first, so that a few requests cost a few rows
         powers = {min(slots, 4**i) for i in range(slots.bit_length())}
         self.row_buckets = rows or sorted(powers)
-        # and it reads the cache only as far as its slots reach: a quarter of the context, or
-        # all of it (a program each, and each one costs seconds of start-up)
+        # and it reads the cache only as far as its slots reach: a quarter of the
+        # context, or all of it (a program each, and each one costs seconds of start-up)
         S = cfg.sequence_len
         self.views = sorted({max(1, S // 4), S})
         self.inbox = collections.deque()
@@ -537,8 +561,8 @@ class Engine:
         self.stopping = set()  # slots of cancelled requests, stopped by the next chunk
 
     def submit(self, prompt, sampling, *, n=1, tool=None, stream=False):
-        """Queue a prompt's n choices: the Request. One-line ValueErrors for what a caller
-        must fix; Busy when `waiting` requests already wait."""
+        """Queue a prompt's n choices: the Request. One-line ValueErrors for what a
+        caller must fix; Busy when `waiting` requests already wait."""
         check_prompt(len(prompt), self.cfg, sampling.top_k)
         counts = (sampling.max_tokens, n, len(sampling.stop_ids))
         if sampling.max_tokens < 1 or n < 1 or len(sampling.stop_ids) > MAX_STOPS:
@@ -559,8 +583,9 @@ class Engine:
             pass
 
     def start(self, warm_up=False):
-        """Serve from a thread of its own (a server): from now on only it touches the state.
-        With warm_up it first compiles every program (then sets `warmed`); requests wait."""
+        """Serve from a thread of its own (a server): from now on only it touches the
+        state. With warm_up it first compiles every program (then sets `warmed`);
+        requests wait."""
         def run():
             if warm_up:
                 self.warm_up()
@@ -590,8 +615,8 @@ class Engine:
         self.reset()
 
     def step(self):
-        """One round: admit waiting requests into free slots, decode one chunk, hand out its
-        tokens. False when there was nothing to do."""
+        """One round: admit waiting requests into free slots, decode one chunk, hand out
+        its tokens. False when there was nothing to do."""
         # 1. cancelled requests: their slots stop in this chunk and are free after it
         for slot, owner in enumerate(self.owner):
             if owner is not None and owner[0].cancelled:
@@ -602,8 +627,8 @@ class Engine:
         busy = [slot for slot, owner in enumerate(self.owner) if owner is not None]
         if not busy and not self.stopping:
             return admitted
-        # 3. one chunk over the fewest rows that hold every busy slot, the cache as far as the
-        # slots may reach in it
+        # 3. one chunk over the fewest rows that hold every busy slot, the cache as far
+        # as the slots may reach in it
         highest = max(busy, default=0)
         rows = min(r for r in self.row_buckets if r > highest)
         view = self.view(busy)
@@ -624,7 +649,8 @@ class Engine:
         # 4. the one copy to the host; its records step by step, slot by slot
         records = np.asarray(records)
         steps, slots = np.nonzero(records[:, :, 0] >= 0)
-        readers = {self.owner[slot][0] for slot in set(slots.tolist()) if self.owner[slot]}
+        owners = [self.owner[slot] for slot in set(slots.tolist())]
+        readers = {owner[0] for owner in owners if owner is not None}
         for i, slot in zip(steps.tolist(), slots.tolist()):
             self.take(slot, records[i, slot])
         for request in readers:
@@ -632,17 +658,18 @@ class Engine:
         return True
 
     def view(self, busy):
-        """How far into the cache a chunk reads: the first view past every busy slot's next
-        kmax tokens."""
+        """How far into the cache a chunk reads: the first view past every busy slot's
+        next kmax tokens."""
         reach = 0
         for slot in busy:
             request, choice = self.owner[slot]
-            reach = max(reach, len(request.prompt) + len(request.tokens[choice]) + self.kmax)
+            length = len(request.prompt) + len(request.tokens[choice])
+            reach = max(reach, length + self.kmax)
         return min((v for v in self.views if v >= reach), default=self.cfg.sequence_len)
 
     def admit_waiting(self):
-        """Start waiting requests, first come first served, while their choices find free
-        slots; hand out each choice's first token. Whether any started."""
+        """Start waiting requests, first come first served, while their choices find
+        free slots; hand out each choice's first token. Whether any started."""
         started = []
         while True:
             # 1. the first request in line, if it fits (a cancelled one leaves the line)
@@ -706,9 +733,9 @@ class Engine:
                 "stops": stops}
 
     def prompt_bucket(self, n):
-        """The padded length of a prompt of n tokens, an admit program each: the context, a
-        quarter of it, a sixteenth, ... down to 32 tokens (a prefill costs little next to a
-        compile: 512 gives 32, 128, 512; 256 gives 64, 256)."""
+        """The padded length of a prompt of n tokens, an admit program each: the
+        context, a quarter of it, a sixteenth, ... down to 32 tokens (a prefill costs
+        little next to a compile: 512 gives 32, 128, 512; 256 gives 64, 256)."""
         padded = self.cfg.sequence_len
         while padded // 4 >= max(n, 32):
             padded //= 4
@@ -754,9 +781,10 @@ class Engine:
         self.stats["hops"] += 1
 
     def warm_up(self):
-        """Compile every program a request can need: each prompt bucket's admit, each chunk of
-        a row count and a view, resume; each called so that it changes nothing (an admit that
-        starts no choice, a chunk of no step, a resume of slot B, out of range)."""
+        """Compile every program a request can need: each prompt bucket's admit, each
+        chunk of a row count and a view, resume; each called so that it changes
+        nothing (an admit that starts no choice, a chunk of no step, a resume of slot
+        B, out of range)."""
         S = self.cfg.sequence_len
         # 1. admit for each bucket
         for T in sorted({self.prompt_bucket(n) for n in range(1, S)}):
