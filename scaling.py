@@ -43,6 +43,7 @@ scaling_fits.py's, in plain numpy.
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -527,7 +528,7 @@ def main(argv=None):
             out=args.out, batch=args.batch, device_batch_size=targs.device_batch_size,
             vocab_size=args.vocab_size, aspect_ratio=args.aspect_ratio, head_dim=args.head_dim,
             T=args.seq_len, eval_steps=targs.eval_steps, data_paths=targs.data,
-            optim={k: getattr(targs, k) for k in train.OPTIM},
+            optim={f.name: getattr(targs, f.name) for f in dataclasses.fields(train.Optim)},
             tokenizer_max_chars=targs.tokenizer_max_chars, compile_cache=targs.compile_cache,
             model=dict(window_pattern=targs.window_pattern, dtype=targs.dtype),
             run=dict(attention=targs.attention, data_shards=targs.data_shards, debug=targs.debug),
