@@ -64,6 +64,32 @@ def last_positive(x):
     return x.shape[-1] - 1 - jnp.argmax(flipped, axis=-1)
 
 
+def draw(vals, keys):
+    """One id per row of vals (B, N), drawn from softmax(vals) with each row's key."""
+    # softmax(vals)'s cumulative sum inverted at a uniform from each row's key: one
+    # random number a row, where the Gumbel trick draws one for every logit. In two
+    # levels, as a cumulative sum over a long axis is slow: the block of 64 that
+    # holds the uniform's mass, then the token within it
+    u = jax.vmap(jax.random.uniform)(keys)[:, None]  # (B, 1)
+    p = jnp.exp(vals - jnp.max(vals, axis=-1, keepdims=True))
+    # padded to whole blocks with zeros, which are never drawn
+    pad = -p.shape[-1] % 64
+    p = jnp.pad(p, ((0, 0), (0, pad)))
+    blocks = p.reshape(p.shape[0], -1, 64)  # (B, V / 64, 64)
+    sums = blocks.sum(-1)
+    ends = jnp.cumsum(sums, axis=-1)  # the mass up to each block's end
+    target = u * ends[:, -1:]
+    # (rounding can carry a sum past the last token that has mass: never beyond it)
+    passed = jnp.sum(ends <= target, axis=-1)
+    j = jnp.minimum(passed, last_positive(sums))[:, None]
+    before = jnp.take_along_axis(ends - sums, j, axis=1)  # the mass before block j
+    inside = jnp.take_along_axis(blocks, j[:, :, None], axis=1)[:, 0]  # (B, 64)
+    within = before + jnp.cumsum(inside, axis=-1)
+    passed = jnp.sum(within <= target, axis=-1)
+    k = jnp.minimum(passed, last_positive(inside))
+    return j[:, 0] * 64 + k
+
+
 def sample_next_token(logits, keys, temperature, top_k, top_p):
     """Next ids (B,) from logits (B, V), row b drawn with keys[b]: the argmax at
     temperature 0, else a draw from softmax(logits / temperature) over the top_k
@@ -76,30 +102,6 @@ def sample_next_token(logits, keys, temperature, top_k, top_p):
     top_k = jnp.broadcast_to(top_k, rows)[:, None]
     top_p = jnp.broadcast_to(top_p, rows)[:, None]
     scaled = logits / jnp.maximum(temperature, 1e-6)
-
-    def draw(vals):
-        # softmax(vals)'s cumulative sum inverted at a uniform from each row's key: one
-        # random number a row, where the Gumbel trick draws one for every logit. In two
-        # levels, as a cumulative sum over a long axis is slow: the block of 64 that
-        # holds the uniform's mass, then the token within it
-        u = jax.vmap(jax.random.uniform)(keys)[:, None]  # (B, 1)
-        p = jnp.exp(vals - jnp.max(vals, axis=-1, keepdims=True))
-        # padded to whole blocks with zeros, which are never drawn
-        pad = -p.shape[-1] % 64
-        p = jnp.pad(p, ((0, 0), (0, pad)))
-        blocks = p.reshape(p.shape[0], -1, 64)  # (B, V / 64, 64)
-        sums = blocks.sum(-1)
-        ends = jnp.cumsum(sums, axis=-1)  # the mass up to each block's end
-        target = u * ends[:, -1:]
-        # (rounding can carry a sum past the last token that has mass: never beyond it)
-        passed = jnp.sum(ends <= target, axis=-1)
-        j = jnp.minimum(passed, last_positive(sums))[:, None]
-        before = jnp.take_along_axis(ends - sums, j, axis=1)  # the mass before block j
-        inside = jnp.take_along_axis(blocks, j[:, :, None], axis=1)[:, 0]  # (B, 64)
-        within = before + jnp.cumsum(inside, axis=-1)
-        passed = jnp.sum(within <= target, axis=-1)
-        k = jnp.minimum(passed, last_positive(inside))
-        return j[:, 0] * 64 + k
 
     def truncated():
         width = min(TOP_K_MAX, scaled.shape[-1])
@@ -114,11 +116,11 @@ def sample_next_token(logits, keys, temperature, top_k, top_p):
         # a token stays while the mass before it is under top_p
         mass_before = jnp.cumsum(p, -1) - p
         vals = jnp.where(mass_before < top_p, vals, -jnp.inf)
-        picked = draw(vals)
+        picked = draw(vals, keys)
         return jnp.take_along_axis(idx, picked[:, None], axis=-1)[:, 0]
 
     def full():
-        return draw(scaled).astype(jnp.int32)
+        return draw(scaled, keys).astype(jnp.int32)
 
     def sample():
         # one branch runs: the top-k one only when some row truncates

@@ -129,11 +129,8 @@ def update(grads, state, params, labels, groups, shards=1, place=None):
     nanochat's ranks do, whatever the layer count."""
     t = state["step"] + 1
     treedef = jax.tree.structure(params)
-    p = treedef.flatten_up_to(params)
-    g = treedef.flatten_up_to(grads)
-    m = treedef.flatten_up_to(state["mom"])
-    v = treedef.flatten_up_to(state["var"])
-    names = treedef.flatten_up_to(labels)
+    trees = (params, grads, state["mom"], state["var"], labels)
+    p, g, m, v, names = (treedef.flatten_up_to(tree) for tree in trees)
     out = [None] * len(p)  # (p, m, v) of each leaf
     # 1. AdamW leaves one by one; Muon leaves gathered by group and matrix shape
     stacks = {}
