@@ -17,7 +17,7 @@ import os
 import time
 
 # The time to the first step counts from here: imports, init, trace, compile and the step.
-# BENCH_START carries it over kernels.tune_process's restart (onto huge pages, as train.py does).
+# BENCH_START carries it over runtime.tune_malloc's restart (onto huge pages, as train.py does).
 START = float(os.environ.get("BENCH_START", time.time()))
 
 import argparse
@@ -46,6 +46,7 @@ import kernels
 import muon
 import nanochat as nc
 import report
+import runtime
 import sharding
 import train
 
@@ -98,7 +99,7 @@ def generate_timing(params, cfg, batch, prompt_len=16, new=200, repeats=3):
     `batch` rows; the first generate call (compiling prefill and decode), then the median, and the
     prefill alone."""
     prompt = list(np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_len))
-    attn = kernels.attention()
+    attn = kernels.attention_fn()
 
     def run():
         steps = engine.generate(params, cfg, prompt, engine.Sampling(max_tokens=new, seed=1),
@@ -159,7 +160,7 @@ def train_step_timing(cfg, B, steps, warmup=3):
     for i in range(warmup + steps):
         t0 = time.perf_counter()
         params, opt_state, m = train.jit_train_step(params, opt_state, (x, y), i, sched, lrs,
-                                                    cfg=cfg, attn=kernels.attention())
+                                                    cfg=cfg, attn=kernels.attention_fn())
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
         if i == 0:
@@ -356,7 +357,7 @@ def bench_serve(configs=("nano", "d6"), slots=16, kmax=16, streams=(1, 4, 16), n
     temperature 1, no stop ids), beside the reference `generate` at batch 1 with the same
     protocol: a JSON line per setting, the median of `rounds` rounds (each round runs every
     setting, so that a drifting machine hits them all alike), compiles after warm-up."""
-    attn = kernels.attention()
+    attn = kernels.attention_fn()
     for name in configs:
         cfg = CONFIGS[name]
         params = nc.init_params(cfg, jax.random.key(0))
@@ -510,7 +511,7 @@ def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most
     cfg = CONFIGS[name] if name in CONFIGS else nc.config_for_depth(
         int(name.lstrip("d")), 32768, sequence_len=2048, compute_dtype="bfloat16")
     params = nc.init_params(cfg, jax.random.key(0))
-    attn = kernels.attention()
+    attn = kernels.attention_fn()
     device = jax.devices()[0]
     decode_tokens = min(decode_tokens, cfg.sequence_len // 2)  # room for a prompt
     prompt_len = cfg.sequence_len - decode_tokens
@@ -619,7 +620,7 @@ def step_memory(cfg, devices, device_batch_size, shard="optimizer", remat=False,
         lowered = train.jit_train_step.lower(
             abstract(params, p_specs), abstract(opt_state, o_specs), (rows, rows), 0,
             train.base_schedule(1000, weight_decay=0.2), train.learning_rates(), cfg=cfg,
-            attn=kernels.attention(attention),
+            attn=kernels.attention_fn(attention),
             layout=train.Layout(shard=shard, mesh=mesh if shard != "none" else None, remat=remat))
         # CPU XLA's default schedule is for concurrency and keeps every activation alive
         scheduler = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
@@ -666,7 +667,8 @@ def bench_memory(cfg, devices, device_batch_size, shard, remat, attention, fit=(
 def bench_train_child(config, steps):
     """One model's training step timed in this process (bench_train runs it in a fresh one)."""
     os.environ.setdefault("BENCH_START", repr(START))
-    kernels.tune_process(os.environ["BENCH_CACHE"], restart=True)
+    runtime.tune_malloc(restart=True)  # as train.py's: on huge pages the child starts over once
+    runtime.use_compile_cache(os.environ["BENCH_CACHE"])
     print(json.dumps(train_step_timing(CONFIGS[config], BATCH[config][0], steps)))
 
 

@@ -35,6 +35,7 @@ import checkpoint
 import data
 import engine
 import kernels
+import runtime
 
 # what one request may ask for: beyond these, a 400 (or a 413) that names the limit
 MAX_BODY = 1 << 20  # bytes of JSON
@@ -132,7 +133,7 @@ def chat_engine(params, cfg, tok, slots=1, waiting=None):
     whole context, the calculator's block ids, this backend's attention."""
     sp = tok.special
     python_ids = (sp["<|python_start|>"], sp["<|python_end|>"])
-    return engine.Engine(params, cfg, slots=slots, attn=kernels.attention(),
+    return engine.Engine(params, cfg, slots=slots, attn=kernels.attention_fn(),
                          python_ids=python_ids, waiting=waiting)
 
 
@@ -670,7 +671,7 @@ def main(argv=None):
         sys.exit(f"error: -t must be 0 or more, -k from 0 to {engine.TOP_K_MAX}, -m 1 or more")
     if args.slots < 1:
         sys.exit("error: --slots must be 1 or more")
-    kernels.use_compile_cache(args.compile_cache)  # compiled programs serve the next chat
+    runtime.use_compile_cache(args.compile_cache)  # compiled programs serve the next chat
     sys.stdout.reconfigure(errors="replace")  # a terminal that cannot show a character: '?'
     # 2. the model: a checkpoint that cannot be read is one line, not a traceback
     try:

@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import msgpack
 import numpy as np
 import tiktoken
-from jax.experimental import multihost_utils
 
 import data
 import nanochat as nc
@@ -55,14 +54,9 @@ def _unpack(code, payload):
 
 
 def save_tree(path, tree):
-    """Write a nested dict of arrays as msgpack, atomically (temp file, fsync, rename); returns its
-    CRC-32."""
-    tmp, raw = f"{path}.tmp{os.getpid()}", msgpack.packb(tree, default=_pack)
-    with open(tmp, "wb") as f:
-        f.write(raw)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write a nested dict of arrays as msgpack, atomically; returns its CRC-32."""
+    raw = msgpack.packb(tree, default=_pack)
+    data.write_atomic(path, raw)
     return zlib.crc32(raw)
 
 
@@ -118,26 +112,6 @@ def save_checkpoint(root, step, params, opt_state, meta, keep=3, files=None):
     for stale in leftovers:  # the steps set aside above, and whatever a killed save left behind
         shutil.rmtree(stale, ignore_errors=True)
     return final
-
-
-def gather_states(states):
-    """Every process's loader states, concatenated (a JSON round trip through
-    process_allgather): what a multi-host run's checkpoint records."""
-    if jax.process_count() == 1:
-        return states
-    blob = np.frombuffer(json.dumps(states).encode(), np.uint8)
-    n = int(multihost_utils.process_allgather(np.array([blob.size])).max())
-    padded = np.pad(blob, (0, n - blob.size), constant_values=ord(" "))
-    rows = multihost_utils.process_allgather(padded)
-    return [s for row in rows for s in json.loads(bytes(row).decode())]
-
-
-def gather_tree(tree):
-    """A tree of (possibly sharded) arrays whole on this host, as numpy: what a process writes. On
-    several hosts a collective: every process calls it."""
-    if jax.process_count() == 1:
-        return jax.device_get(tree)
-    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def load_checkpoint(path, optimizer=True):

@@ -5,7 +5,8 @@ the calculator tool. It imports no jax and nothing of the project.
   by rustbpe's algorithm (our merges equal nanochat's), run by tiktoken, saved as JSON.
 - Corpora: stdlib docstrings and pydoc topics offline, or .txt, .jsonl and .parquet
   files; train and val are split by a hash of each document's text.
-- Packing: nanochat's BOS-aligned best fit (its dataloader.py), padded for SFT.
+- Packing: nanochat's BOS-aligned best fit (its dataloader.py), padded for SFT; each
+  process packs its own shards of the documents.
 - Chat: nanochat's conversation rendering (ids and a training mask), its calculator.
 
 docs/data.md tells how each part works and why.
@@ -41,6 +42,22 @@ SPECIAL_TOKENS = (
     "<|python_start|>", "<|python_end|>",  # around the assistant's calculator call
     "<|output_start|>", "<|output_end|>",  # around the calculator's answer, forced in
 )
+
+
+def write_atomic(path, content):
+    """Write content (str or bytes) to path whole or not at all: a temporary file beside it,
+    flushed to the disk, then renamed over it. Every file of the project is written so (a
+    checkpoint's directory is made whole the same way, in checkpoint.py)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb" if isinstance(content, bytes) else "w") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # a failed write leaves nothing behind
+            os.remove(tmp)
 
 # ---------------------------------------------------------------------------- tokenizer
 
@@ -78,15 +95,12 @@ class Tokenizer:
         return np.array(lengths, np.int32)
 
     def save(self, path):
-        """Write the tokenizer as plain JSON, atomically (temp file + rename)."""
+        """Write the tokenizer as plain JSON, atomically."""
         # JSON rather than pickle: loading a file never runs code
         state = {"version": 1, "pat_str": self.pat_str,
                  "tokens": [t.hex() for t in self.tokens],
                  "special_tokens": list(self.special)}
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(state, f)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(state))
 
     @classmethod
     def load(cls, path):
@@ -566,6 +580,40 @@ def sft_batches(tok, conversations, B, T, state=None, buffer_size=100):
     for rows, masks, loader_state in batches:
         targets = np.where(masks[:, 1:] == 1, rows[:, 1:], -1).astype(np.int32)
         yield rows[:, :-1], targets, loader_state
+
+
+def process_batches(packer, tok, docs, shape, *, process=(0, 1), data_shards=0, states=None):
+    """(batches, states): one process's rows of every step's batch, and their loader states.
+    shape: the step's (A micro-batches, rows, T). The documents (epoch -> texts) are cut into
+    data_shards shards (0: one per process), every data_shards-th document each; process
+    (index, count) packs its own shards, each with packer(tok, shard, rows, T, state), their
+    rows side by side. A batch is (inputs, targets, states): int (A, rows / count, T) numpy,
+    and every shard's loader position in shard order (what a checkpoint keeps)."""
+    A, rows, T = shape
+    index, count = process
+    n_shards = data_shards or count
+    if n_shards % count or rows % n_shards:
+        raise ValueError(f"--data-shards {n_shards} must be a multiple of the {count} "
+                         f"processes and divide the {rows} rows of a micro-batch")
+    # this process's shards, each resumed from its saved state
+    per_process = n_shards // count
+    shards = range(index * per_process, (index + 1) * per_process)
+    if states is None:
+        states = [None] * per_process
+    else:
+        states = states[shards.start:shards.stop]
+    per_shard = rows // n_shards
+    packers = [packer(tok, every_nth(docs, r, n_shards), A * per_shard, T, state)
+               for r, state in zip(shards, states)]
+
+    def batches():
+        while True:
+            parts = [next(packed) for packed in packers]
+            # a micro-batch's rows: each shard's share of them, shard after shard
+            inputs = np.concatenate([p[0].reshape(A, per_shard, T) for p in parts], axis=1)
+            targets = np.concatenate([p[1].reshape(A, per_shard, T) for p in parts], axis=1)
+            yield inputs, targets, [p[2] for p in parts]
+    return batches(), states
 
 # -------------------------------------------------------------------------- chat format
 

@@ -71,11 +71,11 @@ def draw(vals, keys):
     # levels, as a cumulative sum over a long axis is slow: the block of 64 that
     # holds the uniform's mass, then the token within it
     u = jax.vmap(jax.random.uniform)(keys)[:, None]  # (B, 1)
-    p = jnp.exp(vals - jnp.max(vals, axis=-1, keepdims=True))
+    probs = jnp.exp(vals - jnp.max(vals, axis=-1, keepdims=True))
     # padded to whole blocks with zeros, which are never drawn
-    pad = -p.shape[-1] % 64
-    p = jnp.pad(p, ((0, 0), (0, pad)))
-    blocks = p.reshape(p.shape[0], -1, 64)  # (B, V / 64, 64)
+    pad = -probs.shape[-1] % 64
+    probs = jnp.pad(probs, ((0, 0), (0, pad)))
+    blocks = probs.reshape(probs.shape[0], -1, 64)  # (B, V / 64, 64)
     sums = blocks.sum(-1)
     ends = jnp.cumsum(sums, axis=-1)  # the mass up to each block's end
     target = u * ends[:, -1:]
@@ -112,9 +112,9 @@ def sample_next_token(logits, keys, temperature, top_k, top_p):
         # top_p: probabilities within the top_k (all of the vocab when top_k is 0)
         whole = jax.nn.logsumexp(scaled, -1, keepdims=True)
         within = jax.nn.logsumexp(vals, -1, keepdims=True)
-        p = jnp.exp(vals - jnp.where(top_k > 0, within, whole))
+        probs = jnp.exp(vals - jnp.where(top_k > 0, within, whole))
         # a token stays while the mass before it is under top_p
-        mass_before = jnp.cumsum(p, -1) - p
+        mass_before = jnp.cumsum(probs, -1) - probs
         vals = jnp.where(mass_before < top_p, vals, -jnp.inf)
         picked = draw(vals, keys)
         return jnp.take_along_axis(idx, picked[:, None], axis=-1)[:, 0]
@@ -139,15 +139,15 @@ def sample_next_token(logits, keys, temperature, top_k, top_p):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_len", "num_samples", "attn"))
-def prefill(p, tokens, length, key, settings, *, cfg, max_len, num_samples=1,
+def prefill(prepared, tokens, length, key, settings, *, cfg, max_len, num_samples=1,
             attn=nc.causal_attention):
     """One prompt (1, T), its first `length` tokens real, into a fresh cache of max_len
     slots copied to num_samples rows: (each row's first sampled token (num_samples,),
-    the logits it was drawn from, the cache). p: unstacked, in the compute dtype;
+    the logits it was drawn from, the cache). prepared: unstacked, in the compute dtype;
     settings: sample_next_token's (temperature, top_k, top_p); row r draws with
     fold_in(key, r)."""
     empty = nc.init_cache(cfg, 1, max_len)
-    logits, cache = nc.forward_cached(p, tokens, empty, cfg, attn, length)
+    logits, cache = nc.forward_cached(prepared, tokens, empty, cfg, attn, length)
 
     # nanochat's prefill once, replicate: every row starts from the prompt's cache
     def rows(a):
@@ -159,10 +159,10 @@ def prefill(p, tokens, length, key, settings, *, cfg, max_len, num_samples=1,
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attn"), donate_argnames="cache")
-def decode(p, column, cache, key, settings, *, cfg, attn=nc.causal_attention):
+def decode(prepared, column, cache, key, settings, *, cfg, attn=nc.causal_attention):
     """Feed one token per row (B,) and sample the next: (ids (B,), logits (B, V),
     cache)."""
-    logits, cache = nc.forward_cached(p, column[:, None], cache, cfg, attn)
+    logits, cache = nc.forward_cached(prepared, column[:, None], cache, cfg, attn)
     rows = jnp.arange(column.shape[0])
     keys = step_keys(row_keys(key, rows), cache["pos"])
     return sample_next_token(logits, keys, *settings), logits, cache
@@ -211,11 +211,11 @@ def generate(params, cfg, prompt_ids, sampling, *, num_samples=1, tool=None,
     # the prompt padded at the end to its bucket: a later write replaces each junk slot
     tokens = np.zeros((1, min(bucket(n), max_len)), np.int32)
     tokens[0, :n] = prompt_ids
-    p = prepare(params, cfg)
+    prepared = prepare(params, cfg)
     key = jax.random.key(sampling.seed)
     # traced: a new setting compiles nothing
     settings = (float(sampling.temperature), int(sampling.top_k), float(sampling.top_p))
-    sampled, _, cache = prefill(p, tokens, n, key, settings, cfg=cfg, max_len=max_len,
+    sampled, _, cache = prefill(prepared, tokens, n, key, settings, cfg=cfg, max_len=max_len,
                                 num_samples=num_samples, attn=attn)
     forced = [collections.deque() for _ in range(num_samples)]
     done = [False] * num_samples
@@ -235,7 +235,7 @@ def generate(params, cfg, prompt_ids, sampling, *, num_samples=1, tool=None,
         if all(done) or step == max_tokens - 1:
             return
         column = np.asarray(column, np.int32)
-        sampled, _, cache = decode(p, column, cache, key, settings, cfg=cfg, attn=attn)
+        sampled, _, cache = decode(prepared, column, cache, key, settings, cfg=cfg, attn=attn)
 
 # ------------------------------------------------------------- the slot engine: device functions
 
@@ -274,36 +274,36 @@ def logprob_columns(logits, token):
     return jnp.concatenate([bits(chosen), top_ids, bits(top_lp)], axis=1)
 
 
-def emit(s, logits, pos, python, logprobs):
-    """Each live slot's next token after logits (B, V), nanochat's Engine loop body: (s,
+def emit(slot, logits, pos, python, logprobs):
+    """Each live slot's next token after logits (B, V), nanochat's Engine loop body: (slot,
     records (B, W) int32: the token, or -1 where a slot is idle; its flags; when the
-    traced bool logprobs holds, logprob_columns). s: per-slot arrays (new_state's but
+    traced bool logprobs holds, logprob_columns). slot: per-slot arrays (new_state's but
     the cache); pos (B,): the tokens in each slot's cache."""
-    live = s["live"]
+    live = slot["live"]
     # 1. a draw from each slot's own key at its position
-    keys = step_keys(s["key"], pos)
-    sampled = sample_next_token(logits, keys, s["temperature"], s["top_k"], s["top_p"])
+    keys = step_keys(slot["key"], pos)
+    sampled = sample_next_token(logits, keys, slot["temperature"], slot["top_k"], slot["top_p"])
     # 2. a queued token replaces the draw (nanochat's forced_tokens deque)
-    forced = live & (s["qpos"] < s["qlen"])
-    at = jnp.minimum(s["qpos"], s["queue"].shape[1] - 1)
-    queued = jnp.take_along_axis(s["queue"], at[:, None], axis=1)
+    forced = live & (slot["qpos"] < slot["qlen"])
+    at = jnp.minimum(slot["qpos"], slot["queue"].shape[1] - 1)
+    queued = jnp.take_along_axis(slot["queue"], at[:, None], axis=1)
     queued = queued[:, 0]
     token = jnp.where(forced, queued, sampled)
     # 3. the calculator's state machine: <|python_end|> in a block hands the slot to the host
     opens = live & (token == python[0])
-    closes = live & s["in_py"] & (token == python[1])
-    in_py = opens | (s["in_py"] & ~closes)
+    closes = live & slot["in_py"] & (token == python[1])
+    in_py = opens | (slot["in_py"] & ~closes)
     # 4. a stop id or the last token of its budget ends the choice
-    left = s["left"] - live
-    stopped = jnp.any(token[:, None] == s["stops"], axis=1)
+    left = slot["left"] - live
+    stopped = jnp.any(token[:, None] == slot["stops"], axis=1)
     done = live & (stopped | (left <= 0))
     waits = closes & ~done
-    s = {**s,
-         "token": jnp.where(live, token, s["token"]),
-         "live": live & ~done & ~waits,
-         "left": left,
-         "in_py": in_py,
-         "qpos": s["qpos"] + forced}
+    slot = {**slot,
+            "token": jnp.where(live, token, slot["token"]),
+            "live": live & ~done & ~waits,
+            "left": left,
+            "in_py": in_py,
+            "qpos": slot["qpos"] + forced}
     # 5. what the host reads
     flags = FORCED * forced + CLOSES * waits + DONE * done
     shown = jnp.where(live, token, -1)[:, None]
@@ -312,11 +312,11 @@ def emit(s, logits, pos, python, logprobs):
         return jnp.zeros((token.shape[0], 1 + 2 * TOP_LOGPROBS), jnp.int32)
     probs = jax.lax.cond(logprobs, logprob_columns, none, logits, token)
     flags = flags.astype(jnp.int32)[:, None]
-    return s, jnp.concatenate([shown, flags, probs], axis=1)
+    return slot, jnp.concatenate([shown, flags, probs], axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attn"), donate_argnames="state")
-def admit(p, state, request, python, *, cfg, attn=nc.causal_attention):
+def admit(prepared, state, request, python, *, cfg, attn=nc.causal_attention):
     """Start a request in its slots: prefill its prompt alone, copy the cache into each
     choice's slot (nanochat's prefill once, replicate), and emit each choice's first
     token: (state, records (C, W), with logprobs). request, every value traced: prompt
@@ -328,7 +328,7 @@ def admit(p, state, request, python, *, cfg, attn=nc.causal_attention):
     length = request["length"]
     # 1. the prompt alone, in its bucket
     empty = nc.init_cache(cfg, 1, request["prompt"].shape[1])
-    logits, prompt = nc.forward_cached(p, request["prompt"], empty, cfg, attn, length)
+    logits, prompt = nc.forward_cached(prepared, request["prompt"], empty, cfg, attn, length)
 
     # 2. its keys and values into each choice's slot, from position 0
     def copy(j, layers):
@@ -372,7 +372,7 @@ def admit(p, state, request, python, *, cfg, attn=nc.causal_attention):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attn", "rows", "view", "kmax"),
                    donate_argnames="state")
-def decode_chunk(p, state, control, *, cfg, attn, rows, view, kmax):
+def decode_chunk(prepared, state, control, *, cfg, attn, rows, view, kmax):
     """Up to control["steps"] (at most kmax) tokens for every live slot of the first
     `rows`, whose positions stay under `view`: (state, records (kmax, rows, W), -1 where
     a slot emitted nothing). control, traced: steps; exit_on_done, hand back when a
@@ -385,41 +385,42 @@ def decode_chunk(p, state, control, *, cfg, attn, rows, view, kmax):
 
     def part(a):
         return a[:rows, :, :view] if a.ndim == 4 else a[:rows]
-    s = jax.tree.map(part, state)
+    active = jax.tree.map(part, state)
     records = jnp.full((kmax, rows, 3 + 2 * TOP_LOGPROBS), -1, jnp.int32)
 
     def step(carry):
-        i, s, records, _ = carry
+        i, active, records, _ = carry
         # 2. feed each live slot its last token; an idle slot's position and smear stay put
-        old = s["cache"]
-        logits, cache = nc.forward_cached(p, s["token"][:, None], old, cfg, attn)
-        live = s["live"]
+        old = active["cache"]
+        logits, cache = nc.forward_cached(prepared, active["token"][:, None], old, cfg, attn)
+        live = active["live"]
         cache["pos"] = jnp.where(live, cache["pos"], old["pos"])
         cache["prev"] = jnp.where(live[:, None], cache["prev"], old["prev"])
         # 3. each live slot's next token
-        slot_values = {k: v for k, v in s.items() if k != "cache"}
+        slot_values = {k: v for k, v in active.items() if k != "cache"}
         slot_values, record = emit(slot_values, logits, cache["pos"], control["python"],
                                    control["logprobs"])
-        s = {**slot_values, "cache": cache}
+        active = {**slot_values, "cache": cache}
         records = records.at[i].set(record)
         # 4. back to the host early: a calculator to run, or a freed slot for a waiting request
         flags = record[:, 1]
         waits = jnp.any((flags & CLOSES) > 0)
         ended = control["exit_on_done"] & jnp.any((flags & DONE) > 0)
-        return i + 1, s, records, waits | ended
+        return i + 1, active, records, waits | ended
 
     def more(carry):
-        i, s, _, back = carry
-        return (i < control["steps"]) & jnp.any(s["live"]) & ~back
+        i, active, _, back = carry
+        return (i < control["steps"]) & jnp.any(active["live"]) & ~back
 
-    carry = (0, s, records, False)
-    _, s, records, _ = jax.lax.while_loop(more, step, carry)
+    carry = (0, active, records, False)
+    _, active, records, _ = jax.lax.while_loop(more, step, carry)
+
     # 5. the rows back in place (the state is donated: no second cache)
     def put_back(whole, done):
         if whole.ndim == 4:  # a cache: its first rows, up to the view
             return whole.at[:rows, :, :view].set(done)
         return whole.at[:rows].set(done)
-    state = jax.tree.map(put_back, state, s)
+    state = jax.tree.map(put_back, state, active)
     return state, records
 
 
@@ -535,7 +536,7 @@ class Engine:
     def __init__(self, params, cfg, *, slots=16, kmax=16, attn=nc.causal_attention,
                  python_ids=None, waiting=None, rows=None):
         self.cfg = cfg
-        self.p = prepare(params, cfg)
+        self.prepared = prepare(params, cfg)
         self.slots = slots
         self.kmax = kmax
         self.attn = attn
@@ -642,7 +643,7 @@ class Engine:
                    "cancel": cancel,
                    "python": self.python,
                    "logprobs": np.bool_(logprobs)}
-        self.state, records = decode_chunk(self.p, self.state, control, cfg=self.cfg,
+        self.state, records = decode_chunk(self.prepared, self.state, control, cfg=self.cfg,
                                            attn=self.attn, rows=rows, view=view,
                                            kmax=self.kmax)
         self.stopping.clear()
@@ -695,7 +696,7 @@ class Engine:
             for choice, slot in enumerate(slots, first):
                 self.owner[slot] = (request, choice)
             arrays = self.request_arrays(request, slots, first)
-            self.state, records = admit(self.p, self.state, arrays, self.python,
+            self.state, records = admit(self.prepared, self.state, arrays, self.python,
                                         cfg=self.cfg, attn=self.attn)
             self.stats["calls"] += 1
             self.stats["admits"] += 1
@@ -719,19 +720,19 @@ class Engine:
         # slot B, out of range, for the choices past n: writes nothing
         padded = np.full(self.choices, self.slots, np.int32)
         padded[:len(slots)] = slots
-        s = request.sampling
+        sampling = request.sampling
         stops = np.full(MAX_STOPS, -1, np.int32)
-        stops[:len(s.stop_ids)] = s.stop_ids
+        stops[:len(sampling.stop_ids)] = sampling.stop_ids
         return {"prompt": prompt,
                 "length": np.int32(n),
                 "slots": padded,
                 "n": np.int32(len(slots)),
                 "first": np.int32(first),
-                "seed": np.uint32(s.seed % 2**32),
-                "temperature": np.float32(s.temperature),
-                "top_k": np.int32(s.top_k),
-                "top_p": np.float32(s.top_p),
-                "budget": np.int32(min(s.max_tokens, S - n)),
+                "seed": np.uint32(sampling.seed % 2**32),
+                "temperature": np.float32(sampling.temperature),
+                "top_k": np.int32(sampling.top_k),
+                "top_p": np.float32(sampling.top_p),
+                "budget": np.int32(min(sampling.max_tokens, S - n)),
                 "stops": stops}
 
     def prompt_bucket(self, n):
@@ -792,7 +793,7 @@ class Engine:
         for T in sorted({self.prompt_bucket(n) for n in range(1, S)}):
             empty = Request([0] * T, Sampling(max_tokens=1), 1, None, False)
             arrays = self.request_arrays(empty, [], 0)
-            self.state, _ = admit(self.p, self.state, arrays, self.python, cfg=self.cfg,
+            self.state, _ = admit(self.prepared, self.state, arrays, self.python, cfg=self.cfg,
                                   attn=self.attn)
         # 2. a chunk of each row count and view
         control = {"steps": np.int32(0),
@@ -802,7 +803,7 @@ class Engine:
                    "logprobs": np.bool_(False)}
         for rows in self.row_buckets:
             for view in self.views:
-                self.state, _ = decode_chunk(self.p, self.state, control, cfg=self.cfg,
+                self.state, _ = decode_chunk(self.prepared, self.state, control, cfg=self.cfg,
                                              attn=self.attn, rows=rows, view=view,
                                              kmax=self.kmax)
         # 3. resume

@@ -56,7 +56,7 @@ import tasks as tk
 def next_token_scores(params, ids, lengths, cfg):
     """nanochat's forward_model: at every position of ids (B, T) the loss of the next token and the
     argmax prediction, (B, T) each (the last column scores whatever follows; no span reads it)."""
-    logits = nc.forward(params, ids, cfg, kernels.attention())  # (B, T, V) fp32
+    logits = nc.forward(params, ids, cfg, kernels.attention_fn())  # (B, T, V) fp32
     targets = jnp.roll(ids, -1, axis=1)[..., None]
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets, -1)[..., 0]
     return nll, jnp.argmax(logits, -1).astype(jnp.int32)
@@ -66,29 +66,22 @@ def next_token_scores(params, ids, lengths, cfg):
 def last_logits(params, ids, lengths, cfg):
     """The logits (B, vocab_size) at the last token of each row of ids (B, T): only those positions
     meet the head."""
-    x = nc.hidden(params, ids, cfg, kernels.attention())
+    x = nc.hidden(params, ids, cfg, kernels.attention_fn())
     return (nc.logits_from_hidden(params, x[jnp.arange(ids.shape[0]), lengths - 1], cfg),)
 
 
-def to_host(x):
-    """A device array as numpy in every process (a multi-host array is gathered first)."""
-    if jax.process_count() > 1:
-        return multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(x)
-
-
-def map_rows(fn, rows, pad, split=None, batch_tokens=1 << 14):
+def map_rows(fn, rows, pad, row_sharding=None, batch_tokens=1 << 14):
     """fn(ids (B, T), lengths (B,)) -> arrays with a leading B, over token rows of any lengths: rows
     sorted by length into batches of at most batch_tokens tokens, right-padded with `pad` to powers
-    of two in B and T (few shapes, few compiles), split over the devices of `split` (a
+    of two in B and T (few shapes, few compiles), split over the devices by `row_sharding` (a
     NamedSharding of the rows). Returns each row's outputs."""
     order, out = sorted(range(len(rows)), key=lambda i: len(rows[i])), [None] * len(rows)
-    devices = split.mesh.size if split is not None else 1
+    devices = row_sharding.mesh.size if row_sharding is not None else 1
 
     def put(x):
-        if split is None:
+        if row_sharding is None:
             return x
-        return jax.make_array_from_callback(x.shape, split, lambda i: x[i])
+        return jax.make_array_from_callback(x.shape, row_sharding, lambda i: x[i])
     while order:
         T = 1 << (len(rows[order[-1]]) - 1).bit_length()
         n = max(1, batch_tokens // T)
@@ -97,20 +90,12 @@ def map_rows(fn, rows, pad, split=None, batch_tokens=1 << 14):
         x, lengths = np.full((B, T), pad, np.int32), np.ones(B, np.int32)
         for j, i in enumerate(take):
             x[j, :len(rows[i])], lengths[j] = rows[i], len(rows[i])
-        mesh = jax.set_mesh(split.mesh) if split is not None else contextlib.nullcontext()
+        mesh = jax.set_mesh(row_sharding.mesh) if row_sharding is not None else contextlib.nullcontext()
         with mesh:  # (a kernel that needs shard_map finds the mesh here)
-            results = [to_host(a) for a in fn(put(x), put(lengths))]
+            results = [sharding.to_host(a) for a in fn(put(x), put(lengths))]
         for j, i in enumerate(take):
             out[i] = tuple(a[j] for a in results)
     return out
-
-
-def local(params):
-    """This process's own copy of the params (what sampling and generation run on): its replica,
-    or the whole of sharded ones (train.py --shard full), gathered."""
-    if all(x.is_fully_replicated for x in jax.tree.leaves(params)):
-        return jax.tree.map(lambda x: x.addressable_data(0), params)
-    return jax.device_put(checkpoint.gather_tree(params), jax.local_devices()[0])
 
 
 def fit_slots(cfg, wanted, most=64, cache_bytes=2**32):
@@ -133,7 +118,7 @@ def generate_batch(params, cfg, tok, prompts, sampling, n=1):
     sp = tok.special
     slots = fit_slots(cfg, sum(room) * n)
     # every chunk on all the slots: one program to compile, where a batch's tail is short
-    eng = engine.Engine(params, cfg, slots=slots, kmax=32, attn=kernels.attention(),
+    eng = engine.Engine(params, cfg, slots=slots, kmax=32, attn=kernels.attention_fn(),
                         python_ids=(sp["<|python_start|>"], sp["<|python_end|>"]), rows=(slots,))
     requests = []
     for i, prompt in enumerate(prompts):
@@ -162,7 +147,7 @@ def complete(params, cfg, tok, prompts, n=1, max_tokens=512, temperature=0.0, to
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def _bpb_sums(params, inputs, targets, token_bytes, cfg):
-    nats = nc.loss_fn(params, inputs, targets, cfg, "none", kernels.attention())
+    nats = nc.loss_fn(params, inputs, targets, cfg, "none", kernels.attention_fn())
     nbytes = jnp.where(targets >= 0, token_bytes[jnp.maximum(targets, 0)], 0)
     return jnp.sum(nats * (nbytes > 0)), jnp.sum(nbytes)
 
@@ -220,7 +205,7 @@ def during_training(name, tok, cfg, results, log, device_batch_size, val_docs=No
         val_due = eval_every > 0 and (step % eval_every == 0 or last)
         sample_due = sample_every > 0 and step > 0 and (step % sample_every == 0 or last)
         if val_due or sample_due:  # gathered only then: sharded, they are the whole model
-            p = local(params)
+            p = sharding.local(params)
         if val_due:
             shard = data.every_nth(val_docs, jax.process_index(), jax.process_count())
             val = data.pretrain_batches(tok, shard, device_batch_size, cfg.sequence_len)
@@ -393,7 +378,7 @@ def core_example(tok, task, idx):
     return [with_], [len(without)], [len(with_)]
 
 
-def evaluate_core(params, cfg, tok, tasks, split=None, batch_tokens=1 << 14, details=False,
+def evaluate_core(params, cfg, tok, tasks, row_sharding=None, batch_tokens=1 << 14, details=False,
                   log=print):
     """CORE as nanochat's evaluate_core: {results, centered_results, core_metric}; with details also
     per_example: {label: each example's correctness and its rows' mean span losses}."""
@@ -403,7 +388,7 @@ def evaluate_core(params, cfg, tok, tasks, split=None, batch_tokens=1 << 14, det
         t = time.perf_counter()
         examples = [core_example(tok, task, i) for i in range(len(task["data"]))]
         every_row = [r for ex in examples for r in ex[0]]
-        scores = iter(map_rows(score, every_row, tok.bos, split, batch_tokens))
+        scores = iter(map_rows(score, every_row, tok.bos, row_sharding, batch_tokens))
         correct, losses = [], []
         for (rows, starts, ends), item in zip(examples, task["data"]):
             spans = [(nll[s - 1:e - 1], pred[s - 1:e - 1], row[s:e])
@@ -442,7 +427,7 @@ def letter_ids(tok, name, convs):
     return letter
 
 
-def evaluate_chat(params, cfg, tok, tasks, split=None, num_samples=1, max_tokens=512,
+def evaluate_chat(params, cfg, tok, tasks, row_sharding=None, num_samples=1, max_tokens=512,
                   temperature=0.0, top_k=50, batch_tokens=1 << 14, log=print):
     """nanochat's chat_eval on {name: conversations}: {"results": {name: accuracy}, "chatcore": the
     mean centred accuracy when all five tasks ran, else None}. `params` may be sharded
@@ -453,12 +438,12 @@ def evaluate_chat(params, cfg, tok, tasks, split=None, num_samples=1, max_tokens
         if tk.CHAT_TASKS[name][2] > 0:  # categorical: the largest logit among the choices' letters
             prompts = [data.render_for_completion(tok, c["messages"]) for c in convs]
             scores = functools.partial(last_logits, params, cfg=cfg)
-            logits = map_rows(scores, prompts, tok.bos, split, batch_tokens)
+            logits = map_rows(scores, prompts, tok.bos, row_sharding, batch_tokens)
             letter = letter_ids(tok, name, convs)
             passed = [c["letters"][int(np.argmax(z[[letter[x] for x in c["letters"]]]))]
                       == c["messages"][-1]["content"] for c, (z,) in zip(convs, logits)]
         else:  # generative: pass@num_samples, every problem's samples in one batch
-            p = params if split is None else local(params)
+            p = params if row_sharding is None else sharding.local(params)
             prompts = [data.render_for_completion(tok, c["messages"]) for c in convs]
             outs = complete(p, cfg, tok, prompts, num_samples, max_tokens, temperature, top_k)
             passed = [any(tk.chat_check(name, c, tok.decode(o)) for o in samples)
@@ -527,13 +512,14 @@ def main(argv=None):
         raise ValueError(f"the checkpoint's tokenizer has {tok.n_vocab} tokens but its model "
                          f"{cfg.vocab_size}")
     mesh = sharding.data_mesh()  # params replicated, each batch's rows split
-    params, rows = jax.device_put(params, NamedSharding(mesh, P())), NamedSharding(mesh, P("data"))
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    row_sharding = NamedSharding(mesh, P("data"))
     print(f"{source}: {cfg}, {jax.device_count()} devices")
     results = {}
     if bundle:
-        results["core"] = evaluate_core(params, cfg, tok, bundle, rows, args.batch_tokens)
+        results["core"] = evaluate_core(params, cfg, tok, bundle, row_sharding, args.batch_tokens)
     if chat_tasks:
-        results["chatcore"] = evaluate_chat(params, cfg, tok, chat_tasks, rows, args.num_samples,
+        results["chatcore"] = evaluate_chat(params, cfg, tok, chat_tasks, row_sharding, args.num_samples,
                                             args.max_new_tokens, args.temperature, args.top_k,
                                             args.batch_tokens)
     print(json.dumps(results))

@@ -2,7 +2,7 @@
 flash_attention.py picks FlashAttention-3 or PyTorch's SDPA for its model).
 
 The model calls one attention function, `attn`, with the signature of the plain
-`nanochat.causal_attention(q, k, v, window, pos=None)`. `attention(route)` returns the function
+`nanochat.causal_attention(q, k, v, window, pos=None)`. `attention_fn(route)` returns the function
 for a route; "auto" picks one per call from the backend, the dtype and the shapes, at trace time:
 - "cudnn" (a GPU in bf16): cuDNN's fused flash attention, through jax.nn.dot_product_attention
   with is_causal and a local window.
@@ -20,15 +20,10 @@ the same softmax over the cache as it is stored (heads first: no copy of it), an
 attention elsewhere. Every route is tested against the plain attention, values and
 gradients, with windows and GQA (splash through Pallas's interpreter).
 
-`init_params` compiles the init cheaply; `tune_process` sets up a process for speed: the persistent
-XLA compilation cache, and glibc malloc for XLA's CPU buffers (docs/performance.md says why).
+`init_params` compiles the init cheaply (runtime.py sets up the process itself for speed).
 """
 
-import contextlib
-import ctypes
 import functools
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +31,6 @@ import jax.numpy as jnp
 import nanochat as nc
 
 ROUTES = ("auto", "cudnn", "splash", "cpu", "xla", "plain")
-HUGE_PAGES = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: malloc madvises its heap onto huge pages
 
 
 def route(name, backend, dtype, T, head_dim):
@@ -115,11 +109,11 @@ def splash_attention(q, k, v, window):
     return jax.shard_map(run, in_specs=(rows,) * 3, out_specs=rows, check_vma=False)(q, k, v)
 
 
-def attention(name="auto"):
+def attention_fn(route="auto"):
     """The model's `attn` for a route of ROUTES (see the header)."""
-    if name not in ROUTES:
-        raise ValueError(f"attention route {name!r} must be one of {ROUTES}")
-    return _route_attention(name)
+    if route not in ROUTES:
+        raise ValueError(f"attention route {route!r} must be one of {ROUTES}")
+    return _route_attention(route)
 
 
 @functools.cache  # one function per route: jit sees the same static argument every time
@@ -144,7 +138,7 @@ def _route_attention(name):
         return nc.causal_attention(q, k, v, window)
     return attn
 
-# -------------------------------------------------------------------------------- the process
+# ---------------------------------------------------------------------------------- the init
 
 
 def init_params(cfg, key):
@@ -157,51 +151,3 @@ def init_params(cfg, key):
 def _compiled_init(cfg):
     lowered = nc.init_params.lower(cfg, jax.random.key(0))
     return lowered.compile({"xla_backend_optimization_level": 1})
-
-
-def huge_pages_offered():
-    """glibc 2.35+ (which reads the hugetlb tunable) on a kernel that offers transparent huge
-    pages."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            glibc = os.confstr("CS_GNU_LIBC_VERSION").split()[1]  # "glibc 2.36"
-            version = tuple(map(int, glibc.split(".")))
-            return version >= (2, 35) and "[never]" not in f.read()  # always, or on madvise
-    return False
-
-
-def use_compile_cache(path):
-    """Keep every compiled program in a persistent cache at path ('' for none): a second run of
-    the same shapes skips XLA's compiles."""
-    if path:
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-
-
-def tune_process(compile_cache, restart=False):
-    """The persistent XLA compilation cache ('' for none), and glibc malloc set for XLA's CPU
-    buffers. A step's temporaries are one large block that malloc would map afresh every step, for
-    the kernel to fault back in a page at a time: on transparent huge pages (glibc's hugetlb
-    tunable) a fault is 2 MiB, not 4 KiB. Tunables are read when a process starts, so with restart
-    (a script's main) the process starts over once with the tunable set. Without huge pages malloc
-    keeps one heap that never shrinks instead. Each compile's freed memory is given back."""
-    use_compile_cache(compile_cache)
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (macOS, musl): nothing to tune
-        return
-    huge, tunables = huge_pages_offered(), os.environ.get("GLIBC_TUNABLES", "")
-    if huge and restart and HUGE_PAGES not in tunables:
-        os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, (tunables, HUGE_PAGES)))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-    if not (huge and HUGE_PAGES in tunables):
-        # never mmap, never trim, one arena (no per-thread heaps)
-        for option, value in ((-4, 0), (-1, -1), (-8, 1)):
-            libc.mallopt(option, value)
-
-    def trim(event, secs, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            libc.malloc_trim(0)
-    jax.monitoring.register_event_duration_secs_listener(trim)

@@ -120,13 +120,13 @@ def adamw_step(p, g, m, v, t, *, lr, beta1, beta2, weight_decay, eps=1e-10):
     return p, m, v
 
 
-def update(grads, state, params, labels, groups, shards=1, place=None):
+def update(grads, state, params, labels, groups, shards=1, constrain_stack=None):
     """One MuonAdamW step: each leaf by the group its label names. Returns (params, state).
 
-    shards, place: split each Muon stack over `shards` devices, padded with zero matrices to a
-    multiple of them (zeros stay zeros through the step) and laid out by place(stack), the
-    caller's sharding hint. Each device then orthogonalizes whole matrices of its share, as
-    nanochat's ranks do, whatever the layer count."""
+    shards, constrain_stack: split each Muon stack over `shards` devices, padded with zero
+    matrices to a multiple of them (zeros stay zeros through the step) and laid out by
+    constrain_stack(stack), the caller's sharding hint. Each device then orthogonalizes
+    whole matrices of its share, as nanochat's ranks do, whatever the layer count."""
     t = state["step"] + 1
     treedef = jax.tree.structure(params)
     trees = (params, grads, state["mom"], state["var"], labels)
@@ -156,7 +156,7 @@ def update(grads, state, params, labels, groups, shards=1, place=None):
             x = jnp.concatenate(matrices)
             if shards > 1:
                 extra = -len(x) % shards
-                x = place(jnp.pad(x, ((0, extra), (0, 0), (0, 0))))
+                x = constrain_stack(jnp.pad(x, ((0, extra), (0, 0), (0, 0))))
             return x
         stack = muon_step(concat(p), concat(g), concat(m), concat(v),
                           lr=hp["lr"],

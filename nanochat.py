@@ -343,23 +343,23 @@ def unstack(params, cfg):
     `generate` unstacks once, outside jit."""
     # 1. each stack split in one op, whose gradient is one concatenate (slices' would be
     # a full-size pad each)
-    def split(a):
+    def slices(a):
         return [x.reshape(a.shape[1:]) for x in jnp.split(a, len(a))]
     stacked = ("h", "value_embeds", "resid_lambdas", "x0_lambdas")
-    s = jax.tree.map(split, {name: params[name] for name in stacked})
+    sliced = jax.tree.map(slices, {name: params[name] for name in stacked})
     # 2. layer i's slices; the value-embedding stacks hold only the ve_layers
     layers = []
     for i in range(cfg.n_layer):
-        attn = {name: s["h"]["attn"][name][i] for name in ATTENTION_MATRICES}
-        mlp = {name: w[i] for name, w in s["h"]["mlp"].items()}
+        attn = {name: sliced["h"]["attn"][name][i] for name in ATTENTION_MATRICES}
+        mlp = {name: w[i] for name, w in sliced["h"]["mlp"].items()}
         layer = {"attn": attn,
                  "mlp": mlp,
-                 "resid_lambdas": s["resid_lambdas"][i],
-                 "x0_lambdas": s["x0_lambdas"][i]}
+                 "resid_lambdas": sliced["resid_lambdas"][i],
+                 "x0_lambdas": sliced["x0_lambdas"][i]}
         if i in cfg.ve_layers:
             j = cfg.ve_layers.index(i)
-            attn["ve_gate"] = s["h"]["attn"]["ve_gate"][j]
-            layer["value_embeds"] = s["value_embeds"][j]
+            attn["ve_gate"] = sliced["h"]["attn"]["ve_gate"][j]
+            layer["value_embeds"] = sliced["value_embeds"][j]
         layers.append(layer)
     rest = ("wte", "lm_head", "smear_gate", "smear_lambda", "backout_lambda")
     return {"layers": layers, **{name: params[name] for name in rest}}
@@ -391,10 +391,10 @@ def hidden(params, tokens, cfg, attn=causal_attention, remat=False):
     """The transformer trunk: tokens (B, T) -> final normed hidden states (B, T, C)."""
     # the weights in the compute dtype, sliced per layer
     cast = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params)
-    p = unstack(cast, cfg)
-    x = rms_norm(p["wte"][tokens])  # (B, T, C)
-    x = smear(x, p["smear_gate"], p["smear_lambda"])
-    x, _ = trunk(p, tokens, x, cfg, attn=attn, remat=remat)
+    layered = unstack(cast, cfg)
+    x = rms_norm(layered["wte"][tokens])  # (B, T, C)
+    x = smear(x, layered["smear_gate"], layered["smear_lambda"])
+    x, _ = trunk(layered, tokens, x, cfg, attn=attn, remat=remat)
     return x
 
 
@@ -483,12 +483,12 @@ def count(tree):
 def num_scaling_params(cfg):
     """Parameter counts in nanochat's groups (scaling laws use transformer_matrices +
     lm_head)."""
-    s = param_shapes(cfg)
-    groups = {k: count(s[k]) for k in ("wte", "value_embeds", "lm_head")}
-    groups["transformer_matrices"] = count(s["h"])
-    scalars = [s[name] for name in SCALARS]
+    shapes = param_shapes(cfg)
+    groups = {k: count(shapes[k]) for k in ("wte", "value_embeds", "lm_head")}
+    groups["transformer_matrices"] = count(shapes["h"])
+    scalars = [shapes[name] for name in SCALARS]
     groups["scalars"] = count(scalars)
-    groups["total"] = count(s)
+    groups["total"] = count(shapes)
     assert sum(groups.values()) == 2 * groups["total"]
     return groups
 
@@ -496,8 +496,8 @@ def num_scaling_params(cfg):
 def estimate_flops(cfg):
     """Training FLOPs per token (forward + backward), nanochat's estimate_flops: 6
     N_matmul + attention."""
-    s = param_shapes(cfg)
-    matmul = count(s["h"]) + count(s["smear_gate"]) + count(s["lm_head"])
+    shapes = param_shapes(cfg)
+    matmul = count(shapes["h"]) + count(shapes["smear_gate"]) + count(shapes["lm_head"])
     # attention: 12 FLOPs per query channel and key in reach, forward and backward
     reach = [min(w, cfg.sequence_len) for w in window_sizes(cfg)]
     attn = sum(12 * cfg.n_head * cfg.head_dim * r for r in reach)

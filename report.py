@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import data
 import evaluate
 import nanochat as nc
+import sharding
 
 BASE_PROMPTS = ("The capital of France is", "The chemical symbol of gold is",
                 "If yesterday was Friday, then tomorrow will be", "The opposite of hot is",
@@ -64,13 +65,6 @@ def peak_flops():
     return 20 * 2 * 1024**3 / (time.perf_counter() - t), "measured: 1024^2 fp32 matmul"
 
 
-def _write(path, text):
-    """Write a text file atomically: a temporary file renamed over it."""
-    with open(f"{path}.tmp{os.getpid()}", "w") as f:
-        f.write(text)
-    os.replace(f"{path}.tmp{os.getpid()}", path)
-
-
 def cpu_name():
     """The CPU's model name, from /proc/cpuinfo where there is one."""
     try:
@@ -90,7 +84,7 @@ def save_section(out, stage, section):
                    device_kind=jax.devices()[0].device_kind, peak_flops=peak, peak_from=how)
     os.makedirs(os.path.join(out, stage), exist_ok=True)
     text = json.dumps(dict(section, machine=machine), indent=1)
-    _write(os.path.join(out, stage, "report.json"), text)
+    data.write_atomic(os.path.join(out, stage, "report.json"), text)
 
 
 def _duration(seconds):
@@ -176,26 +170,26 @@ def write_report(out, stages=("base", "sft", "rl")):
     lines += [_stage_row(s, r) for s, r in sections.items()]
     for s, r in sections.items():
         lines += _stage_lines(s, r)
-    _write(path := os.path.join(out, "report.md"), "\n".join(lines) + "\n")
+    data.write_atomic(path := os.path.join(out, "report.md"), "\n".join(lines) + "\n")
     return path
 
 
 def evaluate_stage(name, params, cfg, tok, losses, info, out, argv, eval_tasks=50, questions=(),
-                   bundle=(None, None), chat_tasks=(None, None), rows=None):
+                   bundle=(None, None), chat_tasks=(None, None), row_sharding=None):
     """A stage's results, also written into its section of the report card: its losses and time,
     CORE after base, and our tasks, the hand-written questions and ChatCORE after SFT and RL.
     bundle, chat_tasks: (where they were read, evaluate.load_bundle's or tasks.load_chat_tasks'
-    data, or None); rows: a NamedSharding over the devices for each batch's rows."""
+    data, or None); row_sharding: a NamedSharding over the devices for each batch's rows."""
     r = dict(final_loss=losses[-1] if losses else None, minutes=info["time"] / 60,
              **{k: v for k, v in info.items() if k != "time"})
     (bundle_dir, bundle), (chat_dir, chat_tasks) = bundle, chat_tasks
-    own = evaluate.local(params)  # sharded params gathered: a collective, so every process joins
+    own = sharding.local(params)  # sharded params gathered: a collective, so every process joins
     if name == "base" and bundle:
-        r["core"] = dict(evaluate.evaluate_core(params, cfg, tok, bundle, rows), data=bundle_dir)
+        r["core"] = dict(evaluate.evaluate_core(params, cfg, tok, bundle, row_sharding), data=bundle_dir)
     if name != "base" and eval_tasks > 0:
         r["tasks"], r["questions"] = evaluate.evaluate_tasks(own, cfg, tok, eval_tasks, questions)
     if name != "base" and chat_tasks:
-        results = evaluate.evaluate_chat(params, cfg, tok, chat_tasks, rows)
+        results = evaluate.evaluate_chat(params, cfg, tok, chat_tasks, row_sharding)
         r["chatcore"] = dict(results, data=chat_dir)
     if jax.process_index() == 0:
         section = dict(r, config=dataclasses.asdict(cfg), argv=argv,

@@ -20,6 +20,7 @@ import checkpoint
 import data
 import engine
 import evaluate
+import sharding
 import tasks
 
 
@@ -105,23 +106,23 @@ def rl_stage(out, tok, task_names=("spelling", "counting"), seed=0, chat_data=No
         return len(data.render_for_completion(tok, messages)) < cfg.sequence_len - 1
     rl_tasks = tasks.rl_tasks(task_names, seed, chat_data, fits)
 
-    def next_batch(params, step, split):
+    def next_batch(params, step, batch_sharding):
         drawn = rl_prompts(rl_tasks, step, prompts)
         # prompts and samples follow from (seed, step): a resumed run is exact
         step_seed = seed * 1_000_003 + step * prompts
-        groups = rollout(evaluate.local(params), cfg, tok, drawn, step_seed,
+        groups = rollout(sharding.local(params), cfg, tok, drawn, step_seed,
                          num_samples=samples, max_tokens=max_tokens)
         longest = max(len(r) for g in groups for r in g[0])
         T = min(cfg.sequence_len, engine.bucket(longest))  # few shapes: few compiles
         print(f"step {step + 1:5d} | reward {np.mean([g[2] for g in groups]):.3f}", flush=True)
-        return jax.device_put(rl_batch(groups, T), split), []
+        return jax.device_put(rl_batch(groups, T), batch_sharding), []
     epoch = min((size for *_, size in rl_tasks.values() if size), default=0) // prompts
     if iterations <= 0 and not epoch:
         raise ValueError("--rl-iterations -1 (one epoch) needs a dataset task: --rl-tasks gsm8k")
 
     def passk(params, step, last, results, log):  # nanochat's, on 8 samples (its device batch)
         if eval_n > 0 and (step == 0 or last or eval_every > 0 and step % eval_every == 0):
-            r = evaluate_passk(evaluate.local(params), cfg, tok, rl_tasks, n=eval_n,
+            r = evaluate_passk(sharding.local(params), cfg, tok, rl_tasks, n=eval_n,
                                k=min(samples, 8), seed=1, max_tokens=max_tokens)
             results["pass@k" if last else "pass@k before" if step == 0 else f"pass@k {step}"] = r
             print(f"step {step:5d} | {json.dumps(r)}")

@@ -188,6 +188,7 @@ def python_source(out, min_chars=100, max_chars=250):
     requirements.txt; a sweep's runs then read each token at most once."""
     import sysconfig
     import jax
+    import data
     path = os.path.join(out, "python_source.jsonl")
     if os.path.isfile(path):
         return path
@@ -208,9 +209,8 @@ def python_source(out, min_chars=100, max_chars=250):
                 doc, n = [], 0
     docs = [d for d in docs if d]
     order = np.random.default_rng(0).permutation(len(docs))
-    with open(path + ".tmp", "w") as f:  # shuffled once: each run reads the same mix from the start
-        f.writelines(json.dumps({"text": docs[i]}) + "\n" for i in order)
-    os.replace(path + ".tmp", path)
+    # shuffled once: each run reads the same mix from the start
+    data.write_atomic(path, "".join(json.dumps({"text": docs[i]}) + "\n" for i in order))
     return path
 
 
@@ -236,13 +236,14 @@ def train_runner(out, batch=2048, device_batch_size=16, vocab_size=384, aspect_r
     together=True as one vmapped program (train_together; an interrupted group starts over).
     optim: train.Optim's values (the batch is `batch`); model: train.model_config's more
     keywords (window_pattern, dtype); run: train.Run's (attention, data_shards, debug);
-    distributed: sharding.init_distributed's; restart: kernels.tune_process's."""
+    distributed: sharding.init_distributed's; restart: runtime.tune_malloc's."""
     import jax
     import checkpoint
     import data
-    import kernels
+    import runtime
     import train
-    kernels.tune_process(compile_cache, restart)  # as train.main: a resumed sweep skips compiles
+    runtime.tune_malloc(restart)  # as train.py does
+    runtime.use_compile_cache(compile_cache)  # a resumed sweep skips compiles
     sharding.init_distributed(**(distributed or {}))  # on a pod every host runs the sweep
     tok = data.tokenizer_for(out, data_paths, vocab_size, tokenizer_max_chars,
                              write=jax.process_index() == 0)  # one tokenizer for every run
@@ -352,14 +353,17 @@ def train_together(stages, tok, device_batch_size, optim, val_docs, eval_steps, 
     lrs = stack(lrs or [base_lrs] * len(stages))  # {name: (runs,)}
     inits = [s.init() for s in stages]
     params, opt_state = stack(inits), stack([muon.init(p, *nc.param_groups(p)) for p in inits])
-    split = NamedSharding(sharding.data_mesh(), P(None, "data"))
-    streams = [sharding.sharded_batches(s.packer, tok, s.docs, batch // (rows * T), rows, T,
-                                        split)[0] for s in stages]
-    step = functools.partial(train.train_step, cfg=cfg, attn=kernels.attention(attention))
+    batch_sharding = NamedSharding(sharding.data_mesh(), P(None, "data"))
+    shape = (batch // (rows * T), rows, T)
+    process = (jax.process_index(), jax.process_count())
+    streams = [data.process_batches(s.packer, tok, s.docs, shape, process=process)[0]
+               for s in stages]
+    step = functools.partial(train.train_step, cfg=cfg, attn=kernels.attention_fn(attention))
     step_fn = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, None, None, 0)), donate_argnums=(0, 1))
     losses = []
     for i in range(sched["num_iterations"]):
-        inputs, targets = zip(*(next(stream)[0] for stream in streams))
+        inputs, targets = zip(*(sharding.global_arrays(next(stream)[:2], batch_sharding)
+                                for stream in streams))
         batch_i = (jnp.stack(inputs), jnp.stack(targets))
         params, opt_state, m = step_fn(params, opt_state, batch_i, i, sched, lrs)
         losses.append(np.asarray(m["loss"]))

@@ -21,16 +21,17 @@ reduce-scatters gradients to the rank owning each matrix. A leaf with no axis th
 the step's inputs and outputs, and of Muon's stacks, are given; the model and optimizer name no
 mesh axis.
 Several hosts join one mesh through `jax.distributed.initialize` (`init_distributed`), each
-process packing its own shard of the documents (`sharded_batches`).
+process packing its own shard of the documents (data.process_batches) into its rows of a global
+batch (`global_arrays`); the gathers a checkpoint, a sample or an evaluation needs are here too.
 """
 
+import json
 import math
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-import data
 
 MODES = ("none", "optimizer", "full")
 
@@ -125,31 +126,7 @@ def describe(params, opt_state, n, mode):
             f"{mib['optimizer']} MiB optimizer state")
 
 
-def sharded_batches(packer, tok, docs, A, rows, T, split, data_shards=0, states=None):
-    """(global batches, this process's loader states): packer(tok, docs, rows, T, state)'s
-    batches as (A, rows, T) inputs and targets split over the devices by `split`. The documents
-    (epoch -> texts) are cut into data_shards shards (0: one per process), each packed by its
-    process into its share of the rows. A checkpoint's states hold every shard's loader
-    position, in shard order."""
-    n_shards = data_shards or jax.process_count()
-    if n_shards % jax.process_count() or rows % n_shards:
-        raise ValueError(f"--data-shards {n_shards} must be a multiple of the "
-                         f"{jax.process_count()} processes and divide the {rows} rows of a "
-                         "micro-batch")
-    per_process = n_shards // jax.process_count()
-    shards = range(jax.process_index() * per_process, (jax.process_index() + 1) * per_process)
-    states = [None] * per_process if states is None else states[shards.start:shards.stop]
-    its = [packer(tok, data.every_nth(docs, r, n_shards), A * rows // n_shards, T, state)
-           for r, state in zip(shards, states)]
-
-    def batches():
-        while True:
-            parts = [next(it) for it in its]
-            x, y = (np.concatenate([p[i].reshape(A, rows // n_shards, T) for p in parts], axis=1)
-                    for i in (0, 1))
-            arrays = tuple(jax.make_array_from_process_local_data(split, a) for a in (x, y))
-            yield arrays, [p[2] for p in parts]
-    return batches(), states
+# ------------------------------------------------------------------------- several processes
 
 
 def init_distributed(coordinator=None, num_processes=None, process_id=None, distributed=False):
@@ -158,6 +135,50 @@ def init_distributed(coordinator=None, num_processes=None, process_id=None, dist
     if coordinator or distributed:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPUs; others ignore it
         jax.distributed.initialize(coordinator, num_processes, process_id)
+
+
+def global_arrays(arrays, batch_sharding):
+    """Global arrays laid out by batch_sharding, from each process's own rows of them
+    (numpy)."""
+    return tuple(jax.make_array_from_process_local_data(batch_sharding, a) for a in arrays)
+
+
+def to_host(x):
+    """A device array as numpy in every process (a multi-host array is gathered first)."""
+    if jax.process_count() > 1:
+        return multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x)
+
+
+def gather_tree(tree):
+    """A tree of (possibly sharded) arrays whole on this host, as numpy: what a process writes.
+    On several hosts a collective: every process calls it."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def local(params):
+    """This process's own copy of the params (what sampling and generation run on): its
+    replica, or the whole of sharded ones (train.py --shard full), gathered."""
+    if all(x.is_fully_replicated for x in jax.tree.leaves(params)):
+        return jax.tree.map(lambda x: x.addressable_data(0), params)
+    return jax.device_put(gather_tree(params), jax.local_devices()[0])
+
+
+def gather_states(states):
+    """Every process's loader states, concatenated (a JSON round trip through
+    process_allgather): what a multi-host run's checkpoint records."""
+    if jax.process_count() == 1:
+        return states
+    # each process's states as JSON bytes, padded with spaces to the longest
+    blob = np.frombuffer(json.dumps(states).encode(), np.uint8)
+    n = int(multihost_utils.process_allgather(np.array([blob.size])).max())
+    padded = np.pad(blob, (0, n - blob.size), constant_values=ord(" "))
+    rows = multihost_utils.process_allgather(padded)
+    return [s for row in rows for s in json.loads(bytes(row).decode())]
+
+# ---------------------------------------------------------------------------------- flags
 
 
 def add_flags(p):

@@ -54,6 +54,7 @@ import kernels
 import muon
 import nanochat as nc
 import rl
+import runtime
 import scaling
 import scaling_fits
 import sharding
@@ -78,7 +79,7 @@ def shared_compile_cache(tmp_path_factory):
     path = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla-cache")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = path
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    kernels.use_compile_cache(path)
+    runtime.use_compile_cache(path)
 GOLDEN_CFG = nc.Config(sequence_len=512, vocab_size=300, n_layer=4, n_head=2, n_kv_head=1,
                        n_embd=64,
                        window_pattern="SL")
@@ -264,7 +265,7 @@ def test_fast_attention_equals_plain(T, window, dtype):
         pos = jnp.arange(T)
         fast = (kernels.attend_cpu(q, k, v, nc.attention_mask(pos, pos, window)),
                 kernels.blocked_attention(q, k, v, window),
-                kernels.attention("cpu")(q, k, v, window),
+                kernels.attention_fn("cpu")(q, k, v, window),
                 nc.causal_attention(q, k, v, window))
         full = nc.attend(q, k, v, nc.attention_mask(pos, pos, T))
         return nc.attend(q, k, v, nc.attention_mask(pos, pos, window)), fast, full
@@ -288,13 +289,13 @@ def attention_loss_and_grads(q, k, v, w, route, window):
     if route is None:
         attn = lambda q, k, v: nc.attend(q, k, v, nc.attention_mask(pos, pos, window))
     else:
-        attn = lambda q, k, v: kernels.attention(route)(q, k, v, window)
+        attn = lambda q, k, v: kernels.attention_fn(route)(q, k, v, window)
     return jax.value_and_grad(lambda q, k, v: jnp.sum(attn(q, k, v) * w), (0, 1, 2))(q, k, v)
 
 
 @pytest.mark.parametrize("route", ["cpu", "xla", "plain", "splash"])
 def test_every_attention_route_equals_plain(route):
-    """Each kernel kernels.attention gives (the library's XLA path and TPU's splash kernel,
+    """Each kernel kernels.attention_fn gives (the library's XLA path and TPU's splash kernel,
     interpreted, included) has the plain attend's outputs and gradients, with a binding window and
     GQA (4 query heads on 2 kv heads)."""
     keys = jax.random.split(jax.random.key(13), 4)
@@ -319,7 +320,7 @@ def test_cached_attention_of_every_route_equals_plain():
     for window in (8, 64):
         want = nc.causal_attention(q, k, v, window, pos)
         for route in kernels.ROUTES:
-            np.testing.assert_allclose(kernels.attention(route)(q, k, v, window, pos), want,
+            np.testing.assert_allclose(kernels.attention_fn(route)(q, k, v, window, pos), want,
                                        atol=1e-5)
         # each row as if alone: per-row positions are no approximation
         for row in range(2):
@@ -337,7 +338,7 @@ def test_model_names_no_backend():
         assert not re.search(rf"\b{name}\b", source), name
     params = perturbed(nc.init_params(TINY, jax.random.key(0)), jax.random.key(5))
     tokens = jax.random.randint(jax.random.key(6), (2, 64), 0, TINY.vocab_size)
-    fast = jax.jit(nc.forward, static_argnames=("cfg", "attn"))(params, tokens, TINY, kernels.attention())
+    fast = jax.jit(nc.forward, static_argnames=("cfg", "attn"))(params, tokens, TINY, kernels.attention_fn())
     # the same model
     np.testing.assert_allclose(fast, forward(params, tokens, TINY), rtol=0, atol=2e-5)
 
@@ -349,9 +350,9 @@ def test_attention_route_is_picked_by_backend_and_shape():
     assert route("auto", "tpu", "bfloat16", D=64) == "plain" and route("auto", "cpu", "float32") == "cpu"
     assert route("xla", "gpu", "bfloat16") == "xla"  # forced
     with pytest.raises(ValueError, match="attention route 'flash' must be one of"):
-        kernels.attention("flash")
+        kernels.attention_fn("flash")
     # one function a route: jit compiles it once
-    assert kernels.attention() is kernels.attention("auto")
+    assert kernels.attention_fn() is kernels.attention_fn("auto")
 
 
 def test_sliding_window_limits_context():
@@ -483,20 +484,21 @@ def test_muon_trains_a_model_that_is_not_the_gpt():
 
 
 IMPORTS = {  # each module of ours: the modules of ours it imports (nanochat.py and muon.py: none)
-    "nanochat": set(), "muon": set(), "data": set(), "execution": set(), "kernels": {"nanochat"},
+    "nanochat": set(), "muon": set(), "data": set(), "execution": set(), "runtime": set(), "kernels": {"nanochat"},
     "engine": {"nanochat"},
     "tasks": {"data", "execution"}, "checkpoint": {"data", "nanochat", "torch_files"}, "torch_files": set(),
     "evaluate": {"checkpoint", "data", "engine", "kernels", "nanochat", "sharding", "tasks"},
-    "report": {"data", "evaluate", "nanochat"},
-    "rl": {"checkpoint", "data", "engine", "evaluate", "tasks"},
-    "sharding": {"data"},
+    "report": {"data", "evaluate", "nanochat", "sharding"},
+    "rl": {"checkpoint", "data", "engine", "evaluate", "sharding", "tasks"},
+    "sharding": set(),
     "train": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "report", "rl",
-              "sharding", "tasks"},
-    "chat": {"checkpoint", "data", "engine", "kernels"},
-    "bench": {"data", "engine", "kernels", "muon", "nanochat", "report", "sharding", "train"},
+              "runtime", "sharding", "tasks"},
+    "chat": {"checkpoint", "data", "engine", "kernels", "runtime"},
+    "bench": {"data", "engine", "kernels", "muon", "nanochat", "report", "runtime", "sharding",
+              "train"},
     "scaling_fits": set(),
-    "scaling": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "scaling_fits",
-                "sharding", "train"},
+    "scaling": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "runtime",
+                "scaling_fits", "sharding", "train"},
 }
 
 
@@ -804,11 +806,11 @@ def test_step_donates_params_and_opt_state(tiny_params):
     assert all(a.is_deleted() for a in jax.tree.leaves((p, opt)))
 
 
-def test_tune_process_turns_on_the_compile_cache():
+def test_use_compile_cache_turns_on_the_compile_cache():
     keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
     saved = {k: getattr(jax.config, k) for k in keys}
     try:
-        kernels.tune_process(train.parse_args([]).compile_cache)
+        runtime.use_compile_cache(train.parse_args([]).compile_cache)
         assert jax.config.jax_compilation_cache_dir == os.path.expanduser("~/.cache/nanochat_jax/xla")
         assert jax.config.jax_persistent_cache_min_compile_time_secs == 0  # every compile is cached
     finally:
@@ -816,11 +818,11 @@ def test_tune_process_turns_on_the_compile_cache():
             jax.config.update(k, v)
 
 
-def test_tune_process_restarts_a_script_onto_huge_pages():
+def test_tune_malloc_restarts_a_script_onto_huge_pages():
     """Where the kernel offers transparent huge pages and glibc reads the hugetlb tunable (2.35+), a
-    script's tune_process starts it over once with the tunable set, and malloc's large blocks then
+    script's tune_malloc starts it over once with the tunable set, and malloc's large blocks then
     lie on huge pages."""
-    code = ("import os, numpy as np, kernels; print('start', os.getpid()); kernels.tune_process('', restart=True); "
+    code = ("import os, numpy as np, runtime; print('start', os.getpid()); runtime.tune_malloc(restart=True); "
             "x = np.ones(2**25, np.float32); "  # 128 MiB: one block that malloc maps
             "huge = [int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')]; "
             "print('tunables', os.environ.get('GLIBC_TUNABLES'), 'huge_kb', huge[0])")
@@ -829,11 +831,11 @@ def test_tune_process_restarts_a_script_onto_huge_pages():
                        text=True, check=True,
                        env={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"})
     lines = r.stdout.splitlines()
-    if kernels.huge_pages_offered():
+    if runtime.huge_pages_offered():
         # the same process, started over once
         assert lines[0] == lines[1] and lines[0].startswith("start")
         tunables, huge_kb = lines[2].split()[1], int(lines[2].split()[3])
-        assert tunables == kernels.HUGE_PAGES and huge_kb >= 2048
+        assert tunables == runtime.HUGE_PAGES and huge_kb >= 2048
     else:
         assert len(lines) == 2 and lines[1].split()[1] == "None"
 
@@ -2502,6 +2504,45 @@ def test_sft_packing_pads_and_masks(btok):
             np.testing.assert_array_equal(x, x2)
             np.testing.assert_array_equal(y, y2)
             assert st == st2
+
+
+def test_write_atomic_keeps_the_old_file_when_a_write_fails(tmp_path):
+    """A write that fails midway (here a str that UTF-8 cannot encode) leaves the old file as it
+    was and no temporary file beside it; one that succeeds replaces it whole."""
+    path = tmp_path / "f.json"
+    data.write_atomic(path, "old")
+    with pytest.raises(UnicodeEncodeError):
+        data.write_atomic(path, "new \ud800")
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["f.json"]
+    data.write_atomic(path, b"new")
+    assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["f.json"]
+
+
+def test_process_batches_split_one_batch_between_processes():
+    """Two processes, each packing its own document shard, hold between them the rows one
+    process packs from the same two shards, side by side; and each process's loader states
+    resume its own shard from the checkpoint's list of every shard's state."""
+    tok = data.byte_tokenizer()
+    docs = data.corpus()
+    shape = (2, 4, 32)  # 2 micro-batches of 4 rows of 32 tokens
+    one, states = data.process_batches(data.pretrain_batches, tok, docs, shape, data_shards=2)
+    parts = [data.process_batches(data.pretrain_batches, tok, docs, shape, process=(i, 2))[0]
+             for i in range(2)]
+    for _ in range(3):
+        inputs, targets, saved = next(one)
+        halves = [next(part) for part in parts]
+        assert inputs.shape == (2, 4, 32) and halves[0][0].shape == (2, 2, 32)
+        np.testing.assert_array_equal(inputs, np.concatenate([h[0] for h in halves], axis=1))
+        np.testing.assert_array_equal(targets, np.concatenate([h[1] for h in halves], axis=1))
+        assert saved == halves[0][2] + halves[1][2]
+    # process 1 resumed from the whole list: the next batch of its shard
+    resumed, own = data.process_batches(data.pretrain_batches, tok, docs, shape, process=(1, 2),
+                                        states=saved)
+    assert own == saved[1:]
+    np.testing.assert_array_equal(next(resumed)[0], next(one)[0][:, 2:])
+    with pytest.raises(ValueError, match="--data-shards 3 must be a multiple of the 2"):
+        data.process_batches(data.pretrain_batches, tok, docs, shape, process=(0, 2),
+                             data_shards=3)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ import muon
 import nanochat as nc
 import report
 import rl
+import runtime
 import sharding
 import tasks
 
@@ -150,12 +151,12 @@ def train_step(params, opt_state, batch, step, sched, lrs, cfg, attn=nc.causal_a
     # layout, and Muon's stacks split into whole matrices per device
     grads = sharding.constrain(grads, mesh, o_kind)
     params = sharding.constrain(params, mesh, o_kind)
-    shards, place = 1, None
+    shards, constrain_stack = 1, None
     if mesh is not None:
         shards = mesh.size
-        place = functools.partial(sharding.constrain, mesh=mesh, kind="stack")
+        constrain_stack = functools.partial(sharding.constrain, mesh=mesh, kind="stack")
     params, opt_state = muon.update(grads, opt_state, params, labels, groups,
-                                    shards=shards, place=place)
+                                    shards=shards, constrain_stack=constrain_stack)
     # 4. the state back in the layout it came in (no recompile), and whether all was
     # finite
     params = sharding.constrain(params, mesh, p_kind)
@@ -302,10 +303,10 @@ def train_loop(params, opt_state, next_batch, states, step, *, steps, step_fn, f
         batch, next_states = next_batch(params, step)
         t0 = time.perf_counter()
         with scope():
-            params, opt_state, m = step_fn(params, opt_state, batch, step)
-        loss = float(m["loss"])
+            params, opt_state, metrics = step_fn(params, opt_state, batch, step)
+        loss = float(metrics["loss"])
         dt = time.perf_counter() - t0
-        if not bool(m["finite"]):
+        if not bool(metrics["finite"]):
             raise FloatingPointError(diverged(step, loss, last_saved))
         step = step + 1
         states = next_states
@@ -315,9 +316,9 @@ def train_loop(params, opt_state, next_batch, states, step, *, steps, step_fn, f
         tps = batch[0].size / dt
         eta = (steps - step) * (time.perf_counter() - t_run) / (step - start)
         print(f"step {step:5d}/{steps} | loss {smooth / (1 - 0.9 ** (step - start)):.4f} | lrm "
-              f"{float(m['lrm']):.3f} | {dt * 1e3:.0f} ms | {tps:,.0f} tok/s | "
+              f"{float(metrics['lrm']):.3f} | {dt * 1e3:.0f} ms | {tps:,.0f} tok/s | "
               f"{tps * flops / 1e9:,.1f} GFLOP/s | eta {eta / 60:.1f} min", flush=True)
-        hooks.log({"step": step, "loss": loss, "lrm": float(m["lrm"]), "dt": dt,
+        hooks.log({"step": step, "loss": loss, "lrm": float(metrics["lrm"]), "dt": dt,
                    "tokens": batch[0].size, "tok_per_s": tps})
 
 
@@ -358,7 +359,7 @@ class Run:
     keep: int = 3  # checkpoints kept
     save_every: int = -1  # a checkpoint every N steps (-1: only the last)
     debug: bool = False  # the step un-jitted with NaN checks
-    data_shards: int = 0  # sharding.sharded_batches' (0: one per process)
+    data_shards: int = 0  # data.process_batches' (0: one per process)
     attention: str = "auto"  # the training step's route of kernels.ROUTES
     shard: str | None = None  # --shard (None: sharding.choose_mode's default)
     remat: bool = False
@@ -459,18 +460,23 @@ def print_startup(stage, sched, shape, attention, lr_scale, layout_words):
 def stage_batches(tok, stage, run, batch, mesh, states=None):
     """(next_batch(params, step), loader states): RL's sampled from the params, else
     packed into micro-batches of the run's rows, `batch` tokens a step."""
-    split = NamedSharding(mesh, P(None, "data"))  # rows over the devices
+    batch_sharding = NamedSharding(mesh, P(None, "data"))  # rows over the devices
     # RL: each step's batch sampled from the params of that step
     if stage.sample is not None:
-        return functools.partial(stage.sample, split=split), states
-    # packed: each process packs its shard of the documents, from the saved position
+        return functools.partial(stage.sample, batch_sharding=batch_sharding), states
+    # packed: each process packs its shards of the documents, from the saved positions
     T = stage.cfg.sequence_len
     rows = run.device_batch_size * jax.device_count()
     A = batch // (rows * T)  # micro-batches a step
-    batches, states = sharding.sharded_batches(stage.packer, tok, stage.docs, A, rows, T,
-                                              split=split, data_shards=run.data_shards,
-                                              states=states)
-    return (lambda params, step: next(batches)), states
+    batches, states = data.process_batches(
+        stage.packer, tok, stage.docs, (A, rows, T),
+        process=(jax.process_index(), jax.process_count()), data_shards=run.data_shards,
+        states=states)
+
+    def next_batch(params, step):
+        inputs, targets, states = next(batches)
+        return sharding.global_arrays((inputs, targets), batch_sharding), states
+    return next_batch, states
 
 
 def checkpoint_saver(stage, tok, run, meta, results):
@@ -480,10 +486,10 @@ def checkpoint_saver(stage, tok, run, meta, results):
     out_dir = os.path.join(run.out, stage.name)
 
     def save(params, opt_state, step, states):
-        info = {**meta, "step": step, "data_states": checkpoint.gather_states(states),
+        info = {**meta, "step": step, "data_states": sharding.gather_states(states),
                 "val_bpb": results["val_bpb"]}
         # a collective: every process joins, process 0 writes
-        params, opt_state = checkpoint.gather_tree((params, opt_state))
+        params, opt_state = sharding.gather_tree((params, opt_state))
         if jax.process_index() == 0:
             return checkpoint.save_checkpoint(out_dir, step, params, opt_state, info,
                                               keep=run.keep, files={"tokenizer.json": tok.save})
@@ -522,7 +528,7 @@ def run_stage(stage, tok, run=Run(), optim=Optim(), evals=None, record=None):
     print_startup(stage, sched, shape, run.attention, lr_scale, words)
     # 3. the step, the checkpoints and the metrics
     step_fn = functools.partial(train_step if run.debug else jit_train_step, sched=sched, lrs=lrs,
-                                cfg=cfg, attn=kernels.attention(run.attention), layout=layout)
+                                cfg=cfg, attn=kernels.attention_fn(run.attention), layout=layout)
     os.makedirs(out_dir, exist_ok=True)
     meta = {"stage": stage.name, "config": dataclasses.asdict(cfg), "tokenizer": "tokenizer.json",
             "schedule": sched, "lrs": lrs, "args": record or {}}
@@ -658,7 +664,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    kernels.tune_process(args.compile_cache, restart=argv is None)
+    runtime.use_compile_cache(args.compile_cache)
     sharding.init_distributed(args.coordinator, args.num_processes, args.process_id,
                               args.distributed)
     t = time.perf_counter()
@@ -671,7 +677,7 @@ def main(argv=None):
     questions = tasks.load_questions(args.questions) if graded else ()
     bundle = evaluate.load_bundle(args.eval_bundle, args.eval_max) if args.eval_bundle else None
     chat_tasks = tasks.load_chat_tasks(args.chat_data, args.eval_max) if args.chat_data else {}
-    rows = NamedSharding(sharding.data_mesh(), P("data"))  # evaluations' rows over the devices
+    row_sharding = NamedSharding(sharding.data_mesh(), P("data"))  # evaluations' rows
     # 3. the settings every stage shares
     docs = data.corpus(args.data, "train", seed=args.seed)
     evals = dict(val_docs=data.corpus(args.data, "val"), eval_every=args.eval_every,
@@ -686,7 +692,7 @@ def main(argv=None):
             name, params, cfg, tok, losses, info,
             out=args.out, argv=argv or sys.argv[1:], eval_tasks=args.eval_tasks,
             questions=questions, bundle=(args.eval_bundle, bundle),
-            chat_tasks=(args.chat_data, chat_tasks), rows=rows)
+            chat_tasks=(args.chat_data, chat_tasks), row_sharding=row_sharding)
     results["total_minutes"] = (time.perf_counter() - t) / 60
     print(json.dumps(results))
     return results
@@ -712,6 +718,8 @@ def build_stage(name, args, tok, docs):
 
 
 if __name__ == "__main__":
+    # glibc malloc set for XLA's buffers, first: on huge pages the script starts over once here
+    runtime.tune_malloc(restart=True)
     try:
         main()
     except (ValueError, FileNotFoundError, ImportError) as e:  # bad input: one line, no traceback
