@@ -139,15 +139,15 @@ def sample_next_token(logits, keys, temperature, top_k, top_p):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_len", "num_samples", "attn"))
-def prefill(prepared, tokens, length, key, settings, *, cfg, max_len, num_samples=1,
+def prefill(layered, tokens, length, key, settings, *, cfg, max_len, num_samples=1,
             attn=nc.causal_attention):
     """One prompt (1, T), its first `length` tokens real, into a fresh cache of max_len
     slots copied to num_samples rows: (each row's first sampled token (num_samples,),
-    the logits it was drawn from, the cache). prepared: unstacked, in the compute dtype;
+    the logits it was drawn from, the cache). layered: unstacked, in the compute dtype;
     settings: sample_next_token's (temperature, top_k, top_p); row r draws with
     fold_in(key, r)."""
     empty = nc.init_cache(cfg, 1, max_len)
-    logits, cache = nc.forward_cached(prepared, tokens, empty, cfg, attn, length)
+    logits, cache = nc.forward_cached(layered, tokens, empty, cfg, attn, length)
 
     # nanochat's prefill once, replicate: every row starts from the prompt's cache
     def rows(a):
@@ -159,10 +159,10 @@ def prefill(prepared, tokens, length, key, settings, *, cfg, max_len, num_sample
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attn"), donate_argnames="cache")
-def decode(prepared, column, cache, key, settings, *, cfg, attn=nc.causal_attention):
+def decode(layered, column, cache, key, settings, *, cfg, attn=nc.causal_attention):
     """Feed one token per row (B,) and sample the next: (ids (B,), logits (B, V),
     cache)."""
-    logits, cache = nc.forward_cached(prepared, column[:, None], cache, cfg, attn)
+    logits, cache = nc.forward_cached(layered, column[:, None], cache, cfg, attn)
     rows = jnp.arange(column.shape[0])
     keys = step_keys(row_keys(key, rows), cache["pos"])
     return sample_next_token(logits, keys, *settings), logits, cache
@@ -211,11 +211,11 @@ def generate(params, cfg, prompt_ids, sampling, *, num_samples=1, tool=None,
     # the prompt padded at the end to its bucket: a later write replaces each junk slot
     tokens = np.zeros((1, min(bucket(n), max_len)), np.int32)
     tokens[0, :n] = prompt_ids
-    prepared = prepare(params, cfg)
+    layered = prepare(params, cfg)
     key = jax.random.key(sampling.seed)
     # traced: a new setting compiles nothing
     settings = (float(sampling.temperature), int(sampling.top_k), float(sampling.top_p))
-    sampled, _, cache = prefill(prepared, tokens, n, key, settings, cfg=cfg, max_len=max_len,
+    sampled, _, cache = prefill(layered, tokens, n, key, settings, cfg=cfg, max_len=max_len,
                                 num_samples=num_samples, attn=attn)
     forced = [collections.deque() for _ in range(num_samples)]
     done = [False] * num_samples
@@ -235,7 +235,7 @@ def generate(params, cfg, prompt_ids, sampling, *, num_samples=1, tool=None,
         if all(done) or step == max_tokens - 1:
             return
         column = np.asarray(column, np.int32)
-        sampled, _, cache = decode(prepared, column, cache, key, settings, cfg=cfg, attn=attn)
+        sampled, _, cache = decode(layered, column, cache, key, settings, cfg=cfg, attn=attn)
 
 # ------------------------------------------------------------- the slot engine: device functions
 
@@ -316,7 +316,7 @@ def emit(slot, logits, pos, python, logprobs):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attn"), donate_argnames="state")
-def admit(prepared, state, request, python, *, cfg, attn=nc.causal_attention):
+def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention):
     """Start a request in its slots: prefill its prompt alone, copy the cache into each
     choice's slot (nanochat's prefill once, replicate), and emit each choice's first
     token: (state, records (C, W), with logprobs). request, every value traced: prompt
@@ -328,7 +328,7 @@ def admit(prepared, state, request, python, *, cfg, attn=nc.causal_attention):
     length = request["length"]
     # 1. the prompt alone, in its bucket
     empty = nc.init_cache(cfg, 1, request["prompt"].shape[1])
-    logits, prompt = nc.forward_cached(prepared, request["prompt"], empty, cfg, attn, length)
+    logits, prompt = nc.forward_cached(layered, request["prompt"], empty, cfg, attn, length)
 
     # 2. its keys and values into each choice's slot, from position 0
     def copy(j, layers):
@@ -372,7 +372,7 @@ def admit(prepared, state, request, python, *, cfg, attn=nc.causal_attention):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attn", "rows", "view", "kmax"),
                    donate_argnames="state")
-def decode_chunk(prepared, state, control, *, cfg, attn, rows, view, kmax):
+def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax):
     """Up to control["steps"] (at most kmax) tokens for every live slot of the first
     `rows`, whose positions stay under `view`: (state, records (kmax, rows, W), -1 where
     a slot emitted nothing). control, traced: steps; exit_on_done, hand back when a
@@ -392,7 +392,7 @@ def decode_chunk(prepared, state, control, *, cfg, attn, rows, view, kmax):
         i, active, records, _ = carry
         # 2. feed each live slot its last token; an idle slot's position and smear stay put
         old = active["cache"]
-        logits, cache = nc.forward_cached(prepared, active["token"][:, None], old, cfg, attn)
+        logits, cache = nc.forward_cached(layered, active["token"][:, None], old, cfg, attn)
         live = active["live"]
         cache["pos"] = jnp.where(live, cache["pos"], old["pos"])
         cache["prev"] = jnp.where(live[:, None], cache["prev"], old["prev"])
@@ -536,7 +536,7 @@ class Engine:
     def __init__(self, params, cfg, *, slots=16, kmax=16, attn=nc.causal_attention,
                  python_ids=None, waiting=None, rows=None):
         self.cfg = cfg
-        self.prepared = prepare(params, cfg)
+        self.layered = prepare(params, cfg)
         self.slots = slots
         self.kmax = kmax
         self.attn = attn
@@ -643,7 +643,7 @@ class Engine:
                    "cancel": cancel,
                    "python": self.python,
                    "logprobs": np.bool_(logprobs)}
-        self.state, records = decode_chunk(self.prepared, self.state, control, cfg=self.cfg,
+        self.state, records = decode_chunk(self.layered, self.state, control, cfg=self.cfg,
                                            attn=self.attn, rows=rows, view=view,
                                            kmax=self.kmax)
         self.stopping.clear()
@@ -696,7 +696,7 @@ class Engine:
             for choice, slot in enumerate(slots, first):
                 self.owner[slot] = (request, choice)
             arrays = self.request_arrays(request, slots, first)
-            self.state, records = admit(self.prepared, self.state, arrays, self.python,
+            self.state, records = admit(self.layered, self.state, arrays, self.python,
                                         cfg=self.cfg, attn=self.attn)
             self.stats["calls"] += 1
             self.stats["admits"] += 1
@@ -793,7 +793,7 @@ class Engine:
         for T in sorted({self.prompt_bucket(n) for n in range(1, S)}):
             empty = Request([0] * T, Sampling(max_tokens=1), 1, None, False)
             arrays = self.request_arrays(empty, [], 0)
-            self.state, _ = admit(self.prepared, self.state, arrays, self.python, cfg=self.cfg,
+            self.state, _ = admit(self.layered, self.state, arrays, self.python, cfg=self.cfg,
                                   attn=self.attn)
         # 2. a chunk of each row count and view
         control = {"steps": np.int32(0),
@@ -803,7 +803,7 @@ class Engine:
                    "logprobs": np.bool_(False)}
         for rows in self.row_buckets:
             for view in self.views:
-                self.state, _ = decode_chunk(self.prepared, self.state, control, cfg=self.cfg,
+                self.state, _ = decode_chunk(self.layered, self.state, control, cfg=self.cfg,
                                              attn=self.attn, rows=rows, view=view,
                                              kmax=self.kmax)
         # 3. resume

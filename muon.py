@@ -62,13 +62,13 @@ def matrix_sum(x):
 
 def polar_express(x):
     """Approximate the orthogonal polar factor U V^T of a stack of matrices x (K, m, n)."""
-    m, n = x.shape[-2:]
+    rows, cols = x.shape[-2:]
     # scale so that every singular value is at most 1
     norm = frobenius(x.astype(jnp.float32))
     x = x / (norm * 1.01 + 1e-6).astype(x.dtype)
     for a, b, c in POLAR_EXPRESS:
-        if m > n:
-            # tall: iterate on the small n x n Gram matrix
+        if rows > cols:
+            # tall: iterate on the small cols x cols Gram matrix
             A = x.mT @ x
             x = a * x + x @ (b * A + c * A @ A)
         else:
@@ -156,7 +156,8 @@ def update(grads, state, params, labels, groups, shards=1, constrain_stack=None)
             x = jnp.concatenate(matrices)
             if shards > 1:
                 extra = -len(x) % shards
-                x = constrain_stack(jnp.pad(x, ((0, extra), (0, 0), (0, 0))))
+                zero_matrices = ((0, extra), (0, 0), (0, 0))  # at the end of the stack
+                x = constrain_stack(jnp.pad(x, zero_matrices))
             return x
         stack = muon_step(concat(p), concat(g), concat(m), concat(v),
                           lr=hp["lr"],

@@ -281,8 +281,8 @@ def write_rows(cache, new, pos):
     if cache.shape[0] == 1:
         return jax.lax.dynamic_update_slice(cache, new, (0, 0, pos[0], 0))
 
-    def write(row, new_row, p):
-        return jax.lax.dynamic_update_slice(row, new_row, (0, p, 0))
+    def write(row, new_row, at):
+        return jax.lax.dynamic_update_slice(row, new_row, (0, at, 0))
     return jax.vmap(write)(cache, new, pos)
 
 
@@ -365,16 +365,16 @@ def unstack(params, cfg):
     return {"layers": layers, **{name: params[name] for name in rest}}
 
 
-def trunk(p, tokens, x, cfg, *, attn, caches=None, pos=0, remat=False):
+def trunk(layered, tokens, x, cfg, *, attn, caches=None, pos=0, remat=False):
     """The layers, backout and final norm over the smeared embeddings x (B, T, C) of
-    tokens at positions pos, pos + 1, ...; p is unstacked. Returns (normed hidden
+    tokens at positions pos, pos + 1, ...; layered is unstacked. Returns (normed hidden
     states, layer caches). remat: the backward pass recomputes each block's
     activations instead of keeping them."""
     rope = rotary(query_positions(pos, tokens.shape[1]), cfg.head_dim)
     caches = caches or [None] * cfg.n_layer
     x0 = x
     x_backout = None
-    for i, (layer, window) in enumerate(zip(p["layers"], window_sizes(cfg))):
+    for i, (layer, window) in enumerate(zip(layered["layers"], window_sizes(cfg))):
         layer_fn = functools.partial(block, window=window, attn=attn)
         if remat:
             layer_fn = jax.checkpoint(layer_fn)
@@ -383,7 +383,7 @@ def trunk(p, tokens, x, cfg, *, attn, caches=None, pos=0, remat=False):
         if i == cfg.n_layer // 2:
             x_backout = x
     # backout: remove part of the mid-network residual
-    x = x - p["backout_lambda"] * x_backout
+    x = x - layered["backout_lambda"] * x_backout
     return rms_norm(x), caches
 
 
@@ -447,25 +447,25 @@ def init_cache(cfg, batch, max_len):
             "pos": jnp.zeros((batch,), jnp.int32)}
 
 
-def forward_cached(p, tokens, cache, cfg, attn, length=None):
+def forward_cached(layered, tokens, cache, cfg, attn, length=None):
     """(logits (B, vocab_size) after the last of `length` valid tokens, the advanced
-    cache): prefill (T > 1) or decode. p: unstacked, in the compute dtype; tokens (B, T)
+    cache): prefill (T > 1) or decode. layered: unstacked, in the compute dtype; tokens (B, T)
     go in at each row's position. A prompt padded at the end to a bucket writes junk k,
     v past `length`, which later writes replace before any query can see them."""
     length = tokens.shape[1] if length is None else length
     # 1. the embeddings, smeared with the cache's last one (e, before the smear, is what
     # the next chunk's smear reads)
-    e = rms_norm(p["wte"][tokens])  # (B, T, C)
-    x = smear(e, p["smear_gate"], p["smear_lambda"], cache["prev"])
+    e = rms_norm(layered["wte"][tokens])  # (B, T, C)
+    x = smear(e, layered["smear_gate"], layered["smear_lambda"], cache["prev"])
     # 2. the layers, each writing its keys and values at each row's position
-    x, layers = trunk(p, tokens, x, cfg, attn=attn, caches=list(cache["layers"]),
+    x, layers = trunk(layered, tokens, x, cfg, attn=attn, caches=list(cache["layers"]),
                       pos=cache["pos"])
 
     # 3. the logits after the last valid token, and the advanced cache
     def last(a):
         return jax.lax.dynamic_index_in_dim(a, length - 1, axis=1, keepdims=False)
     cache = {"layers": layers, "prev": last(e), "pos": cache["pos"] + length}
-    return logits_from_hidden(p, last(x), cfg), cache
+    return logits_from_hidden(layered, last(x), cfg), cache
 
 # ----------------------------------------------------------------------------- counting
 

@@ -4,25 +4,10 @@ exactly.
     python train.py                  # the default pipeline: tokenizer -> base -> SFT -> RL
     python train.py --stage base --depth 6 --data 'shards/*.parquet' ...
 
-- `train_step`: forward, backward (a `lax.scan` over micro-batches sums the
-  gradients) and the MuonAdamW update in one `jax.jit`, params and optimizer state
-  donated. nanochat's schedules (lr warmup and warmdown to a final fraction, Muon
-  momentum warmup and warmdown, cosine Muon weight decay) are computed inside from
-  the traced step, so nothing recompiles. The horizon, the batch size and the lr
-  scaling follow nanochat's rules (`horizon`).
-- `train_loop`: the loop alone, over explicit values; it raises on a non-finite loss
-  and, after saving, on Ctrl-C. `base_stage`, `sft_stage` and `rl_stage` say what a
-  stage starts from and trains on; `run_stage` runs one with devices, data,
-  evaluation and checkpoints (with the loader's position, so that --resume is exact).
-- RL (rl.py) is the same train step, with per-token weights: the rollouts'
-  advantages.
-- Data parallel with `jax.sharding`: a "data" mesh axis splits the batch; --shard
-  splits the optimizer state (the default on several devices) or it and the params
-  (FSDP) over it too (sharding.py); --remat recomputes each block in the backward
-  pass. Several hosts join through `jax.distributed.initialize`, each process packing
-  its own shard of the documents.
-- --debug runs the same step un-jitted with NaN checks, so print() and breakpoint()
-  work inside.
+A run reads top to bottom: `main` builds each stage (`base_stage`, `sft_stage`,
+rl.rl_stage: a `Stage`), `run_stage` plans it (`horizon`), places it on the devices and
+runs `train_loop`, which calls the jitted `train_step` once a step. docs/training.md
+tells the story with nanochat's names; --debug runs the step un-jitted (print works).
 """
 
 import argparse
@@ -345,7 +330,7 @@ class Stage:
     lr_frac: float = 1.0  # its learning rates: this fraction of the base ones
     packer: Callable | None = None  # packed stages: data.pretrain_batches or sft_batches ...
     docs: Callable | None = None  # ... over these documents (epoch -> texts)
-    sample: Callable | None = None  # RL: sample(params, step, split) -> (batch, states)
+    sample: Callable | None = None  # RL: sample(params, step, batch_sharding)
     evaluate: Callable | None = None  # more evaluation before each step (RL's pass@k)
     shape: str = ""  # the startup line's words for a step's batch (RL's)
 
