@@ -7,6 +7,9 @@ The slow tests (several processes, a browser, the whole pipeline, server soaks, 
 programs compiled for one test alone) carry the `slow` marker. Golden numbers in testdata/ come
 from the real PyTorch nanochat; testdata/README.md says how they were made and which tolerances
 their fp32-vs-fp64 reruns justify.
+
+The sections follow the product files in import order (IMPORTS below), each test under the file
+whose function it exercises; end-to-end runs through train.py sit under train.py.
 """
 
 import ast
@@ -63,7 +66,6 @@ import train
 
 
 TESTDATA = pathlib.Path(__file__).parent / "testdata"
-
 # Every program jit had not cached in memory is lowered once, whether XLA then compiles it or reads
 # it from the persistent cache: what the no-recompile tests count.
 LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"
@@ -79,14 +81,37 @@ def shared_compile_cache(tmp_path_factory):
     os.environ["JAX_COMPILATION_CACHE_DIR"] = path
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     kernels.use_compile_cache(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared by the sections below: the configs, random params, the golden file
+
 GOLDEN_CFG = nc.Config(sequence_len=512, vocab_size=300, n_layer=4, n_head=2, n_kv_head=1,
                        n_embd=64,
                        window_pattern="SL")
 TINY = nc.Config(sequence_len=64, vocab_size=100, n_layer=3, n_head=4, n_kv_head=2, n_embd=32,
                  window_pattern="SL")
+CHAT_CFG = nc.Config(sequence_len=256, vocab_size=265, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
+                     window_pattern="L")  # the byte tokenizer's vocab
+TRAIN_ARGS = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "16", "--max-seq-len", "32",
+              "--device-batch-size", "4", "--total-batch-size", "256", "--vocab-size", "300",
+              "--warmup-steps", "2",
+              "--eval-every", "0", "--sample-every", "0", "--compile-cache", ""]
+TINY_MODEL = dict(depth=2, aspect_ratio=32, head_dim=16, max_seq_len=32)  # TRAIN_ARGS's, as values
+TINY_OPTIM = dict(total_batch_size=256, warmup_steps=2)
 forward = jax.jit(nc.forward, static_argnames="cfg")
 loss_fn = jax.jit(nc.loss_fn, static_argnames=("cfg", "reduction"))
 value_and_grad = jax.jit(jax.value_and_grad(nc.loss_fn), static_argnames="cfg")
+
+
+def random_params(cfg, seed):
+    """Random params with every path alive, drawn in numpy (no init compile): matrices N(0,
+    1/fan_in)."""
+    rng = np.random.default_rng(seed)
+    draw = lambda s: rng.normal(0, s.shape[-2] ** -0.5 if len(s.shape) > 1 else 0.3, s.shape).astype(np.float32)
+    params = jax.tree.map(draw, nc.param_shapes(cfg))
+    params["resid_lambdas"] += 1.0
+    return jax.tree.map(jnp.asarray, params)
 
 
 @pytest.fixture(scope="session")
@@ -110,7 +135,55 @@ def assert_matches_golden(params, golden, prefix, atol):
 
 
 # --------------------------------------------------------------------------------------------------
-# The model against PyTorch nanochat
+# The product files: their imports form a DAG, in the order of the sections below
+
+IMPORTS = {  # each module of ours: the modules of ours it imports (nanochat.py and muon.py: none)
+    "nanochat": set(), "muon": set(), "data": set(), "execution": set(), "kernels": {"nanochat"},
+    "engine": {"nanochat"},
+    "tasks": {"data", "execution"}, "checkpoint": {"data", "nanochat", "torch_files"}, "torch_files": set(),
+    "evaluate": {"checkpoint", "data", "engine", "kernels", "nanochat", "sharding", "tasks"},
+    "report": {"data", "evaluate", "nanochat"},
+    "rl": {"checkpoint", "data", "engine", "evaluate", "tasks"},
+    "sharding": {"data"},
+    "train": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "report", "rl",
+              "sharding", "tasks"},
+    "chat": {"checkpoint", "data", "engine", "kernels"},
+    "bench": {"data", "engine", "kernels", "muon", "nanochat", "report", "sharding", "train"},
+    "scaling_fits": set(),
+    "scaling": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "scaling_fits",
+                "sharding", "train"},
+}
+
+
+def test_imports_form_a_dag_without_private_names():
+    """Every module's imports of ours are the ones above (a DAG: the model and optimizer at the
+    bottom, data.py without jax, tasks and checkpoints on the model and data, the programs above
+    them, the tools on top), and no module uses another's private (_name) functions."""
+    root = pathlib.Path(__file__).parent
+    assert {p.stem for p in root.glob("*.py")} - {"test_nanochat"} == set(IMPORTS)
+    for name, want in IMPORTS.items():
+        tree = ast.parse((root / f"{name}.py").read_text())
+        aliases = {}  # the local name -> the module of ours it is
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases.update({a.asname or a.name: a.name for a in node.names if a.name in IMPORTS})
+            assert not (isinstance(node, ast.ImportFrom) and node.module in IMPORTS), (name, node.module)
+        assert set(aliases.values()) == want, name
+        private = [f"{aliases[n.value.id]}.{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                   and isinstance(n.value, ast.Name) and n.value.id in aliases and n.attr.startswith("_")]
+        assert not private, (name, private)
+    data_imports = [a.name for n in ast.walk(ast.parse((root / "data.py").read_text())) if isinstance(n, ast.Import)
+                    for a in n.names]
+    assert data_imports and not [m for m in data_imports if m.split(".")[0] in ("jax", "jaxlib")]
+    done = set()  # a topological order exists: no cycle
+    while len(done) < len(IMPORTS):
+        ready = {m for m, deps in IMPORTS.items() if m not in done and deps <= done}
+        assert ready, f"a cycle among {set(IMPORTS) - done}"
+        done |= ready
+
+
+# --------------------------------------------------------------------------------------------------
+# nanochat.py: the model against PyTorch nanochat's golden numbers, then its invariants
 
 def test_golden_logits_and_loss(golden):
     params = golden_tree(golden, "param")
@@ -147,6 +220,27 @@ def test_golden_structure(golden):
     assert groups == {k: int(golden[f"num_scaling_params/{k}"]) for k in groups}
     assert nc.estimate_flops(GOLDEN_CFG) == float(golden["estimate_flops"])
     assert GOLDEN_CFG.padded_vocab == 320 and GOLDEN_CFG.ve_layers == [1, 3]
+
+
+@pytest.mark.slow  # the golden model compiled once more, in bfloat16
+def test_bf16_close_to_fp32(golden):
+    params = golden_tree(golden, "param")
+    bf16 = nc.Config(**{**GOLDEN_CFG.__dict__, "compute_dtype": "bfloat16"})
+    logits = forward(params, golden["tokens"], bf16)
+    assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
+    # logits reach 1.85; fp32 is off by 1e-6
+    assert 1e-3 < float(jnp.abs(logits - golden["logits"]).max()) < 0.1
+    # the matmuls really ran in bf16 (traced, not run: the dtype is the program's, not the numbers')
+    assert jax.eval_shape(lambda p, t: nc.hidden(p, t, bf16), params, golden["tokens"]).dtype == jnp.bfloat16
+    x = jax.random.normal(jax.random.key(0), (4, 64)).astype(jnp.bfloat16) * 100
+    ref = np.asarray(x, np.float64) / np.sqrt((np.asarray(x, np.float64) ** 2).mean(-1, keepdims=True))
+    # fp32 statistics
+    np.testing.assert_allclose(np.asarray(nc.rms_norm(x), np.float64), ref, rtol=2**-8)
+    loss, grads = value_and_grad(params, golden["tokens"], golden["targets"], bf16)
+    assert abs(float(loss) - float(golden["loss"])) < 0.01
+    chex.assert_tree_all_finite(grads)
+    # fp32 masters get fp32 grads
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
 
 
 @pytest.mark.parametrize("depth, width, heads, groups, flops", [
@@ -247,6 +341,20 @@ def test_causality(tiny_params):
     np.testing.assert_array_equal(a[:, :30], b[:, :30])
     assert float(jnp.abs(a[:, 30:] - b[:, 30:]).max()) > 1e-3
 
+
+def test_sliding_window_limits_context():
+    cfg = nc.Config(sequence_len=512, vocab_size=100, n_layer=1, n_head=2, n_kv_head=2, n_embd=32,
+                    window_pattern="S")
+    assert nc.window_sizes(cfg) == [512]  # a single layer is the last layer: always full context
+    mask = nc.attention_mask(jnp.arange(300), jnp.arange(300), 128)
+    assert int(mask.sum(1)[-1]) == 129 and int(mask.sum(1)[5]) == 6 and not mask[10, 11]
+    decode = nc.attention_mask(jnp.array([200]), jnp.arange(256), 128)  # one query against a cache
+    assert np.flatnonzero(decode[0]).tolist() == list(range(72, 201))
+
+
+# --------------------------------------------------------------------------------------------------
+# kernels.py: each attention route against the plain attend, the route each backend takes,
+# the process settings
 
 @pytest.mark.parametrize("T, window, dtype", [(300, 300, "float32"), (300, 100, "float32"),
                                               (256, 64, "bfloat16"),
@@ -354,59 +462,43 @@ def test_attention_route_is_picked_by_backend_and_shape():
     assert kernels.attention() is kernels.attention("auto")
 
 
-def test_sliding_window_limits_context():
-    cfg = nc.Config(sequence_len=512, vocab_size=100, n_layer=1, n_head=2, n_kv_head=2, n_embd=32,
-                    window_pattern="S")
-    assert nc.window_sizes(cfg) == [512]  # a single layer is the last layer: always full context
-    mask = nc.attention_mask(jnp.arange(300), jnp.arange(300), 128)
-    assert int(mask.sum(1)[-1]) == 129 and int(mask.sum(1)[5]) == 6 and not mask[10, 11]
-    decode = nc.attention_mask(jnp.array([200]), jnp.arange(256), 128)  # one query against a cache
-    assert np.flatnonzero(decode[0]).tolist() == list(range(72, 201))
+def test_tune_process_turns_on_the_compile_cache():
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    saved = {k: getattr(jax.config, k) for k in keys}
+    try:
+        kernels.tune_process(train.parse_args([]).compile_cache)
+        assert jax.config.jax_compilation_cache_dir == os.path.expanduser("~/.cache/nanochat_jax/xla")
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0  # every compile is cached
+    finally:
+        for k, v in saved.items():
+            jax.config.update(k, v)
 
 
-@pytest.mark.slow  # the golden model compiled once more, in bfloat16
-def test_bf16_close_to_fp32(golden):
-    params = golden_tree(golden, "param")
-    bf16 = nc.Config(**{**GOLDEN_CFG.__dict__, "compute_dtype": "bfloat16"})
-    logits = forward(params, golden["tokens"], bf16)
-    assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
-    # logits reach 1.85; fp32 is off by 1e-6
-    assert 1e-3 < float(jnp.abs(logits - golden["logits"]).max()) < 0.1
-    # the matmuls really ran in bf16 (traced, not run: the dtype is the program's, not the numbers')
-    assert jax.eval_shape(lambda p, t: nc.hidden(p, t, bf16), params, golden["tokens"]).dtype == jnp.bfloat16
-    x = jax.random.normal(jax.random.key(0), (4, 64)).astype(jnp.bfloat16) * 100
-    ref = np.asarray(x, np.float64) / np.sqrt((np.asarray(x, np.float64) ** 2).mean(-1, keepdims=True))
-    # fp32 statistics
-    np.testing.assert_allclose(np.asarray(nc.rms_norm(x), np.float64), ref, rtol=2**-8)
-    loss, grads = value_and_grad(params, golden["tokens"], golden["targets"], bf16)
-    assert abs(float(loss) - float(golden["loss"])) < 0.01
-    chex.assert_tree_all_finite(grads)
-    # fp32 masters get fp32 grads
-    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
-
-
-def test_state_dict_round_trip(tiny_params):
-    sd = checkpoint.to_nanochat_state_dict(tiny_params, TINY)
-    assert sd["transformer.h.0.attn.c_k.weight"].shape == (16, 32)  # (out, in)
-    assert sd["lm_head.weight"].shape == (128, 32) and "value_embeds.1.weight" not in sd
-    back = checkpoint.from_nanochat_state_dict({"_orig_mod." + k: v for k, v in sd.items()}, TINY)
-    assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, back, tiny_params)))
-    again = checkpoint.to_nanochat_state_dict(back, TINY)
-    assert all(np.array_equal(again[k], sd[k]) for k in sd)
-
-
-def test_state_dict_errors(tiny_params):
-    sd = checkpoint.to_nanochat_state_dict(tiny_params, TINY)
-    with pytest.raises(ValueError, match="missing .*lm_head"):
-        checkpoint.from_nanochat_state_dict({k: v for k, v in sd.items() if k != "lm_head.weight"},
-                                            TINY)
-    with pytest.raises(ValueError, match="shape"):
-        checkpoint.from_nanochat_state_dict({**sd, "transformer.wte.weight": np.zeros((64, 32))},
-                                            TINY)
+def test_tune_process_restarts_a_script_onto_huge_pages():
+    """Where the kernel offers transparent huge pages and glibc reads the hugetlb tunable (2.35+), a
+    script's tune_process starts it over once with the tunable set, and malloc's large blocks then
+    lie on huge pages."""
+    code = ("import os, numpy as np, kernels; print('start', os.getpid()); kernels.tune_process('', restart=True); "
+            "x = np.ones(2**25, np.float32); "  # 128 MiB: one block that malloc maps
+            "huge = [int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')]; "
+            "print('tunables', os.environ.get('GLIBC_TUNABLES'), 'huge_kb', huge[0])")
+    r = subprocess.run([sys.executable, "-c", code], cwd=pathlib.Path(__file__).parent,
+                       capture_output=True,
+                       text=True, check=True,
+                       env={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"})
+    lines = r.stdout.splitlines()
+    if kernels.huge_pages_offered():
+        # the same process, started over once
+        assert lines[0] == lines[1] and lines[0].startswith("start")
+        tunables, huge_kb = lines[2].split()[1], int(lines[2].split()[3])
+        assert tunables == kernels.HUGE_PAGES and huge_kb >= 2048
+    else:
+        assert len(lines) == 2 and lines[1].split()[1] == "None"
 
 
 # --------------------------------------------------------------------------------------------------
-# MuonAdamW against PyTorch nanochat (fed nanochat's own gradients: see the golden README's warning)
+# muon.py: MuonAdamW against PyTorch nanochat (fed nanochat's own gradients: see the golden
+# README's warning), then its invariants
 
 def nanochat_update(grads, state, params, **schedule):
     """muon.update with nanochat's parameter groups (setup_optimizer's default lrs)."""
@@ -480,63 +572,6 @@ def test_muon_trains_a_model_that_is_not_the_gpt():
         params, state, l = step(params, state)
         losses.append(float(l))
     assert losses[-1] < 0.2 * losses[0], (losses[0], losses[-1])
-
-
-IMPORTS = {  # each module of ours: the modules of ours it imports (nanochat.py and muon.py: none)
-    "nanochat": set(), "muon": set(), "data": set(), "execution": set(), "kernels": {"nanochat"},
-    "engine": {"nanochat"},
-    "tasks": {"data", "execution"}, "checkpoint": {"data", "nanochat", "torch_files"}, "torch_files": set(),
-    "evaluate": {"checkpoint", "data", "engine", "kernels", "nanochat", "sharding", "tasks"},
-    "report": {"data", "evaluate", "nanochat"},
-    "rl": {"checkpoint", "data", "engine", "evaluate", "tasks"},
-    "sharding": {"data"},
-    "train": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "report", "rl",
-              "sharding", "tasks"},
-    "chat": {"checkpoint", "data", "engine", "kernels"},
-    "bench": {"data", "engine", "kernels", "muon", "nanochat", "report", "sharding", "train"},
-    "scaling_fits": set(),
-    "scaling": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "scaling_fits",
-                "sharding", "train"},
-}
-
-
-def test_imports_form_a_dag_without_private_names():
-    """Every module's imports of ours are the ones above (a DAG: the model and optimizer at the
-    bottom, data.py without jax, tasks and checkpoints on the model and data, the programs above
-    them, the tools on top), and no module uses another's private (_name) functions."""
-    root = pathlib.Path(__file__).parent
-    assert {p.stem for p in root.glob("*.py")} - {"test_nanochat"} == set(IMPORTS)
-    for name, want in IMPORTS.items():
-        tree = ast.parse((root / f"{name}.py").read_text())
-        aliases = {}  # the local name -> the module of ours it is
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                aliases.update({a.asname or a.name: a.name for a in node.names if a.name in IMPORTS})
-            assert not (isinstance(node, ast.ImportFrom) and node.module in IMPORTS), (name, node.module)
-        assert set(aliases.values()) == want, name
-        private = [f"{aliases[n.value.id]}.{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
-                   and isinstance(n.value, ast.Name) and n.value.id in aliases and n.attr.startswith("_")]
-        assert not private, (name, private)
-    data_imports = [a.name for n in ast.walk(ast.parse((root / "data.py").read_text())) if isinstance(n, ast.Import)
-                    for a in n.names]
-    assert data_imports and not [m for m in data_imports if m.split(".")[0] in ("jax", "jaxlib")]
-    done = set()  # a topological order exists: no cycle
-    while len(done) < len(IMPORTS):
-        ready = {m for m, deps in IMPORTS.items() if m not in done and deps <= done}
-        assert ready, f"a cycle among {set(IMPORTS) - done}"
-        done |= ready
-
-
-@pytest.mark.slow  # the snippets run op by op: some 300 compiles (each piece has a quick test too)
-def test_readme_snippets_run():
-    """docs/pieces.md: block, attention, Muon on another model, the train step and CORE, each
-    alone."""
-    section = (pathlib.Path(__file__).parent / "docs" / "pieces.md").read_text()
-    snippets = re.findall(r"```python\n(.*?)```", section, re.S)
-    # each checks its own result
-    assert len(snippets) == 5 and all("assert " in s for s in snippets)
-    for code in snippets:
-        exec(compile(code, "docs/pieces.md", "exec"), {})
 
 
 def test_polar_express_orthogonalizes():
@@ -633,961 +668,7 @@ def test_optimizer_groups_follow_nanochat(tiny_params, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------------
-# train.py: schedules, the step, checkpoints, exact resume, devices and processes
-
-TRAIN_ARGS = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "16", "--max-seq-len", "32",
-              "--device-batch-size", "4", "--total-batch-size", "256", "--vocab-size", "300",
-              "--warmup-steps", "2",
-              "--eval-every", "0", "--sample-every", "0", "--compile-cache", ""]
-
-
-TINY_MODEL = dict(depth=2, aspect_ratio=32, head_dim=16, max_seq_len=32)  # TRAIN_ARGS's, as values
-TINY_OPTIM = dict(total_batch_size=256, warmup_steps=2)
-
-
-@pytest.fixture(scope="session")
-def train_root(tmp_path_factory):
-    """A checkpoint root holding a tokenizer trained once for every training test."""
-    root = tmp_path_factory.mktemp("train")
-    data.tokenizer_for(str(root), vocab_size=300)
-    return root
-
-
-def fresh_root(train_root, tmp_path):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "tokenizer.json").write_bytes((train_root / "tokenizer.json").read_bytes())
-    return str(tmp_path)
-
-
-def run_base(root, iterations, seed=0, model=None, optim=None, evals=None, device_batch_size=4,
-             **kwargs):
-    """train.run_stage on a fresh tiny base model, wired as train.main wires TRAIN_ARGS, through the
-    values API: (params, cfg, losses, info). kwargs: train.Run's (resume, save_every, debug, ...).
-    """
-    tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
-    cfg = train.model_config(tok.n_vocab, **{**TINY_MODEL, **(model or {})})
-    stage = train.base_stage(cfg, data.corpus(None, "train", seed=seed), jax.random.key(seed),
-                             iterations)
-    evals = {"eval_every": 0, "sample_every": 0, **(evals or {})}
-    run = train.Run(out=root, device_batch_size=device_batch_size, **kwargs)
-    return train.run_stage(stage, tok, run, train.Optim(**{**TINY_OPTIM, **(optim or {})}), evals)
-
-
-def test_schedules_follow_nanochat():
-    s = dict(num_iterations=100, warmup_steps=10, warmdown_ratio=0.65, final_lr_frac=0.05,
-             momentum_start=0.85,
-             momentum=0.97, momentum_end=0.90, momentum_warmup=20, weight_decay=0.2)
-    # (lr multiplier, momentum, wd)
-    at = lambda i: np.array(train.schedules(jnp.int32(i), s), np.float64)
-    expect = {0: (0.1, 0.85, 0.2), 9: (1.0, 0.904, 0.2 * 0.5 * (1 + np.cos(np.pi * 0.09))),
-              # warmdown: round(0.65 * 100)
-              10: (1.0, 0.91, None), 20: (1.0, 0.97, None), 35: (1.0, 0.97, None),
-              68: (32 / 65 + 33 / 65 * 0.05, 0.97 - 0.07 * 33 / 65, None), 50: (None, None, 0.1),
-              100: (0.05, 0.90, 0.0)}
-    for i, want in expect.items():
-        got = at(i)
-        for g, w in zip(got, want):
-            if w is not None:
-                assert g == pytest.approx(w, abs=1e-6), (i, got, want)
-
-
-@pytest.mark.parametrize("depth, tokens, batch, iters, lr_scale, wd", [
-    # nanochat's scaling rules at vocab 32768, ratio 12 (nanochat_spec.md section 1.7)
-    (12, 1.321e9, 2**19, 2520, 1.0, 0.280), (20, 5.222e9, 2**20, 4980, 1.4142, 0.100),
-    (26, 11.021e9, 2**20, 10510, 1.4142, 0.0475),
-])
-def test_horizon_follows_nanochat(depth, tokens, batch, iters, lr_scale, wd):
-    cfg = nc.config_for_depth(depth, 32768)
-    steps, b, scale, weight_decay = train.horizon(
-        cfg, 32, -1, train.Optim(total_batch_size=-1, batch_lr_scale=-1))
-    assert (steps, b) == (iters, batch) and float(f"{steps * b:.4g}") == pytest.approx(tokens, rel=2e-3)
-    assert scale == pytest.approx(lr_scale, abs=1e-4) and weight_decay == pytest.approx(wd, rel=1e-2)
-    flops = train.horizon(cfg, 32, -1, train.Optim(total_batch_size=-1, target_flops=1e18))[0]
-    assert flops == round(1e18 / (nc.estimate_flops(cfg) * batch))
-    # --num-iterations wins
-    assert train.horizon(cfg, 32, 7, train.Optim(total_batch_size=-1, target_flops=1e18))[0] == 7
-
-
-def test_bits_per_byte(tiny_params):
-    params = perturbed(tiny_params, jax.random.key(11))
-    x = np.asarray(jax.random.randint(jax.random.key(12), (2, 16), 0, TINY.vocab_size))
-    y = np.roll(x, -1, axis=1)
-    y[0, 3] = -1
-    # ids with 0 bytes (specials) count neither nats nor bytes
-    token_bytes = np.arange(TINY.vocab_size) % 4
-    nats = np.asarray(loss_fn(params, x, y, TINY, reduction="none"))
-    nb = np.where(y >= 0, token_bytes[np.maximum(y, 0)], 0)
-    want = (nats * (nb > 0)).sum() / (np.log(2) * nb.sum())
-    got = evaluate.evaluate_bpb(params, TINY, iter([(x, y, None)] * 3), jnp.asarray(token_bytes), 2)
-    assert got == pytest.approx(want, rel=1e-5)
-
-
-def test_task_evaluation_scores_exact_matches(monkeypatch):
-    btok = data.byte_tokenizer()
-    cfg = nc.Config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=1, n_kv_head=1,
-                    n_embd=32)
-    # a stand-in model that knows every reference answer of two tasks and none of the others
-    answers = {}
-
-    def oracle(params, cfg, tok, prompts, n, max_tokens):  # evaluate.complete's replies
-        return [[answers.get(tuple(prompt), [])] * n for prompt in prompts]
-
-    for task in tasks.TASKS:
-        for c in itertools.islice(tasks.task_conversations(task, "test"), 5):
-            ids, mask = data.render_conversation(btok, c)
-            prompt = data.render_for_completion(btok, c)
-            if task in ("identity", "arithmetic"):
-                answers[tuple(prompt)] = [t for t, m in zip(ids[len(prompt):], mask[len(prompt):]) if m][:-1]
-    monkeypatch.setattr(evaluate, "complete", oracle)
-    acc, _ = evaluate.evaluate_tasks(None, cfg, btok, n=5)
-    assert acc == {"identity": 1.0, "arithmetic": 1.0, "counting": 0.0, "spelling": 0.0,
-                   "docstring": 0.0}
-
-
-def test_step_never_recompiles(tiny_params):
-    """train.jit_train_step itself: after its first call, new steps (so new schedule values) compile
-    nothing. Its (2, 2, 16) batch is the next two tests' too, which then compile no step of their
-    own."""
-    s = dict(num_iterations=10, warmup_steps=2, warmdown_ratio=0.5, final_lr_frac=0.0,
-             momentum_start=0.85,
-             momentum=0.95, momentum_end=0.9, momentum_warmup=3, weight_decay=0.1)
-    lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
-    params = jax.tree.map(jnp.copy, tiny_params)  # the step donates them
-    opt = init_opt(params)
-    # 2 micro-batches of 2 x 16
-    x = jax.random.randint(jax.random.key(8), (2, 2, 16), 0, TINY.vocab_size)
-    y = jnp.roll(x, -1, axis=2)
-    losses, compiles = [], []
-    listen = lambda event, *_, **__: compiles.append(event) if event == LOWERED else None
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        for i in range(4):
-            params, opt, m = train.jit_train_step(params, opt, (x, y), i, s, lrs, cfg=TINY)
-            losses.append(float(m["loss"]))
-            assert bool(m["finite"])
-            if i == 0:  # compiled (or found compiled): from here on nothing may compile
-                compiles.clear()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    assert compiles == []
-    assert losses[-1] < losses[0]  # the same batch: loss must fall
-
-
-@pytest.mark.slow  # two train steps compiled for batch shapes of their own
-def test_grad_accumulation_equals_big_batch(tiny_params):
-    x = jax.random.randint(jax.random.key(9), (4, 16), 0, TINY.vocab_size)
-    y = jnp.roll(x, -1, axis=1)
-    s = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0,
-             momentum_start=0.95,
-             momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
-    lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
-    p = perturbed(tiny_params, jax.random.key(10))
-    one, _, m1 = train.jit_train_step(p, init_opt(p), (x[None], y[None]), 0, s, lrs, cfg=TINY)
-    p = perturbed(tiny_params, jax.random.key(10))
-    two, _, m2 = train.jit_train_step(p, init_opt(p), (x.reshape(2, 2, 16), y.reshape(2, 2, 16)), 0,
-                                      s, lrs,
-                                      cfg=TINY)
-    np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
-    chex.assert_trees_all_close(one, two, atol=2e-5)
-
-
-def test_step_donates_params_and_opt_state(tiny_params):
-    p = jax.tree.map(jnp.copy, tiny_params)
-    opt = jax.device_put(init_opt(p))  # host zeros on the device, as train.py puts them
-    s = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0,
-             momentum_start=0.95,
-             momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
-    lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
-    x = jnp.zeros((2, 2, 16), jnp.int32)  # the shape the step was compiled for above
-    train.jit_train_step(p, opt, (x, x), 0, s, lrs, cfg=TINY)
-    # updated in place: no second copy in memory
-    assert all(a.is_deleted() for a in jax.tree.leaves((p, opt)))
-
-
-def test_tune_process_turns_on_the_compile_cache():
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    saved = {k: getattr(jax.config, k) for k in keys}
-    try:
-        kernels.tune_process(train.parse_args([]).compile_cache)
-        assert jax.config.jax_compilation_cache_dir == os.path.expanduser("~/.cache/nanochat_jax/xla")
-        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0  # every compile is cached
-    finally:
-        for k, v in saved.items():
-            jax.config.update(k, v)
-
-
-def test_tune_process_restarts_a_script_onto_huge_pages():
-    """Where the kernel offers transparent huge pages and glibc reads the hugetlb tunable (2.35+), a
-    script's tune_process starts it over once with the tunable set, and malloc's large blocks then
-    lie on huge pages."""
-    code = ("import os, numpy as np, kernels; print('start', os.getpid()); kernels.tune_process('', restart=True); "
-            "x = np.ones(2**25, np.float32); "  # 128 MiB: one block that malloc maps
-            "huge = [int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')]; "
-            "print('tunables', os.environ.get('GLIBC_TUNABLES'), 'huge_kb', huge[0])")
-    r = subprocess.run([sys.executable, "-c", code], cwd=pathlib.Path(__file__).parent,
-                       capture_output=True,
-                       text=True, check=True,
-                       env={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"})
-    lines = r.stdout.splitlines()
-    if kernels.huge_pages_offered():
-        # the same process, started over once
-        assert lines[0] == lines[1] and lines[0].startswith("start")
-        tunables, huge_kb = lines[2].split()[1], int(lines[2].split()[3])
-        assert tunables == kernels.HUGE_PAGES and huge_kb >= 2048
-    else:
-        assert len(lines) == 2 and lines[1].split()[1] == "None"
-
-
-def test_checkpoint_round_trip_and_atomic(tmp_path, tiny_params):
-    opt = init_opt(tiny_params)
-    for step in (1, 2, 3, 4):
-        path = checkpoint.save_checkpoint(str(tmp_path), step, tiny_params, opt, {"step": step},
-                                          keep=2)
-    assert [os.path.basename(d) for d in checkpoint.checkpoint_dirs(str(tmp_path))] == ["step_000003", "step_000004"]
-    params, opt2, meta = checkpoint.load_checkpoint(path)
-    assert meta == {"step": 4} and all(jax.tree.leaves(jax.tree.map(np.array_equal, params, tiny_params)))
-    assert int(opt2["step"]) == 0 and all(jax.tree.leaves(jax.tree.map(np.array_equal, opt2, opt)))
-    # a write that dies midway leaves the previous checkpoint intact
-    with pytest.raises(TypeError):
-        checkpoint.save_checkpoint(str(tmp_path), 5, {"bad": object()}, None, {})
-    # no half-written step 5 left
-    assert sorted(os.listdir(tmp_path)) == ["step_000003", "step_000004"]
-    unwritable = lambda p: open(os.path.join(p, "no_such_dir", "tokenizer.json"), "w")
-    # nor when an extra file (train.py's tokenizer.json) fails
-    with pytest.raises(FileNotFoundError):
-        checkpoint.save_checkpoint(str(tmp_path), 5, tiny_params, None, {},
-                                   files={"tokenizer.json": unwritable})
-    assert sorted(os.listdir(tmp_path)) == ["step_000003", "step_000004"]
-    assert checkpoint.latest_checkpoint(str(tmp_path), ("",)) == path and checkpoint.load_checkpoint(path)[2] == {"step": 4}
-    with pytest.raises(FileNotFoundError, match="not a checkpoint"):
-        checkpoint.load_checkpoint(str(tmp_path))
-
-
-def test_a_checkpoint_is_found_from_a_step_a_stage_or_a_root(tmp_path, tiny_params):
-    """checkpoint.load_model (chat.py's and evaluate.py's --checkpoint) takes a step directory, a
-    stage folder (its newest step) or a root (the newest step of its last stage: RL, then SFT, then
-    base)."""
-    tok, root = data.byte_tokenizer(), tmp_path / "checkpoints"
-    meta = {"config": dataclasses.asdict(TINY), "tokenizer": "tokenizer.json"}
-    for stage, step in (("base", 5), ("base", 9), ("sft", 3)):
-        scaled = jax.tree.map(lambda w: w * step, tiny_params)  # each step's weights tell it apart
-        checkpoint.save_checkpoint(str(root / stage), step, scaled, None, meta,
-                                   files={"tokenizer.json": tok.save})
-    for where, step in ((root / "base" / "step_000005", 5), (root / "base", 9), (root, 3)):
-        assert checkpoint.find_step(str(where)).endswith(f"step_{step:06d}")
-        params, cfg, loaded = checkpoint.load_model(str(where))
-        np.testing.assert_array_equal(params["wte"], tiny_params["wte"] * step)
-        assert cfg == TINY and loaded.tokens == tok.tokens
-    with pytest.raises(FileNotFoundError,
-                       match=r"no checkpoint in .*empty/: pass a step directory, a stage folder"):
-        checkpoint.load_model(str(tmp_path / "empty"))
-
-
-def test_resume_is_bit_identical(train_root, tmp_path):
-    full_root, cut_root = fresh_root(train_root, tmp_path / "a"), fresh_root(train_root, tmp_path / "b")
-    _, _, full, _ = run_base(full_root, 6)
-    _, _, first, _ = run_base(cut_root, 6, save_every=3)
-    assert first == full  # same seed, same machine: the same trajectory, bit for bit
-    shutil.rmtree(os.path.join(cut_root, "base", "step_000006"))
-    params, _, rest, _ = run_base(cut_root, 6, resume=True)
-    assert rest == full[3:]
-    a = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(full_root))[0]
-    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, a, jax.device_get(params))))
-    with pytest.raises(ValueError,
-                       match=r"step_000006 holds Config\(.*n_layer=2.*but these flags make .*n_layer=3"):
-        run_base(cut_root, 6, model=dict(depth=3), resume=True)  # the weights would not fit
-    # the tokenizer inside the atomic write
-    files = ["meta.json", "opt.msgpack", "params.msgpack", "tokenizer.json"]
-    assert sorted(os.listdir(checkpoint.latest_checkpoint(full_root))) == files
-    assert full[-1] < full[0]
-
-
-@pytest.mark.slow  # a whole step op by op: some 600 compiles, half a minute on 2 cores
-def test_debug_runs_the_same_step_unjitted(train_root, tmp_path, monkeypatch):
-    _, _, jitted, _ = run_base(fresh_root(train_root, tmp_path / "a"), 1)
-    monkeypatch.setattr(train, "jit_train_step", lambda *a,
-                        **k: pytest.fail("--debug took the jitted step"))
-    eager_step, jit_off = train.train_step, []
-    monkeypatch.setattr(train, "train_step", lambda *a,
-                        **k: jit_off.append(jax.config.jax_disable_jit)
-                        or eager_step(*a, **k))
-    _, _, eager, _ = run_base(fresh_root(train_root, tmp_path / "b"), 1, debug=True)
-    assert jit_off == [True]
-    np.testing.assert_allclose(eager, jitted, rtol=1e-5)
-    # a NaN inside the model stops at the op that made it, not at the end of the step
-    loss_fn = nc.loss_fn
-    monkeypatch.setattr(nc, "loss_fn", lambda p, *a,
-                        **k: loss_fn({**p, "wte": p["wte"] * jnp.nan}, *a, **k))
-    with pytest.raises(FloatingPointError, match="nan"):
-        run_base(fresh_root(train_root, tmp_path / "c"), 1, debug=True)
-
-
-def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch):
-    real, handler = train.jit_train_step, signal.getsignal(signal.SIGINT)
-    _, _, full, _ = run_base(fresh_root(train_root, tmp_path / "full"), 6)
-
-    def failing(*a, **k):
-        params, opt, m = real(*a, **k)
-        return params, opt, {**m, "finite": m["finite"] & (a[3] < 3)}  # step 3 "diverges"
-
-    monkeypatch.setattr(train, "jit_train_step", failing)
-    with pytest.raises(FloatingPointError,
-                       match="step 3: .*not finite; the last good checkpoint is .*step_000002"):
-        run_base(fresh_root(train_root, tmp_path / "nan"), 6, save_every=2)
-    with pytest.raises(FloatingPointError,
-                       match="step 3: .*not finite; no checkpoint was saved yet .*--save-every N"):
-        run_base(fresh_root(train_root, tmp_path / "nan0"), 6)
-
-    # Ctrl-C the moment a step's update is done, before the loop has counted the step
-    def ctrl_c(*a, **k):
-        out = real(*a, **k)
-        for _ in range(presses.get(a[3], 0)):
-            # handled before it returns (os.kill may land on an XLA thread)
-            signal.raise_signal(signal.SIGINT)
-        return out
-
-    root = fresh_root(train_root, tmp_path / "cut")
-    monkeypatch.setattr(train, "jit_train_step", ctrl_c)
-    presses = {1: 2}  # step -> Ctrl-Cs; twice: the second aborts at once, saving nothing
-    with pytest.raises(KeyboardInterrupt):
-        run_base(root, 6)
-    assert checkpoint.latest_checkpoint(root) is None and signal.getsignal(signal.SIGINT) is handler
-    # once: the run stops where params, step and data position agree, and saves there
-    presses = {3: 1}
-    with pytest.raises(KeyboardInterrupt,
-                       match="interrupted: saved .*step_000004; continue with --resume"):
-        run_base(root, 6)
-    assert checkpoint.latest_checkpoint(root).endswith("step_000004") and signal.getsignal(signal.SIGINT) is handler
-    monkeypatch.setattr(train, "jit_train_step", real)
-    _, _, rest, _ = run_base(root, 6, resume=True)
-    assert rest == full[4:]  # no batch trained twice or skipped
-
-
-# --------------------------------------------------------------------------------------------------
-# RL
-
-CONST = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0,
-             momentum_start=0.95,
-             momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
-LRS = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
-
-
-@pytest.mark.slow  # RL's loss, its gradient and a step compiled for RL's weighted batch alone
-def test_rl_loss_and_advantages_by_hand(tiny_params):
-    # prompt 5 6; 7 8 and 9 sampled
-    groups = [([[5, 6, 7, 8], [5, 6, 9]], [[0, 0, 1, 1], [0, 0, 1]], [1.0, 0.0]),
-              # 2 at index 2: tool output
-              ([[3, 4, 2, 2], [3, 4, 1, 0]], [[0, 1, 0, 1], [0, 1, 1, 1]], [1.0, 1.0])]
-    x, y, w = rl.rl_batch(groups, T=5)
-    # r - mean(r) of the group, no std division
-    np.testing.assert_array_equal(w[:, :, 0], [[0.5, -0.5], [0, 0]])
-    assert (w == w[:, :, :1]).all()
-    np.testing.assert_array_equal(x[0], [[5, 6, 7, 0, 0], [5, 6, 0, 0, 0]])
-    np.testing.assert_array_equal(y[0], [[-1, 7, 8, -1, -1], [-1, 9, -1, -1, -1]])
-    np.testing.assert_array_equal(y[1], [[4, -1, 2, -1, -1], [4, 1, 0, -1, -1]])
-    params = perturbed(tiny_params, jax.random.key(3))
-    # jitted: op by op, the backward pass alone compiled some 400 XLA programs (half a minute on 2
-    # cores)
-    loss_and_grads = jax.jit(jax.value_and_grad(train.weighted_loss), static_argnames="cfg")
-    for i in range(2):  # -sum(logp * adv) / valid tokens, per prompt (a micro-batch of the step)
-        logp = np.asarray(jax.nn.log_softmax(forward(params, jnp.asarray(x[i]), TINY), -1),
-                          np.float64)
-        valid = [(j, t) for j in range(2) for t in range(5) if y[i, j, t] >= 0]
-        by_hand = -sum(logp[j, t, y[i, j, t]] * w[i, j, t] for j, t in valid) / len(valid)
-        loss, grads = loss_and_grads(params, TINY, x[i], y[i], w[i])
-        np.testing.assert_allclose(loss, by_hand, rtol=1e-5, atol=1e-7)
-    # all rewards equal: no signal, no NaN
-    assert all((np.asarray(g) == 0).all() for g in jax.tree.leaves(grads))
-    p = jax.tree.map(jnp.copy, params)
-    new, _, m = train.jit_train_step(p, init_opt(p), (x[1:], y[1:], w[1:]), 0, CONST, LRS, cfg=TINY)
-    assert bool(m["finite"]) and float(m["loss"]) == 0.0
-    # Muon (no weight decay here) moves nothing; AdamW only
-    chex.assert_trees_all_equal(new["h"], params["h"])
-    # applies nanochat's fixed weight decays
-    assert all(np.isfinite(a).all() for a in jax.tree.leaves(new))
-    with pytest.raises(FloatingPointError, match="not all finite"):
-        rl.rl_batch([([[1, 2]], [[0, 1]], [float("nan")])], T=4)
-
-
-# a training run: 70 steps and 14 rounds of sampling (RL's math is checked just above)
-@pytest.mark.slow
-def test_rl_raises_the_reward_of_a_tiny_task(btok):
-    """SFT teaches "yes" and "no" equally to one question; RL rewarding "yes" makes the model say
-    it."""
-    cfg = nc.Config(sequence_len=32, vocab_size=btok.n_vocab, n_layer=1, n_head=2, n_kv_head=2,
-                    n_embd=32)
-    ask = lambda answer: [{"role": "user", "content": "yes?"},
-                          {"role": "assistant", "content": answer}]
-    # SFT in RL's shapes, (1, 16, 32) and weights, all 1 (the plain mean loss): one step compiles
-    # for both
-    rows = [data.render_conversation(btok, ask(a)) for a in ("yes", "no") * 8]
-    pad = lambda ids, fill: ids + [fill] * (cfg.sequence_len - len(ids))
-    x = np.array([pad(ids[:-1], 0) for ids, _ in rows], np.int32)[None]
-    y = np.array([pad([t if m else -1 for t, m in zip(ids[1:], mask[1:])], -1) for ids, mask in rows], np.int32)[None]
-    params = nc.init_params(cfg, jax.random.key(0))
-    opt = init_opt(params)
-    for i in range(60):
-        params, opt, _ = train.jit_train_step(params, opt, (x, y, np.ones(x.shape, np.float32)), i,
-                                              CONST, LRS,
-                                              cfg=cfg)
-
-    # over 64 samples, 16 at a time as the steps below draw them: one engine's programs
-    def reward(params, seed):
-        groups = [rl.rollout(params, cfg, btok, [(ask("yes"), tasks.check)], seed + j, 16, 8)[0]
-                  for j in range(4)]
-        return np.mean([g[2] for g in groups])
-
-    before = reward(params, 100)
-    assert 0.2 < before < 0.8  # SFT left both answers likely
-    opt = init_opt(params)
-    for i in range(10):
-        groups = rl.rollout(params, cfg, btok, [(ask("yes"), tasks.check)], i, 16, 8)
-        batch = rl.rl_batch(groups, cfg.sequence_len)
-        params, opt, m = train.jit_train_step(params, opt, batch, i, CONST,
-                                              {k: v * 0.3 for k, v in LRS.items()},
-                                              cfg=cfg)
-    assert reward(params, 100) > before + 0.3
-
-
-RL_TINY = dict(prompts=2, samples=2, max_tokens=8, eval_n=0, iterations=4)
-
-
-def run_stage(root, name, iterations=None, resume=False, **stage_kwargs):
-    """A tiny base (T 128), SFT or RL stage through train.run_stage, as train.main wires it.
-    stage_kwargs: the stage's (rl.rl_stage's for RL, on top of RL_TINY)."""
-    tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
-    if name == "base":
-        cfg = train.model_config(tok.n_vocab, **{**TINY_MODEL, "max_seq_len": 128})
-        stage = train.base_stage(cfg, data.corpus(None, "train"), jax.random.key(0), iterations)
-    elif name == "sft":
-        stage = train.sft_stage(root, tok, data.corpus(None, "train"), iterations=iterations)
-    else:
-        given = {} if iterations is None else {"iterations": iterations}
-        stage = train.Stage(**rl.rl_stage(root, tok, **{**RL_TINY, **given, **stage_kwargs}))
-    optim = train.Optim(**{**TINY_OPTIM, "total_batch_size": 512})
-    run = train.Run(out=root, device_batch_size=4, resume=resume)
-    return train.run_stage(stage, tok, run, optim, {"eval_every": 0, "sample_every": 0})
-
-
-@pytest.mark.slow  # base, SFT and RL stages: the pipeline
-def test_rl_stage_resumes_exactly_and_saves_on_ctrl_c(train_root, tmp_path, monkeypatch):
-    root = fresh_root(train_root, tmp_path / "full")
-    with pytest.raises(FileNotFoundError,
-                       match="no sft checkpoint under .*: run `python train.py --stage sft` first"):
-        run_stage(root, "rl")
-    with pytest.raises(SystemExit):  # argparse names the tasks there are
-        train.parse_args(["--rl-tasks", "poetry"])
-    run_stage(root, "base", 2)
-    run_stage(root, "sft", 2)
-    cut = shutil.copytree(root, tmp_path / "cut")
-    params, _, full, _ = run_stage(root, "rl")
-    assert len(full) == 4 and np.isfinite(full).all()
-    _, _, meta = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root), optimizer=False)
-    assert meta["stage"] == "rl" and meta["step"] == 4 and meta["schedule"]["warmdown_ratio"] == 1.0
-    real, calls = rl.rollout, []
-
-    def ctrl_c(*a, **k):  # Ctrl-C in the middle of step 3's sampling (one batch a step)
-        calls.append(1)
-        if len(calls) == 3:
-            signal.raise_signal(signal.SIGINT)
-        return real(*a, **k)
-
-    monkeypatch.setattr(rl, "rollout", ctrl_c)
-    with pytest.raises(KeyboardInterrupt,
-                       match="interrupted: saved .*rl.step_000003; continue with --resume"):
-        run_stage(str(cut), "rl")  # the step in flight finishes, then the run saves and stops
-    monkeypatch.setattr(rl, "rollout", real)
-    resumed, _, rest, _ = run_stage(str(cut), "rl", resume=True)
-    assert rest == full[3:]  # the same prompts and samples: the key is threaded from (seed, step)
-    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(resumed),
-                                            jax.device_get(params))))
-
-
-def run_cli(root, *extra, env=None):
-    cmd = [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS,
-           "--num-iterations", "3", *extra]
-    r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
-                       timeout=300,
-                       env={**os.environ, **(env or {})})
-    assert r.returncode == 0, r.stderr[-3000:]
-    with open(os.path.join(root, "base", "metrics.jsonl")) as f:
-        return [json.loads(line)["loss"] for line in f if '"loss"' in line], r.stdout
-
-
-@pytest.mark.slow  # three train.py processes
-def test_four_devices_equal_one(train_root, tmp_path, capsys):
-    """Data parallel on a 4-device mesh trains to the losses of one device, through the CPU route
-    and through TPU's splash-attention route (interpreted here, run per device by shard_map); the
-    startup line names the route. The val loss and the sample at the last step run on one device
-    of the four (outside the step's mesh) and agree between the routes."""
-    args = ("--max-seq-len", "128", "--device-batch-size", "2", "--total-batch-size", "1024",
-            "--eval-every", "3", "--eval-steps", "1", "--sample-every", "3")
-    _, _, one, _ = run_base(fresh_root(train_root, tmp_path / "one"), 3,
-                            model={"max_seq_len": 128}, optim={"total_batch_size": 1024},
-                            device_batch_size=2)
-    # one device accumulates 4 micro-batches of 2 rows; four devices take 2 rows each of one
-    # micro-batch of 8
-    assert "(4 x 2 x 128), 1 devices, attention cpu," in capsys.readouterr().out
-    val = {}
-    for route in ("cpu", "splash"):
-        four, out4 = run_cli(fresh_root(train_root, tmp_path / route), *args, "--attention", route,
-                             env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
-        assert f"(1 x 8 x 128), 4 devices, attention {route}," in out4 and "sample:" in out4
-        np.testing.assert_allclose(four, one, rtol=1e-5)
-        val[route] = float(re.search(r"^step +3 \| val bpb (\S+)$", out4, re.M)[1])
-    assert val["cpu"] == pytest.approx(val["splash"], rel=1e-4)
-
-
-# 8 stacked layers, width 64, vocab 320: every layer stack and first dimension divides 8 but the
-# value embeddings' stack of 4 and the (1,) scalars; TINY_MODEL's stacks of 2 layers do not divide
-SHARD_MODELS = {"d8": dict(depth=8, aspect_ratio=8), "d2": {}}
-SHARD_CHILD = """
-import json, os, shutil, sys
-import test_nanochat as t
-root, out = sys.argv[1], {}
-for name, model in t.SHARD_MODELS.items():
-    for mode in ("none", "optimizer", "full"):
-        d = t.fresh_root(t.pathlib.Path(root), t.pathlib.Path(root) / f"{name}-{mode}")
-        steps, save = (6, 3) if name == "d2" else (4, -1)
-        out[name, mode] = t.run_base(d, steps, model=model, device_batch_size=1, shard=mode,
-                                     save_every=save)[2]
-shutil.rmtree(os.path.join(root, "d2-full", "base", "step_000006"))  # cut at step 3
-print(json.dumps({" ".join(k): v for k, v in out.items()}))
-"""
-
-
-def emulated_devices(n, *cmd):
-    """(the last stdout line as JSON, stdout) of python cmd in a child with n emulated devices."""
-    r = subprocess.run([sys.executable, *cmd], cwd=pathlib.Path(__file__).parent, text=True,
-                       capture_output=True, timeout=600,
-                       env={**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.splitlines()[-1]), r.stdout
-
-
-@pytest.mark.slow  # two processes of 8 and 4 emulated devices
-def test_shard_modes_equal_one_device_and_resume_on_others(train_root, tmp_path):
-    """--shard none, optimizer and full on 8 devices train to the same losses (rtol 1e-5: the
-    gradient's sum is reduced in another order), and to one device's (rtol 3e-3), over 4 steps
-    of a model whose stacks divide 8 and 6 of one whose do not; the full run, cut at step 3, resumes under none on 1 device and under
-    optimizer on 4 with the losses of the uninterrupted run."""
-    one = {name: run_base(fresh_root(train_root, tmp_path / name), 4 if name == "d8" else 6,
-                          model=model)[2] for name, model in SHARD_MODELS.items()}
-    root = fresh_root(train_root, tmp_path / "eight")
-    eight, out = emulated_devices(8, "-c", SHARD_CHILD, root)
-    assert "--shard optimizer: per device" in out and "--shard full: per device" in out
-    for key, losses in eight.items():  # the modes agree with plain data parallel to fp32 noise
-        name = key.split()[0]
-        np.testing.assert_allclose(losses, eight[f"{name} none"], rtol=1e-5, err_msg=key)
-        # one device sums 2 micro-batches of 4 rows, 8 devices 8 rows at once: these tiny models'
-        # large lrs and Muon wd amplify that reordering to some 1e-3 in 4-6 steps (--shard none's
-        # gap as well: plain data parallel's, not the sharding's)
-        np.testing.assert_allclose(losses, one[name], rtol=3e-3, err_msg=key)
-    cut = os.path.join(root, "d2-full")
-    for n, mode in ((1, "none"), (4, "optimizer")):
-        shutil.copytree(cut, tmp_path / mode)
-        if n == 1:
-            rest = run_base(str(tmp_path / mode), 6, resume=True, shard=mode)[2]
-        else:
-            rest, out = emulated_devices(4, "-c", "import json, sys, test_nanochat as t; print(json."
-                                         "dumps(t.run_base(sys.argv[1], 6, device_batch_size=2, "
-                                         "resume=True, shard='optimizer')[2]))", str(tmp_path / mode))
-            assert "--shard optimizer: per device" in out
-        np.testing.assert_allclose(rest, eight["d2 full"][3:], rtol=3e-3, err_msg=mode)
-
-
-BAD_SHARD_CHILD = """
-import hashlib, json, os, pathlib, sys
-import jax, rl, train, test_nanochat as t
-root, errors = sys.argv[1], {}
-base = ["--stage", "base", "--out", root, *t.TRAIN_ARGS, "--num-iterations", "2",
-        "--total-batch-size", "512", "--shard", "full"]
-train.main(base)  # a checkpoint to resume
-
-
-def files():  # every file under root with its contents' hash
-    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(pathlib.Path(root).rglob("*")) if p.is_file()}
-before = files()
-for name, run in {
-        "model": lambda: train.main(base + ["--resume", "--depth", "3"]),
-        "batch": lambda: train.main(base + ["--total-batch-size", "256"]),
-        "samples": lambda: rl.rl_stage(root, None, samples=6)}.items():
-    try:
-        run()
-    except ValueError as e:
-        errors[name] = str(e)
-print(json.dumps({"errors": errors, "unchanged": files() == before}))
-"""
-
-
-@pytest.mark.slow  # a process of 4 emulated devices
-def test_bad_input_under_shard_on_four_devices(train_root, tmp_path):
-    """Under --shard full on 4 devices, each bad input is one line that says what to do, and no
-    file is written or changed: a checkpoint of another model to resume, a total batch that is not
-    a multiple of the rows the mesh takes at once, RL samples that do not split over the devices."""
-    out, _ = emulated_devices(4, "-c", BAD_SHARD_CHILD, fresh_root(train_root, tmp_path))
-    errors = out["errors"]
-    assert set(errors) == {"model", "batch", "samples"} and out["unchanged"]
-    assert "resume with the flags it was trained with, or train into another --out" in errors["model"]
-    assert errors["batch"].startswith("--total-batch-size 256 must be a multiple of 512 ")
-    assert errors["samples"].startswith("--rl-samples 6 must be a multiple of the 4 devices")
-    assert all("\n" not in e for e in errors.values())
-
-
-def test_sharded_state_bytes_per_device():
-    """Per device, --shard full holds at most 1/8 of the replicated params and optimizer state plus
-    the leaves that stay replicated (no axis their kind allows divides 8), --shard optimizer the
-    same of the optimizer state alone; counted from shapes, no devices needed. The optimizer state
-    splits on any axis (a stack of 2 layers on a matrix's), full's params on a matrix's own
-    dimensions first. A mode that needs several devices falls back to none on one, with a
-    warning."""
-    P = jax.sharding.PartitionSpec
-    for model in (dict(depth=16, aspect_ratio=4), *SHARD_MODELS.values()):
-        params = nc.param_shapes(train.model_config(320, **{**TINY_MODEL, **model}))
-        opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
-        replicated = sharding.memory(params, opt, 8, "none")
-        p_specs, o_specs = sharding.state_specs(params, opt, 8, "full")
-        kept = [sum(a.size * a.dtype.itemsize for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(
-            specs, is_leaf=sharding.is_spec)) if s == P())
-            for tree, specs in ((params, p_specs), (opt, o_specs))]  # the leaves left whole
-        full, optimizer = (sharding.memory(params, opt, 8, m) for m in ("full", "optimizer"))
-        assert full["params"] + full["optimizer"] <= \
-            (replicated["params"] + replicated["optimizer"]) / 8 + sum(kept)
-        assert optimizer["optimizer"] <= replicated["optimizer"] / 8 + kept[1]
-        assert optimizer["params"] == optimizer["grads"] == replicated["params"]
-        assert full["grads"] == full["params"] < replicated["params"]
-        # value embeddings: 2 or 8 tables; vocab 320 divides 8
-        assert p_specs["value_embeds"] == P(None, "data")
-        assert o_specs["mom"]["value_embeds"] == (P("data") if model.get("depth") == 16
-                                                  else P(None, "data"))
-        # the Muon stacks split on the stack axis where it divides, else on a matrix's
-        assert o_specs["mom"]["h"]["mlp"]["c_fc"] == (P("data") if model.get("depth") in (8, 16)
-                                                      else P(None, "data"))
-        whole = [a.shape for a, s in zip(jax.tree.leaves(opt), jax.tree.leaves(
-            o_specs, is_leaf=sharding.is_spec)) if s == P()]
-        assert all(d % 8 for shape in whole for d in shape)  # only where no axis divides
-        if model.get("depth") == 16:  # every stack divides: only the (1,) scalars stay whole
-            assert sum(kept) < 64 and full["params"] * 8 - replicated["params"] < 64
-    # Muon's stacks, while updated, split along the stack axis only, never across a matrix
-    assert sharding.leaf_spec((8, 64, 256), 8, "stack") == P("data")
-    assert sharding.leaf_spec((2, 64, 256), 8, "stack") == P()
-    assert sharding.leaf_spec((2, 64, 256), 8, "any") == P(None, "data")
-    assert sharding.leaf_spec((8, 64, 256), 8, "matrix") == P(None, "data")
-    assert sharding.leaf_spec((8, 60, 256), 8, "matrix") == P(None, None, "data")
-    assert sharding.leaf_spec((), 8, "any") == sharding.leaf_spec((8, 64), 8, None) == P()
-    said = []
-    assert sharding.choose_mode("full", 1, said.append) == "none" and "warning" in said[0]
-    assert sharding.choose_mode(None, 8) == "optimizer" and sharding.choose_mode(None, 1) == "none"
-
-
-MEMORY_CFG = nc.Config(sequence_len=16, vocab_size=256, n_layer=8, n_head=4, n_kv_head=2,
-                       n_embd=256)  # wide and short: the weights outweigh the activations
-MEMORY_CHILD = """
-import json, bench, test_nanochat as t
-out = {mode: bench.step_memory(t.MEMORY_CFG, 4, 1, mode, attention="plain")
-       for mode in ("none", "optimizer", "full")}
-one, two = (bench.step_memory(t.MEMORY_CFG, 4, b, "full", attention="plain")["total_bytes"]
-            for b in (1, 2))
-bench.bench_memory(t.MEMORY_CFG, 4, 1, "full", False, "plain", fit=(one / 2e9, one / 1e9, two / 1e9))
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.slow  # a child of 4 emulated devices, 8 compiles
-def test_bench_memory():
-    """bench.py memory's numbers on 4 emulated devices: the state bytes are sharding.memory's,
-    the arguments alias the params and optimizer state (donated), the total adds XLA's parts;
-    from none to optimizer to full the total falls, and full's temporaries are at most 0.7 of
-    none's (0.49 measured; with whole stacks gathered for each layer, 0.91). --fit doubles the
-    batch while it fits and names the largest power of two for each budget; the README's
-    command parses."""
-    out, stdout = emulated_devices(4, "-c", MEMORY_CHILD)
-    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"bench"')]
-    params = nc.param_shapes(MEMORY_CFG)
-    opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
-    for mode, r in out.items():
-        state = sharding.memory(params, opt, 4, mode)
-        assert [r["params_bytes"], r["grads_bytes"], r["optimizer_bytes"]] == \
-            [state["params"], state["grads"], state["optimizer"]], mode
-        assert r["aliased_bytes"] == state["params"] + state["optimizer"], mode
-        assert r["arguments_bytes"] >= r["aliased_bytes"] + 2 * 4 * 16 * 4 // 4  # + the rows
-        assert r["total_bytes"] == (r["arguments_bytes"] + r["outputs_bytes"]
-                                    - r["aliased_bytes"] + r["temporaries_bytes"])
-    assert out["none"]["total_bytes"] > out["optimizer"]["total_bytes"] > out["full"]["total_bytes"]
-    assert out["full"]["temporaries_bytes"] < 0.7 * out["none"]["temporaries_bytes"]
-    *measured, summary = lines
-    totals = {r["device_batch_size"]: r["total_bytes"] for r in measured}
-    assert list(totals) == [1, 2, 4] and totals[1] == out["full"]["total_bytes"]
-    assert totals[1] < totals[2] < totals[4]  # it stopped past the largest budget
-    assert list(summary["fits"].values()) == [0, 1, 2] and summary["shard"] == "full"
-    import bench
-    args = bench.parse_args(["memory", "--depth", "26", "--shard", "full", "--remat", "--fit",
-                             "16", "32", "80"])
-    assert (args.depth, args.devices, args.max_seq_len, args.fit) == (26, 8, 2048, [16, 32, 80])
-
-
-def test_remat_leaves_the_losses(train_root, tmp_path):
-    _, _, plain, _ = run_base(fresh_root(train_root, tmp_path / "plain"), 3)
-    _, _, remat, _ = run_base(fresh_root(train_root, tmp_path / "remat"), 3, remat=True)
-    np.testing.assert_allclose(remat, plain, rtol=1e-6)
-
-
-@pytest.mark.slow  # two compiles of a step 50x the tiny one's activations, 20 s
-def test_remat_lowers_the_step_temp_bytes():
-    """jax.checkpoint around each block lowers XLA's temp bytes of the train step. CPU XLA's
-    default scheduler orders for concurrency and keeps every activation either way, so the step is
-    compiled with its memory-optimized scheduler, as a memory-bound accelerator's would order it."""
-    cfg = train.model_config(300, depth=3, aspect_ratio=32, head_dim=32, max_seq_len=128)
-    params = nc.param_shapes(cfg)
-    opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
-    x = jax.ShapeDtypeStruct((1, 8, 128), jnp.int32)
-    temp = {}
-    for remat in (False, True):
-        lowered = train.jit_train_step.lower(params, opt, (x, x), 0, train.base_schedule(10, 0.0),
-                                             train.learning_rates(), cfg=cfg,
-                                             layout=train.Layout(remat=remat))
-        compiled = lowered.compile({"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"})
-        temp[remat] = compiled.memory_analysis().temp_size_in_bytes
-    assert temp[True] < 0.95 * temp[False], temp
-
-
-def two_process_cmd(root, iterations):
-    """train.py's command line for process i (append --process-id i) of a two-process run on a free
-    local port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS,
-            "--num-iterations",
-            str(iterations), "--device-batch-size", "4", "--coordinator", f"127.0.0.1:{port}",
-            "--num-processes", "2"]
-
-
-@pytest.mark.slow  # two train.py processes (jax.distributed)
-@pytest.mark.parametrize("shard", ["optimizer", "full"])
-def test_two_processes_equal_one(train_root, tmp_path, shard):
-    """Two processes of one device each train as one process does, in both sharded modes; the
-    val loss and the sample at the last step and the report card (which gather the params under
-    full: a collective every process must join) finish on both."""
-    # one process reading both shards, accumulating two micro-batches of 4 rows
-    _, _, one, _ = run_base(fresh_root(train_root, tmp_path / "one"), 3, data_shards=2)
-    root = fresh_root(train_root, tmp_path / "two")
-    cmd = two_process_cmd(root, 3) + ["--shard", shard, "--eval-every", "3", "--eval-steps", "1",
-                                      "--sample-every", "3"]
-    procs = [subprocess.Popen(cmd + ["--process-id", str(i)], cwd=pathlib.Path(__file__).parent,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
-    assert f"--shard {shard}: per device" in outs[0][0]
-    with open(os.path.join(root, "base", "metrics.jsonl")) as f:
-        lines = [json.loads(line) for line in f]
-    two = [entry["loss"] for entry in lines if "loss" in entry]
-    assert len(two) == 3  # one line per step: only process 0 writes the log
-    np.testing.assert_allclose(two, one, rtol=1e-5)
-    assert [entry["step"] for entry in lines if "val_bpb" in entry] == [0, 3]
-    assert "sample:" in outs[0][0] and "sample:" in outs[1][0]
-
-
-@pytest.mark.slow  # three train.py processes
-def test_two_processes_agree_on_ctrl_c(train_root, tmp_path, capsys):
-    """Ctrl-C on one process of a two-process run stops both at the same step with one checkpoint
-    (unless they agree, it saves while the other steps, both stuck in mismatched collectives);
-    --resume trains the rest."""
-    root = fresh_root(train_root, tmp_path / "two")
-    cmd = two_process_cmd(root, 200)
-    # files, not pipes: none blocks when full
-    logs, procs = [tmp_path / f"process{i}.log" for i in range(2)], []
-    for i, log in enumerate(logs):
-        with log.open("w") as f:
-            procs.append(subprocess.Popen(cmd + ["--process-id", str(i)],
-                                          cwd=pathlib.Path(__file__).parent, stdout=f,
-                                          stderr=subprocess.STDOUT))
-    try:
-        deadline = time.time() + 300
-        # both processes are in the loop
-        while not re.search(r"^step +1/200", logs[0].read_text(), re.M):
-            assert procs[0].poll() is None and time.time() < deadline, logs[0].read_text()[-2000:]
-            time.sleep(0.1)
-        procs[1].send_signal(signal.SIGINT)  # one process only
-        codes = [p.wait(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    outs = [f.read_text() for f in logs]
-    saved = [re.search(r"^interrupted: saved (\S+); continue with --resume$", out, re.M) for out in outs]
-    assert codes == [1, 1] and all(saved), outs[0][-2000:] + outs[1][-2000:]
-    path = saved[0][1]
-    assert saved[1][1] == path and checkpoint.checkpoint_dirs(os.path.join(root, "base")) == [path]
-    _, _, meta = checkpoint.load_checkpoint(path)
-    assert path.endswith(f"step_{meta['step']:06d}") and 1 <= meta["step"] < 200 and len(meta["data_states"]) == 2
-    # one process, both shards
-    run_base(root, 200, device_batch_size=8, data_shards=2, resume=True)
-    assert f"resuming {path} at step {meta['step']}" in capsys.readouterr().out
-    with open(os.path.join(root, "base", "metrics.jsonl")) as f:
-        # no step twice, none skipped
-        assert [json.loads(line)["step"] for line in f] == list(range(1, 201))
-
-
-@pytest.mark.slow  # the whole pipeline
-def test_default_pipeline(tmp_path):
-    """train.main at a tiny size: tokenizer -> base -> SFT -> RL -> evaluation (CORE, ChatCORE, our
-    tasks) and the report card; chat.py finds the RL model."""
-    root = str(tmp_path / "run")
-    write_chat_data(tmp_path / "chat")
-    argv = ["--out", root, "--eval-bundle", str(CORE_DIR / "eval_bundle"), "--chat-data",
-            str(tmp_path / "chat"),
-            "--eval-max", "4", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "16",
-            "--max-seq-len", "128",
-            "--device-batch-size", "2", "--total-batch-size", "512", "--vocab-size", "300",
-            "--tokenizer-max-chars",
-            "1e5", "--num-iterations", "3", "--sft-iterations", "2", "--warmup-steps", "1",
-            "--eval-every", "1000",
-            "--eval-steps", "1", "--sample-every", "0", "--eval-tasks", "1", "--compile-cache", "",
-            "--rl-prompts", "2",
-            "--rl-samples", "2", "--rl-max-tokens", "8", "--rl-eval", "1", "--rl-iterations", "2"]
-    results = train.main(argv)
-    # each chat stage is graded on the template split and the hand-written questions
-    for stage in ("sft", "rl"):
-        assert set(results[stage]["tasks"]) == set(tasks.TASKS)
-        assert set(results[stage]["questions"]) == {"arithmetic", "counting", "spelling",
-                                                    "identity"}
-        assert all(0 <= a <= 1 for a in [*results[stage]["tasks"].values(),
-                                         *results[stage]["questions"].values()])
-        assert results[stage]["recall_bpb"] > 0
-    # corpus bits/byte after each
-    assert all(results[stage]["val_bpb"] > 0 for stage in ("base", "sft", "rl"))
-    for stage, steps in (("base", 3), ("sft", 2), ("rl", 2)):
-        with open(os.path.join(root, stage, "metrics.jsonl")) as f:
-            losses = [json.loads(line)["loss"] for line in f if '"loss"' in line]
-        assert len(losses) == steps and np.isfinite(losses).all()
-    _, _, base = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("base",)),
-                                            optimizer=False)
-    _, _, sft = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("sft",)),
-                                           optimizer=False)
-    rl_params, _, rl = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("rl",)),
-                                                  optimizer=False)
-    # nanochat's chat_sft: 0.8 x the base lrs, no warmup, linear warmdown over the last half to 0,
-    # no weight decay, Muon momentum 0.85 -> 0.95 over 300 steps; chat_rl: a fraction of the base
-    # lrs decaying linearly to 0
-    assert sft["lrs"] == pytest.approx({k: 0.8 * v for k, v in base["lrs"].items()})
-    assert sft["schedule"] == {**base["schedule"], "num_iterations": 2, "warmup_steps": 0,
-                               "warmdown_ratio": 0.5,
-                               "final_lr_frac": 0.0, "momentum_start": 0.85, "momentum": 0.95,
-                               "momentum_end": 0.95,
-                               "momentum_warmup": 300, "weight_decay": 0.0}
-    frac = train.parse_args([]).rl_lr_frac
-    assert rl["lrs"] == pytest.approx({k: frac * v for k, v in base["lrs"].items()})
-    assert rl["schedule"]["warmdown_ratio"] == 1.0 and rl["schedule"]["final_lr_frac"] == 0.0
-    assert "pass@1" in results["rl"]["pass@k before"]["counting"] and "pass@2" in results["rl"]["pass@k"]["spelling"]
-    # chat.py's default: the newest checkpoint of the last stage
-    params, cfg, tok = checkpoint.load_model(root)
-    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(params), rl_params)))
-    assert cfg == nc.Config(**base["config"]) and tok.n_vocab == 300
-    assert set(results["base"]["core"]["results"]) == {"pydoc_qa", "opposites", "because_schema", "doc_lm", "doc_lm_qa"}
-    assert set(results["sft"]["chatcore"]["results"]) == set(tasks.CHAT_TASKS)
-    # the report card, from each stage's report.json
-    card = open(os.path.join(root, "report.md")).read()
-    for stage in ("base", "sft", "rl"):
-        r = json.load(open(os.path.join(root, stage, "report.json")))
-        assert r["tokens"] > 0 and r["train_time"] > 0 and r["machine"]["jax"] == jax.__version__
-        flops = nc.estimate_flops(nc.Config(**r["config"]))
-        mfu = r["tokens"] * flops / (r["train_time"] * r["machine"]["peak_flops"] * r["machine"]["devices"])
-        core, chatcore = r.get("core", {}).get("core_metric"), r.get("chatcore", {}).get("chatcore")
-        row = (f"| {stage} | {nc.num_scaling_params(cfg)['total']:,} | {flops:,.0f} | {r['steps']} | {r['tokens']:,} | "
-               f"{r['train_time']:.0f} s | {100 * mfu:.1f}% | {r['val_bpb']:.4f} | "
-               f"{'' if core is None else f'{core:.4f}'} | {'' if chatcore is None else f'{chatcore:.4f}'} |")
-        assert row in card and f"\n## {stage}\n" in card
-        assert all(f"- `{p!r}` -> `{c!r}`" in card for p, c in r["samples"].items())
-    assert f"| {platform.python_version()}, jax {jax.__version__} (cpu) | 1 x cpu |" in card
-    assert f"CORE on `{CORE_DIR / 'eval_bundle'}`:\n\n| task | accuracy | centred |" in card
-    assert f"ChatCORE tasks on `{tmp_path / 'chat'}`:\n\n| task | accuracy |" in card
-    assert "| hand-written questions | arithmetic | counting | spelling | identity |" in card
-    assert f"| opposites | {results['base']['core']['results']['opposites']:.4f} |" in card
-    # a stage run alone rewrites the card from every stage's part
-    os.remove(os.path.join(root, "report.md"))
-    train.main(argv + ["--stage", "rl", "--eval-tasks", "0"])
-    again = open(os.path.join(root, "report.md")).read()
-    assert all(f"\n## {stage}\n" in again for stage in ("base", "sft", "rl")) and "--stage rl --eval-tasks 0" in again
-
-
-def test_train_cli_error_is_one_line_and_help_shows_defaults(tmp_path, capsys):
-    cmd = [sys.executable, "train.py", "--stage", "tokenizer", "--data", "no/such.txt", "--out",
-           str(tmp_path),
-           "--compile-cache", ""]
-    r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 1 and r.stderr.startswith("error: no/such.txt: no such file") and r.stderr.count("\n") == 1
-    r = subprocess.run(cmd[:2] + ["--rl-tasks", "poetry"], cwd=pathlib.Path(__file__).parent,
-                       capture_output=True,
-                       text=True, timeout=120)  # a bad flag: one line too, naming the choices
-    assert r.returncode == 2 and r.stderr.count("\n") == 1
-    assert r.stderr.startswith("error: argument --rl-tasks: invalid choice: 'poetry' (choose from 'identity', ")
-    with pytest.raises(SystemExit):
-        train.parse_args(["--help"])
-    out = " ".join(capsys.readouterr().out.split())
-    assert "--matrix-lr MATRIX_LR Muon lr of the transformer's matrices (default: 0.02)" in out
-    assert "--target-flops TARGET_FLOPS base training FLOPs (-1: the ratio) (default: -1.0)" in out
-
-
-@pytest.mark.slow  # a bench.py process, then a step and an engine compiled for the benchmark alone
-def test_bench_json_lines():
-    """bench.py: `accel` says in one JSON line that it needs an accelerator and exits 0; the timing
-    helpers it and `decode` / `train` print from give their fields."""
-    r = subprocess.run([sys.executable, "bench.py", "accel"], cwd=pathlib.Path(__file__).parent,
-                       capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1]) == {
-        "bench": "accel",
-        "skipped": "no GPU or TPU here; run it where one is (CPU: bench.py train)"}
-    import bench
-    g = bench.generate_timing(random_params(TINY, 0), TINY, 2, prompt_len=5, new=4, repeats=1)
-    assert g["batch"] == 2 and g["new_tokens"] == 4 and g["decode_tok_per_s"] > 0 and g["prefill_ms"] > 0
-    t = bench.train_step_timing(TINY, 2, steps=1, warmup=1)
-    assert np.isfinite(t["loss"]) and 0 < t["step_s"] and t["first_call_s"] > 0
-
-
-# nanochat's scripts/infer_bench.py writes these keys (commit 92d63d4): ours must too
-INFER_BENCH_KEYS = {
-    "source", "step", "model_config", "gpu", "peak_bandwidth_bytes_per_sec", "total_vram_bytes",
-    "num_params", "param_dtypes", "weight_bytes", "kv_bytes_per_token", "kv_read_bytes_per_step",
-    "context_mid", "peak_flops_per_sec", "decode_flops_per_token", "ceiling_bs1_tok_per_sec",
-    "max_full_context_rows", "prompt_tokens", "decode_tokens", "temperature", "sweep", "prefill"}
-INFER_BENCH_SWEEP_KEYS = {"batch_size", "ttft_sec", "tpot_sec", "tok_per_sec", "mbu_percent",
-                          "mfu_percent", "peak_vram_bytes", "decode_steps"}
-
-
-@pytest.mark.slow  # engines of their own for a tiny model
-def test_bench_serve_and_infer_bench(monkeypatch, capsys):
-    """bench.py serve: streams through the engine report their tokens and latencies; its
-    --infer-bench ends with one JSON document of nanochat's infer_bench schema, whose MBU and MFU
-    follow nanochat's formulas from the document's own numbers."""
-    import bench
-    eng = engine.Engine(random_params(TINY, 0), TINY, slots=4, kmax=4)
-    r = bench.serve_streams(eng, [[1, 2, 3], [4, 5]], 10)
-    assert r["streams"] == 2 and r["tokens"] == 20 and 0 < r["ttft_ms_p50"] <= r["ttft_ms_p95"]
-    assert r["device_calls_per_token"] < 0.5 and r["host_hops_per_token"] == 0
-    monkeypatch.setitem(bench.CONFIGS, "tiny", TINY)
-    bench.bench_infer("tiny", batch_sizes=(1, 2), decode_tokens=8, kmax=4)
-    doc = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert set(doc) == INFER_BENCH_KEYS and doc["prompt_tokens"] == 56
-    assert [set(row) for row in doc["sweep"]] == [INFER_BENCH_SWEEP_KEYS] * 2
-    assert set(doc["prefill"]) == {"tok_per_sec", "mfu_percent", "time_sec"}
-    # TINY: 3 layers, K*D = 16 channels of k and of v, fp32; every window past context 60
-    assert doc["kv_bytes_per_token"] == 3 * 2 * 16 * 4
-    assert doc["kv_read_bytes_per_step"] == 2 * 16 * 4 * (60 + 60 + 60)
-    for row in doc["sweep"]:
-        moved = doc["weight_bytes"] + row["batch_size"] * doc["kv_read_bytes_per_step"]
-        # the document holds tpot to the microsecond and MBU to a hundredth: bound both roundings
-        slowest, fastest = (100 * moved / (row["tpot_sec"] + d) / doc["peak_bandwidth_bytes_per_sec"]
-                            for d in (5e-7, -5e-7))
-        assert slowest - 0.005 <= row["mbu_percent"] <= fastest + 0.005
-        assert row["decode_steps"] == 7
-
-
-# --------------------------------------------------------------------------------------------------
-# data.py: tokenizer, corpora, packing, chat format, calculator, synthetic tasks
+# data.py: tokenizer, corpora, packing, chat format, calculator
 
 MULTILINGUAL = "Réponse courte, s'il vous plaît — 東京 et 東京都 🙂 👍🏽 naïve café. " * 30
 
@@ -1792,345 +873,6 @@ def test_train_tokenizer_inputs(bpe_golden):
         data.Tokenizer([bytes([i]) for i in range(256)] + [b"a"])
     with pytest.raises(ValueError, match="retrain"):
         data.Tokenizer([bytes([i]) for i in range(1, 256)])
-
-
-# --------------------------------------------------------------------------------------------------
-# Chat format
-
-def test_golden_render(btok, render_golden):
-    convs = render_golden["conversations"]
-    assert set(convs) == {"a_plain_two_turn", "b_system_message", "c_python_tool"}
-    for name, c in convs.items():
-        ref = c["render_conversation"]
-        ids, mask = data.render_conversation(btok, c["conversation"]["messages"],
-                                             max_tokens=ref["max_tokens"])
-        assert ids == ref["ids"], name
-        assert mask == ref["mask"], name
-        assert len(ids) == len(mask) == ref["len"], name
-        assert all(isinstance(i, int) for i in ids) and set(mask) <= {0, 1}
-    a = convs["a_plain_two_turn"]
-    assert data.render_for_completion(btok, a["conversation"]["messages"]) == a["render_for_completion_ids"]
-    ids, mask = data.render_conversation(btok, a["conversation"]["messages"], max_tokens=40)
-    assert ids == a["render_conversation_max_tokens_40"]["ids"] and len(ids) == 40
-    assert mask == a["render_conversation_max_tokens_40"]["mask"]
-    # the system message is merged into the first user turn
-    b = convs["b_system_message"]["conversation"]["messages"]
-    merged = [{"role": "user", "content": b[0]["content"] + "\n\n" + b[1]["content"]}] + b[2:]
-    assert data.render_conversation(btok, merged) == data.render_conversation(btok, b)
-
-
-BAD_CONVERSATIONS = [
-    ([], "non-empty list"),
-    ("hello", "non-empty list"),
-    ({"role": "user", "content": "hi"}, "non-empty list"),
-    ([{"role": "user", "content": "hi"}, "hello"], "non-empty list"),
-    ([{"role": "assistant", "content": "hi"}],
-     "message 0 has role 'assistant' where 'user' is due"),
-    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
-     "message 1 has role 'user'"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-      {"role": "assistant", "content": "c"}],
-     "message 2 has role 'assistant' where 'user' is due"),
-    ([{"role": "human", "content": "a"}], "message 0 has role 'human'"),
-    ([{"content": "a"}], "message 0 has role None"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-      {"role": "system", "content": "c"}],
-     "message 2 has role 'system'"),
-    ([{"role": "system", "content": "be terse"}],
-     "system message must be a string followed by a user message"),
-    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "b"}],
-     "followed by a user message"),
-    ([{"role": "system", "content": ["s"]}, {"role": "user", "content": "b"}],
-     "followed by a user message"),
-    ([{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
-      {"role": "user", "content": "b"}],
-     "message 2 has role 'user'"),
-    ([{"role": "user", "content": ""}], r"message 0 \(user\) is empty"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": " \n\t"}],
-     r"message 1 \(assistant\) is empty"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": []}],
-     r"message 1 \(assistant\) is empty"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant",
-                                         "content": [{"type": "text", "text": "  "}]}],
-     "is empty"),
-    ([{"role": "user"}], "message 0: content must be a string"),
-    ([{"role": "user", "content": 5}], "message 0: content must be a string"),
-    ([{"role": "user", "content": [{"type": "text", "text": "a"}]}],
-     "message 0: content must be a string"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant",
-                                         "content": [{"type": "image", "text": "x"}]}],
-     "message 1: content must be a string"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant",
-                                         "content": [{"type": "text", "text": 3}]}],
-     "message 1: content must be"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": ["just a string"]}],
-     "message 1: content"),
-]
-
-
-@pytest.mark.parametrize("messages, match", BAD_CONVERSATIONS)
-def test_render_rejects_bad_conversations(btok, messages, match):
-    with pytest.raises(ValueError, match=match):
-        data.render_conversation(btok, messages)
-
-
-def test_render_for_completion_needs_final_assistant(btok):
-    user = {"role": "user", "content": "Hi"}
-    sp = btok.special
-    for bad in ([], [user], [user, {"role": "assistant", "content": "a"},
-                             {"role": "user", "content": "b"}], "x",
-                [user, "assistant"]):
-        with pytest.raises(ValueError, match="ending in the assistant message"):
-            data.render_for_completion(btok, bad)
-    prompt = data.render_for_completion(btok, [user, {"role": "assistant", "content": "Hello!"}])
-    assert prompt == [btok.bos, sp["<|user_start|>"], 72, 105, sp["<|user_end|>"],
-                      sp["<|assistant_start|>"]]
-    assert prompt == data.render_conversation(btok, [user])[0] + [sp["<|assistant_start|>"]]
-
-
-def test_render_masks(btok):
-    sp = btok.special
-    msgs = [{"role": "user", "content": "q"},
-            {"role": "assistant", "content": [{"type": "text", "text": "a"},
-                                              {"type": "python", "text": "1+1"},
-                                              {"type": "python_output", "text": "2"},
-                                              {"type": "text", "text": "b"}]}]
-    ids, mask = data.render_conversation(btok, msgs)
-    assert ids == [sp["<|bos|>"], sp["<|user_start|>"], ord("q"), sp["<|user_end|>"],
-                   sp["<|assistant_start|>"],
-                   ord("a"), sp["<|python_start|>"], *b"1+1", sp["<|python_end|>"],
-                   sp["<|output_start|>"], ord("2"), sp["<|output_end|>"], ord("b"),
-                   sp["<|assistant_end|>"]]
-    assert mask == [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 1]
-    for n in range(len(ids) + 2):
-        assert data.render_conversation(btok, msgs, max_tokens=n) == (ids[:n], mask[:n])
-
-
-def test_load_conversations(tmp_path):
-    good = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
-            [{"role": "system", "content": "s"}, {"role": "user", "content": "2+2?"},
-             {"role": "assistant", "content": [{"type": "python", "text": "2+2"},
-                                               {"type": "python_output", "text": "4"},
-                                               {"type": "text", "text": "4"}]}]]
-    path = tmp_path / "convs.jsonl"
-    path.write_text(json.dumps(good[0]) + "\n\n" + json.dumps(good[1], ensure_ascii=False) + "\n")
-    assert data.load_conversations(str(path)) == good
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps(good[0]) + "\n" + json.dumps(good[1]) + "\n" + '[{"role": "user", "content": "x"\n')
-    with pytest.raises(ValueError, match=re.escape(f"{bad}:3: invalid JSON")):
-        data.load_conversations(str(bad))
-    bad.write_text(json.dumps(good[0]) + "\n" + json.dumps({"messages": good[0]}) + "\n")
-    with pytest.raises(ValueError, match=re.escape(f"{bad}:2: a conversation is a non-empty list")):
-        data.load_conversations(str(bad))
-    bad.write_text(json.dumps([{"role": "assistant", "content": "x"}]) + "\n")
-    with pytest.raises(ValueError, match=re.escape(f"{bad}:1: message 0 has role 'assistant'")):
-        data.load_conversations(str(bad))
-    bad.write_text("\n  \n")
-    with pytest.raises(ValueError, match="no conversations in this file"):
-        data.load_conversations(str(bad))
-    with pytest.raises(FileNotFoundError, match="no such conversations file"):
-        data.load_conversations(str(tmp_path / "missing.jsonl"))
-
-
-# --------------------------------------------------------------------------------------------------
-# Calculator
-
-CALCULATOR = [
-    ("1+2", 3),
-    ("2*(3+4)", 14),
-    ("12*34+5", 413),
-    ("2,000 + 1", 2001),  # commas stripped, as in nanochat
-    ("1,234,567*2", 2469134),
-    ("10/4", 2.5),
-    ("8/2", 4.0),
-    ("7//2", 3),
-    ("-5+3", -2),
-    ("-(3)", -3),
-    ("--3", 3),
-    ("1.5*2", 3.0),
-    ("0.1+0.2", 0.1 + 0.2),
-    (" 5 ", 5),
-    ("'strawberry'.count('r')", 3),
-    ('"hello".count("l")', 2),
-    ("('banana').count('an')", 2),
-    ("3 ** 2", None),  # power refused: 9**9**9 would hang
-    ("2**10", None),
-    ("1/0", None),
-    ("", None),
-    ("1 +", None),
-    ("()", None),
-    ("abc", None),
-    ("x.count('a')", None),  # names
-    ("'a'.__class__.count('a')", None),  # attribute access / dunders
-    ("print(1)", None),  # calls
-    ("__import__('os').count('a')", None),
-    ("import os", None),
-    ("open('f').count('a')", None),
-    ("'abc'.count('a', 1)", None),
-    ("'abc'.upper().count('A')", None),
-    ("'aa'.count('a').count('b')", None),
-    ("'abc'.count(1)", None),
-    ("'a'+'b'", None),
-    ("1e3", None),
-    ("9" * 4300, int("9" * 4300)),  # the engine prints results: 4300 digits is Python's str limit
-    ("9" * 4301, None),
-    ("*".join(["9" * 1000] * 5), None),  # a 5000-digit product cannot be printed
-    ("(" * 300 + "1" + ")" * 300, None),  # too deeply nested to parse
-    # too deep to evaluate (RecursionError), returns instead of hanging
-    ("1" + "+1" * 100_000, None),
-]
-
-
-@pytest.mark.parametrize("expr, value", CALCULATOR,
-                         ids=[e if len(e) <= 30 else f"{e[:8]}...{len(e)}chars" for e, _ in CALCULATOR])
-def test_use_calculator(expr, value):
-    out = data.use_calculator(expr)
-    assert out == value and type(out) is type(value)
-
-
-# --------------------------------------------------------------------------------------------------
-# Synthetic tasks
-
-def task_key(task, messages):
-    """The item a task conversation is about (what the train/test split hashes)."""
-    question, answer = messages[0]["content"], messages[1]["content"]
-    if task == "identity":
-        return question
-    if task == "arithmetic":
-        return answer[0]["text"]
-    if task == "spelling":
-        return answer.replace("-", "")
-    if task == "counting":
-        return re.match(r"'(\w+)'", answer[0]["text"])[1]
-    # the qualified name, the first dotted word
-    return re.search(r"[A-Za-z_]\w*(?:\.\w+)+", question)[0]
-
-
-def reference_completion(btok, messages):
-    """The decoded tokens after <|assistant_start|>: what a model that got it right would generate.
-    """
-    ids, _ = data.render_conversation(btok, messages)
-    return btok.decode(ids[len(ids) - ids[::-1].index(btok.special["<|assistant_start|>"]):])
-
-
-@pytest.mark.parametrize("task", tasks.TASKS)
-def test_task_generator_and_checker(btok, task):
-    take = lambda split, seed, n: list(itertools.islice(tasks.task_conversations(task, split, seed), n))
-    train = take("train", 0, 300)
-    assert train[:30] == take("train", 0, 30)  # deterministic per seed
-    assert train[:30] != take("train", 1, 30)
-    test = take("test", 0, 100)
-    train_keys, test_keys = {task_key(task, m) for m in train}, {task_key(task, m) for m in test}
-    assert train_keys and test_keys and not train_keys & test_keys  # disjoint items
-    assert len(test_keys) < len(train_keys)
-    for messages in train[:100] + test[:30]:
-        assert [m["role"] for m in messages] == ["user", "assistant"]
-        ids, mask = data.render_conversation(btok, messages)
-        assert ids[-1] == btok.special["<|assistant_end|>"] and mask[-1] == 1 and sum(mask) > 1
-        generated = reference_completion(btok, messages)
-        assert generated.endswith("<|assistant_end|>")
-        assert tasks.check(messages, generated)
-        ref = messages[-1]["content"]
-        numeric = isinstance(ref, list)
-        if numeric:
-            value = ref[1]["text"]
-            assert tasks.check(messages, f"The answer is {value}.")
-            assert not tasks.check(messages,
-                                   generated.replace("<|assistant_end|>", "") + " -12345678")
-            assert not tasks.check(messages, "I don't know.")
-            tool_part = generated[:generated.rindex("<|output_end|>") + len("<|output_end|>")]
-            # only the final text counts
-            assert not tasks.check(messages, tool_part + "No idea.<|assistant_end|>")
-        else:
-            assert tasks.check(messages, f"  {ref}\n")
-            assert not tasks.check(messages, ref + " Extra.")
-            assert not tasks.check(messages, "wrong " + ref)
-    with pytest.raises(ValueError, match="unknown task"):
-        tasks.task_conversations(task, "val")
-    with pytest.raises(ValueError, match="unknown task"):
-        tasks.task_conversations("poetry", "train")
-
-
-def test_task_contents():
-    take = lambda task, n: list(itertools.islice(tasks.task_conversations(task, "train"), n))
-    ops, digits, phrasings = {"+": operator.add, "-": operator.sub, "*": operator.mul,
-                              "/": operator.truediv}, [], set()
-    for (user, assistant) in take("arithmetic", 400):
-        a, op, b = re.fullmatch(r"(\d+)([-+*/])(\d+)", assistant["content"][0]["text"]).groups()
-        value = ops[op](int(a), int(b))
-        shown = int(value) if op == "/" else value
-        assert op != "/" or value == shown  # exact divisions only
-        assert [p["type"] for p in assistant["content"]] == ["python", "python_output", "text"]
-        assert assistant["content"][1]["text"] == str(value)
-        assert assistant["content"][2]["text"] == f"{a} {op} {b} = {shown}"
-        assert re.search(rf"(?<!\d){a}(?!\d)", user["content"]) and re.search(rf"(?<!\d){b}(?!\d)", user["content"])
-        digits += [len(a), len(b)]
-        phrasings.add(re.sub(r"\d+", "N", user["content"].lower()))
-    assert collections.Counter(digits).keys() == {1, 2, 3, 4} and np.mean(np.array(digits) <= 2) > 0.6
-    assert len(phrasings) > 300  # hardly a phrasing twice in 400
-    words = []
-    for (user, assistant) in take("counting", 200):
-        w, c = re.fullmatch(r"'([a-z]+)'\.count\('([a-z])'\)",
-                            assistant["content"][0]["text"]).groups()
-        assert assistant["content"][1]["text"] == str(w.count(c)) == str(data.use_calculator(f"'{w}'.count('{c}')"))
-        assert re.findall(r"\d+", assistant["content"][2]["text"])[-1] == str(w.count(c))
-        assert re.search(rf"\b{w}\b", user["content"]) and re.search(rf"\b{c}", user["content"])
-        words.append(w)
-    for (user, assistant) in take("spelling", 200):
-        w = assistant["content"].replace("-", "")
-        assert assistant["content"] == "-".join(w) and w.isalpha() and w.islower() and 3 <= len(w) <= 10
-        assert re.search(rf"\b{w}\b", user["content"])
-        words.append(w)
-    # broad, made-up words too
-    assert len(set(words)) > 350 and not set(words) <= set(tasks._corpus_words())
-    # doubled letters are common
-    assert np.mean([bool(re.search(r"(.)\1", w)) for w in words]) > 0.15
-    # reading: the answer is the paragraph's first sentence
-    for (user, assistant) in take("docstring", 100):
-        sentence = assistant["content"]
-        assert sentence in user["content"] and sentence[-1] in ".!?" and not re.search(r"[.!?]\s", sentence)
-    for (user, assistant) in take("identity", 50):
-        assert "nanochat" in assistant["content"]
-
-
-def test_sft_mixture_keeps_pretraining_text():
-    docs = data.shuffled([f"document {i}" for i in range(5)])
-    items = list(itertools.islice(tasks.sft_mixture(3, extra=["mine"], documents=docs, text_every=4)(0), 1 + 40))
-    assert items[0] == "mine" and items[1:] == list(itertools.islice(tasks.sft_mixture(3, ["mine"], docs, 4)(0), 1, 41))
-    texts = [i for i, x in enumerate(items[1:]) if isinstance(x, str)]
-    assert texts == [4, 9, 14, 19, 24, 29, 34, 39]  # a document after every 4 conversations
-    # cycles through the corpus
-    assert set(items[1 + t] for t in texts) == {f"document {i}" for i in range(5)}
-    kinds = collections.Counter(task_of(m) for m in items[1:] if not isinstance(m, str))
-    assert set(kinds) <= set(tasks.MIXTURE)
-    assert not any(isinstance(x, str) for x in itertools.islice(tasks.sft_mixture(3)(0), 50))
-
-
-def task_of(messages):
-    answer = messages[1]["content"]
-    if isinstance(answer, list):
-        return "counting" if ".count(" in answer[0]["text"] else "arithmetic"
-    return "spelling" if re.fullmatch(r"[a-z](-[a-z])+", answer) else "identity" if "nanochat" in answer else "docstring"
-
-
-def test_heldout_questions_and_grading(tmp_path):
-    questions = tasks.load_questions(os.path.join(TESTDATA, "heldout_questions.jsonl"))
-    counts = collections.Counter(q["skill"] for q in questions)
-    assert len(questions) >= 40 and set(counts) == {"arithmetic", "counting", "spelling",
-                                                    "identity"}
-    assert tasks.grade("arithmetic", "47",
-                       "<|python_start|>12+35<|python_end|><|output_start|>47<|output_end|>"
-                      "12 + 35 = 47<|assistant_end|>")
-    assert tasks.grade("arithmetic", "12", "84 / 7 = 12.0") and not tasks.grade("arithmetic", "12", "13")
-    assert not tasks.grade("arithmetic", "47", "<|output_start|>47<|output_end|>I don't know.")
-    assert tasks.grade("counting", "3", "'r' appears 3 time(s) in 'strawberry'.") and not tasks.grade("counting", "3", "")
-    assert tasks.grade("spelling", "coffee", "c-o-f-f-e-e") and not tasks.grade("spelling", "coffee", "c-o-f-e-e")
-    assert tasks.grade("identity", "nanochat", "I'm nanochat, ...") and not tasks.grade("identity", "nanochat", "A bot.")
-    with pytest.raises(ValueError, match=r"README.md:1: invalid JSON"):
-        tasks.load_questions(os.path.join(TESTDATA, "..", "README.md"))
-    with pytest.raises(ValueError, match=r":1: want \{"):
-        (tmp_path / "q.jsonl").write_text('{"skill": "poetry", "question": "?", "answer": "!"}\n')
-        tasks.load_questions(tmp_path / "q.jsonl")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2505,181 +1247,197 @@ def test_sft_packing_pads_and_masks(btok):
 
 
 # --------------------------------------------------------------------------------------------------
-# Inference: the KV-cache engine, tool use, chat.py's CLI and web server, nanochat checkpoint import
+# Chat format
 
-GEN_CFG = nc.Config(sequence_len=512, vocab_size=300, n_layer=4, n_head=2, n_kv_head=1, n_embd=64,
-                    window_pattern="SL")
-WINDOW_CFG = nc.Config(sequence_len=256, vocab_size=100, n_layer=2, n_head=2, n_kv_head=1,
-                       n_embd=32,
-                       # windows [128, 256]: a 160-token generation crosses the short one
-                       window_pattern="SL")
-CHAT_CFG = nc.Config(sequence_len=256, vocab_size=265, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
-                     window_pattern="L")  # the byte tokenizer's vocab
-full_forward = jax.jit(nc.forward, static_argnames="cfg")
-GREEDY = (0.0, 0, 1.0)  # engine.prefill's and decode's settings: temperature, top_k, top_p
+def test_golden_render(btok, render_golden):
+    convs = render_golden["conversations"]
+    assert set(convs) == {"a_plain_two_turn", "b_system_message", "c_python_tool"}
+    for name, c in convs.items():
+        ref = c["render_conversation"]
+        ids, mask = data.render_conversation(btok, c["conversation"]["messages"],
+                                             max_tokens=ref["max_tokens"])
+        assert ids == ref["ids"], name
+        assert mask == ref["mask"], name
+        assert len(ids) == len(mask) == ref["len"], name
+        assert all(isinstance(i, int) for i in ids) and set(mask) <= {0, 1}
+    a = convs["a_plain_two_turn"]
+    assert data.render_for_completion(btok, a["conversation"]["messages"]) == a["render_for_completion_ids"]
+    ids, mask = data.render_conversation(btok, a["conversation"]["messages"], max_tokens=40)
+    assert ids == a["render_conversation_max_tokens_40"]["ids"] and len(ids) == 40
+    assert mask == a["render_conversation_max_tokens_40"]["mask"]
+    # the system message is merged into the first user turn
+    b = convs["b_system_message"]["conversation"]["messages"]
+    merged = [{"role": "user", "content": b[0]["content"] + "\n\n" + b[1]["content"]}] + b[2:]
+    assert data.render_conversation(btok, merged) == data.render_conversation(btok, b)
 
 
-def random_params(cfg, seed):
-    """Random params with every path alive, drawn in numpy (no init compile): matrices N(0,
-    1/fan_in)."""
-    rng = np.random.default_rng(seed)
-    draw = lambda s: rng.normal(0, s.shape[-2] ** -0.5 if len(s.shape) > 1 else 0.3, s.shape).astype(np.float32)
-    params = jax.tree.map(draw, nc.param_shapes(cfg))
-    params["resid_lambdas"] += 1.0
-    return jax.tree.map(jnp.asarray, params)
+BAD_CONVERSATIONS = [
+    ([], "non-empty list"),
+    ("hello", "non-empty list"),
+    ({"role": "user", "content": "hi"}, "non-empty list"),
+    ([{"role": "user", "content": "hi"}, "hello"], "non-empty list"),
+    ([{"role": "assistant", "content": "hi"}],
+     "message 0 has role 'assistant' where 'user' is due"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+     "message 1 has role 'user'"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+      {"role": "assistant", "content": "c"}],
+     "message 2 has role 'assistant' where 'user' is due"),
+    ([{"role": "human", "content": "a"}], "message 0 has role 'human'"),
+    ([{"content": "a"}], "message 0 has role None"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+      {"role": "system", "content": "c"}],
+     "message 2 has role 'system'"),
+    ([{"role": "system", "content": "be terse"}],
+     "system message must be a string followed by a user message"),
+    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "b"}],
+     "followed by a user message"),
+    ([{"role": "system", "content": ["s"]}, {"role": "user", "content": "b"}],
+     "followed by a user message"),
+    ([{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+      {"role": "user", "content": "b"}],
+     "message 2 has role 'user'"),
+    ([{"role": "user", "content": ""}], r"message 0 \(user\) is empty"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": " \n\t"}],
+     r"message 1 \(assistant\) is empty"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": []}],
+     r"message 1 \(assistant\) is empty"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant",
+                                         "content": [{"type": "text", "text": "  "}]}],
+     "is empty"),
+    ([{"role": "user"}], "message 0: content must be a string"),
+    ([{"role": "user", "content": 5}], "message 0: content must be a string"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+     "message 0: content must be a string"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant",
+                                         "content": [{"type": "image", "text": "x"}]}],
+     "message 1: content must be a string"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant",
+                                         "content": [{"type": "text", "text": 3}]}],
+     "message 1: content must be"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": ["just a string"]}],
+     "message 1: content"),
+]
 
 
-def generated(params, cfg, prompt, num_samples=1, tool=None, **sampling):
-    """(token columns, mask columns) of one generate call, as (steps, num_samples) arrays; sampling:
-    engine.Sampling's fields (greedy, 24 tokens unless given)."""
-    sampling = engine.Sampling(**{"max_tokens": 24, "temperature": 0.0, **sampling})
-    steps = list(engine.generate(params, cfg, list(prompt), sampling, num_samples=num_samples,
-                                 tool=tool))
-    return np.array([c for c, _ in steps]), np.array([m for _, m in steps])
+@pytest.mark.parametrize("messages, match", BAD_CONVERSATIONS)
+def test_render_rejects_bad_conversations(btok, messages, match):
+    with pytest.raises(ValueError, match=match):
+        data.render_conversation(btok, messages)
+
+
+def test_render_for_completion_needs_final_assistant(btok):
+    user = {"role": "user", "content": "Hi"}
+    sp = btok.special
+    for bad in ([], [user], [user, {"role": "assistant", "content": "a"},
+                             {"role": "user", "content": "b"}], "x",
+                [user, "assistant"]):
+        with pytest.raises(ValueError, match="ending in the assistant message"):
+            data.render_for_completion(btok, bad)
+    prompt = data.render_for_completion(btok, [user, {"role": "assistant", "content": "Hello!"}])
+    assert prompt == [btok.bos, sp["<|user_start|>"], 72, 105, sp["<|user_end|>"],
+                      sp["<|assistant_start|>"]]
+    assert prompt == data.render_conversation(btok, [user])[0] + [sp["<|assistant_start|>"]]
+
+
+def test_render_masks(btok):
+    sp = btok.special
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": [{"type": "text", "text": "a"},
+                                              {"type": "python", "text": "1+1"},
+                                              {"type": "python_output", "text": "2"},
+                                              {"type": "text", "text": "b"}]}]
+    ids, mask = data.render_conversation(btok, msgs)
+    assert ids == [sp["<|bos|>"], sp["<|user_start|>"], ord("q"), sp["<|user_end|>"],
+                   sp["<|assistant_start|>"],
+                   ord("a"), sp["<|python_start|>"], *b"1+1", sp["<|python_end|>"],
+                   sp["<|output_start|>"], ord("2"), sp["<|output_end|>"], ord("b"),
+                   sp["<|assistant_end|>"]]
+    assert mask == [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 1]
+    for n in range(len(ids) + 2):
+        assert data.render_conversation(btok, msgs, max_tokens=n) == (ids[:n], mask[:n])
+
+
+def test_load_conversations(tmp_path):
+    good = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+            [{"role": "system", "content": "s"}, {"role": "user", "content": "2+2?"},
+             {"role": "assistant", "content": [{"type": "python", "text": "2+2"},
+                                               {"type": "python_output", "text": "4"},
+                                               {"type": "text", "text": "4"}]}]]
+    path = tmp_path / "convs.jsonl"
+    path.write_text(json.dumps(good[0]) + "\n\n" + json.dumps(good[1], ensure_ascii=False) + "\n")
+    assert data.load_conversations(str(path)) == good
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(good[0]) + "\n" + json.dumps(good[1]) + "\n" + '[{"role": "user", "content": "x"\n')
+    with pytest.raises(ValueError, match=re.escape(f"{bad}:3: invalid JSON")):
+        data.load_conversations(str(bad))
+    bad.write_text(json.dumps(good[0]) + "\n" + json.dumps({"messages": good[0]}) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{bad}:2: a conversation is a non-empty list")):
+        data.load_conversations(str(bad))
+    bad.write_text(json.dumps([{"role": "assistant", "content": "x"}]) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{bad}:1: message 0 has role 'assistant'")):
+        data.load_conversations(str(bad))
+    bad.write_text("\n  \n")
+    with pytest.raises(ValueError, match="no conversations in this file"):
+        data.load_conversations(str(bad))
+    with pytest.raises(FileNotFoundError, match="no such conversations file"):
+        data.load_conversations(str(tmp_path / "missing.jsonl"))
+
 
 # --------------------------------------------------------------------------------------------------
-# The engine
+# Calculator
+
+CALCULATOR = [
+    ("1+2", 3),
+    ("2*(3+4)", 14),
+    ("12*34+5", 413),
+    ("2,000 + 1", 2001),  # commas stripped, as in nanochat
+    ("1,234,567*2", 2469134),
+    ("10/4", 2.5),
+    ("8/2", 4.0),
+    ("7//2", 3),
+    ("-5+3", -2),
+    ("-(3)", -3),
+    ("--3", 3),
+    ("1.5*2", 3.0),
+    ("0.1+0.2", 0.1 + 0.2),
+    (" 5 ", 5),
+    ("'strawberry'.count('r')", 3),
+    ('"hello".count("l")', 2),
+    ("('banana').count('an')", 2),
+    ("3 ** 2", None),  # power refused: 9**9**9 would hang
+    ("2**10", None),
+    ("1/0", None),
+    ("", None),
+    ("1 +", None),
+    ("()", None),
+    ("abc", None),
+    ("x.count('a')", None),  # names
+    ("'a'.__class__.count('a')", None),  # attribute access / dunders
+    ("print(1)", None),  # calls
+    ("__import__('os').count('a')", None),
+    ("import os", None),
+    ("open('f').count('a')", None),
+    ("'abc'.count('a', 1)", None),
+    ("'abc'.upper().count('A')", None),
+    ("'aa'.count('a').count('b')", None),
+    ("'abc'.count(1)", None),
+    ("'a'+'b'", None),
+    ("1e3", None),
+    ("9" * 4300, int("9" * 4300)),  # the engine prints results: 4300 digits is Python's str limit
+    ("9" * 4301, None),
+    ("*".join(["9" * 1000] * 5), None),  # a 5000-digit product cannot be printed
+    ("(" * 300 + "1" + ")" * 300, None),  # too deeply nested to parse
+    # too deep to evaluate (RecursionError), returns instead of hanging
+    ("1" + "+1" * 100_000, None),
+]
 
 
-@pytest.fixture(scope="module")
-def gen_golden():
-    g = np.load(TESTDATA / "nanochat_golden.npz")
-    params = checkpoint.from_nanochat_state_dict({k[6:]: g[k] for k in g.files if k.startswith("param/")}, GEN_CFG)
-    return params, np.load(TESTDATA / "nanochat_generate.npz")
-
-
-def stepped(params, cfg, prompt, bucket, max_len, feed):
-    """Logits of prefill (prompt padded to `bucket`) and of each decode step fed `feed`, through the
-    jitted steps that `generate` runs with the same shapes (so nothing compiles twice)."""
-    padded = np.zeros((1, bucket), np.int32)
-    padded[0, :len(prompt)] = prompt
-    key, p = jax.random.key(0), nc.unstack(params, cfg)
-    _, logits, cache = engine.prefill(p, padded, len(prompt), key, GREEDY, cfg=cfg, max_len=max_len)
-    out = [logits[0]]
-    for t in feed:
-        _, logits, cache = engine.decode(p, np.array([t], np.int32), cache, key, GREEDY, cfg=cfg)
-        out.append(logits[0])
-    return np.array(out), cache
-
-
-def test_golden_generate_equals_nanochat_engine(gen_golden):
-    params, g = gen_golden
-    # 17 + 24 tokens: prefill bucket 32, cache 64
-    tokens, masks = generated(params, GEN_CFG, g["prompt"])
-    assert tokens[:, 0].tolist() == g["engine_tokens"].tolist() == g["naive_tokens"].tolist()
-    assert masks.all()
-    logits, cache = stepped(params, GEN_CFG, g["prompt"], 32, 64, g["engine_tokens"])
-    np.testing.assert_allclose(logits[0], g["prefill_last_logits"], rtol=0, atol=2e-5)
-    # the step after the last too
-    np.testing.assert_allclose(logits[1:], g["decode_logits"], rtol=0, atol=2e-5)
-    assert cache["pos"].tolist() == [17 + 24]
-
-
-@pytest.fixture(scope="module")
-def window_model():
-    params = random_params(WINDOW_CFG, 3)
-    prompt = np.random.default_rng(4).integers(0, WINDOW_CFG.vocab_size, 260)
-    return params, prompt
-
-
-@pytest.mark.slow  # a 256-token cache and programs of its own (the golden test checks decode)
-def test_kv_decode_equals_full_forward_with_sliding_window(window_model):
-    params, prompt = window_model
-    assert nc.window_sizes(WINDOW_CFG) == [128, 256]
-    # prefill bucket 128, cache 256
-    tokens, _ = generated(params, WINDOW_CFG, prompt[:100], max_tokens=60)
-    # 160 tokens: layer 0's 128-token window binds
-    seq = np.concatenate([prompt[:100], tokens[:, 0]])[None]
-    full = np.asarray(full_forward(params, seq, WINDOW_CFG))[0]
-    # greedy with the cache = naive greedy
-    assert full[99:159].argmax(-1).tolist() == tokens[:, 0].tolist()
-    logits, _ = stepped(params, WINDOW_CFG, prompt[:100], 128, 256, tokens[:-1, 0])
-    np.testing.assert_allclose(logits, full[99:159], rtol=0, atol=2e-5)
-    # the window matters: full attention gives other logits past 128 tokens, so the cache really
-    # honoured it
-    unwindowed = nc.Config(**{**WINDOW_CFG.__dict__, "window_pattern": "L"})
-    other = np.asarray(full_forward(params, seq, unwindowed))[0]
-    np.testing.assert_allclose(other[:129], full[:129], rtol=0, atol=1e-5)
-    assert np.abs(other[140:] - full[140:]).max() > 1e-3
-
-
-def test_prompt_buckets_do_not_change_results_or_recompile(window_model):
-    params, prompt = window_model
-    key, p = jax.random.key(0), nc.unstack(params, WINDOW_CFG)
-    # junk after the prompt
-    padded = np.pad(prompt[None, :100], ((0, 0), (0, 28)), constant_values=7)
-    _, bucketed, c2 = engine.prefill(p, padded, 100, key, GREEDY, cfg=WINDOW_CFG, max_len=256)
-    _, exact, c1 = engine.prefill(p, prompt[None, :100], 100, key, GREEDY, cfg=WINDOW_CFG, max_len=256)
-    np.testing.assert_allclose(bucketed, exact, rtol=0, atol=1e-5)
-    assert c1["pos"].tolist() == c2["pos"].tolist() == [100]
-    np.testing.assert_array_equal(c1["prev"], c2["prev"])  # the smear carries the last real token
-    for (k1, _), (k2, _) in zip(c1["layers"], c2["layers"]):  # (B, K, S, D)
-        np.testing.assert_allclose(k1[:, :, :100], k2[:, :, :100], rtol=0, atol=1e-5)
-    _, after_exact, _ = engine.decode(p, np.array([5], np.int32), c1, key, GREEDY, cfg=WINDOW_CFG)
-    _, after_bucketed, _ = engine.decode(p, np.array([5], np.int32), c2, key, GREEDY, cfg=WINDOW_CFG)
-    # the junk slot 100 is overwritten
-    np.testing.assert_allclose(after_bucketed, after_exact, rtol=0, atol=1e-5)
-    generated(params, WINDOW_CFG, prompt[:100], max_tokens=60)  # generate's own programs
-    compiled = engine.prefill._cache_size(), engine.decode._cache_size()
-    # one prompt bucket (128) and one cache size (256): a growing chat does not recompile
-    for n in (97, 110, 120):
-        generated(params, WINDOW_CFG, prompt[:n], max_tokens=60)
-    assert (engine.prefill._cache_size(), engine.decode._cache_size()) == compiled
-
-
-def test_sampling_keys_rows_and_top_k(window_model):
-    params, prompt = window_model
-    sample = lambda seed, **kw: generated(params, WINDOW_CFG, prompt[:20], max_tokens=12,
-                                          seed=seed,
-                                          **{"temperature": 1.0, "num_samples": 4, **kw})[0]
-    a, b, c = sample(1), sample(1), sample(2)
-    assert a.shape == (12, 4)
-    np.testing.assert_array_equal(a, b)  # same key, same samples
-    assert not np.array_equal(a, c)  # another key, other samples
-    assert len({tuple(r) for r in a.T}) > 1  # rows sample independently
-    greedy = sample(3, temperature=0.0)
-    assert (greedy == greedy[:, :1]).all()
-    # top-k 1 is greedy at any temperature
-    np.testing.assert_array_equal(sample(4, top_k=1), greedy)
-
-
-def test_sample_top_k_and_top_p_are_traced():
-    """top_k and top_p truncate the distribution as HF does (top-k first, then the smallest set
-    holding top_p of what remains; 0 and 1 turn them off); being traced, 40 settings share one
-    compiled sampler."""
-    probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04] + [0.0] * 300)  # V 306 > TOP_K_MAX
-    logits = jnp.log(jnp.asarray(probs, jnp.float32) + 1e-30)[None]
-    draw = jax.jit(jax.vmap(lambda key, t, k, p: engine.sample_next_token(logits, key[None], t, k, p)[0],
-                            (0, None, None, None)))
-    keys = jax.random.split(jax.random.key(0), 20000)
-    freq = lambda t, k, p: np.bincount(np.asarray(draw(keys, t, k, p)), minlength=306)[:8] / len(keys)
-    for k, p, kept in ((0, 1.0, 6), (3, 1.0, 3), (0, 0.5, 2), (0, 0.8, 4), (4, 0.75, 3),
-                       (4, 0.7, 2), (1, 1.0, 1), (300, 1.0, 6)):
-        want = np.zeros(8)
-        want[:kept] = probs[:kept] / probs[:kept].sum()
-        np.testing.assert_allclose(freq(1.0, k, p), want, atol=0.012,
-                                   err_msg=f"top_k {k}, top_p {p}")
-    np.testing.assert_array_equal(freq(0.0, 0, 0.3), np.eye(8)[0])  # temperature 0: argmax
-    for k, p in itertools.product((0, 1, 2, 50, 256), (1.0, 0.9, 0.5, 0.1)):
-        draw(keys, 0.7, k, p)
-    assert draw._cache_size() == 1
-
-
-def test_stops_and_limits(window_model):
-    params, prompt = window_model
-    run = lambda **kw: generated(params, WINDOW_CFG, prompt[:20], max_tokens=12, num_samples=4,
-                                 **kw)[0]
-    greedy = run()[:, 0].tolist()
-    stopped = run(stop_ids=[greedy[3]])
-    # the stop token comes, then the end
-    assert stopped[:, 0].tolist() == greedy[:greedy.index(greedy[3]) + 1]
-    rows = run(temperature=1.0, stop_ids=[greedy[0]])
-    # rows keep going until every row is done
-    assert len(rows) == 12 or all(greedy[0] in r for r in rows.T)
-    # the context is full
-    assert len(generated(params, WINDOW_CFG, prompt[:250], max_tokens=100)[0]) == 6
-    with pytest.raises(ValueError, match="context"):
-        generated(params, WINDOW_CFG, np.tile(prompt, 2)[:256])
+@pytest.mark.parametrize("expr, value", CALCULATOR,
+                         ids=[e if len(e) <= 30 else f"{e[:8]}...{len(e)}chars" for e, _ in CALCULATOR])
+def test_use_calculator(expr, value):
+    out = data.use_calculator(expr)
+    assert out == value and type(out) is type(value)
 
 
 def test_calculator_tool_state_machine():
@@ -2705,267 +1463,319 @@ def test_calculator_tool_state_machine():
     assert tool(1, sp["<|python_end|>"])[1:-1] == bt.encode("1")
 
 
-def test_tool_output_is_forced_with_mask_zero(chat_model):
-    params, cfg, bt, _ = chat_model
-    sp = bt.special
-    calculator = data.calculator_tool(bt)
-    script = [sp["<|python_start|>"], *bt.encode("6*7"), sp["<|python_end|>"]]
-    seen = []
+# --------------------------------------------------------------------------------------------------
+# execution.py: the sandbox that runs generated programs
 
-    # a model that writes a python block after its first token, fed to the real calculator
-    def tool(row, token):
-        seen.append(token)
-        return (script if len(seen) == 1 else []) + calculator(row, token)
-
-    tokens, masks = generated(params, cfg, chat_prompt(bt, HI), max_tokens=32, top_k=50, tool=tool)
-    forced = script + [sp["<|output_start|>"], *bt.encode("42"), sp["<|output_end|>"]]
-    assert tokens[1:1 + len(forced), 0].tolist() == forced
-    assert masks[:, 0].tolist() == [1] + [0] * len(forced) + [1] * (32 - 1 - len(forced))
-    assert seen == tokens[:, 0].tolist()  # the tool saw every emitted token
+GOOD_PROGRAM = "def add(a, b):\n    return a + b\n\ndef check(f):\n    assert f(2, 3) == 5\n\ncheck(add)\n"
 
 
-def test_decode_donates_its_cache(chat_model):
-    params, cfg, _, _ = chat_model
-    key, p = jax.random.key(0), nc.unstack(params, cfg)
-    # the shapes of the generate call above (prompt bucket 16, cache 64): nothing compiles again
-    _, _, cache = engine.prefill(p, np.zeros((1, 16), np.int32), 3, key, GREEDY, cfg=cfg, max_len=64)
-    _, _, new = engine.decode(p, np.array([5], np.int32), cache, key, GREEDY, cfg=cfg)
-    # written in place: no second cache
-    assert all(a.is_deleted() for a in jax.tree.leaves(cache["layers"]))
-    assert new["pos"].tolist() == [4]
+def tree_snapshot(d):
+    # every path under d with its content (None for a directory), to show that nothing outside
+    # changed
+    return {p: None if os.path.isdir(p) else open(p, "rb").read()
+            for root, dirs, files in os.walk(d) for p in [os.path.join(root, n) for n in dirs + files]}
+
+
+def test_sandbox_correct_program_passes():
+    assert execution.run_program(GOOD_PROGRAM)[:2] == (True, None)
+
+
+def test_sandbox_failing_assert_fails():
+    passed, error, _ = execution.run_program(GOOD_PROGRAM.replace("== 5", "== 6"))
+    assert not passed and "AssertionError" in error
+
+
+def test_sandbox_exit_status():
+    assert execution.run_program("import sys; sys.exit(3)")[:2] == (False, "exit status 3")
+    assert execution.run_program("import os; os.abort()")[:2] == (False, "killed by signal 6")
+
+
+def test_sandbox_infinite_loop_times_out():
+    t = time.time()
+    passed, error, _ = execution.run_program("while True:\n    pass\n", timeout=1)
+    assert not passed and error == "timed out after 1 s"
+    assert time.time() - t < 3
+
+
+@pytest.mark.parametrize("code", ["x = []\nwhile True:\n    x.append(b'x' * 10**7)\n",
+                                  "bytearray(10**10)"])
+def test_sandbox_unbounded_allocation_fails(code):
+    t = time.time()
+    passed, error, _ = execution.run_program(code, timeout=5)
+    assert not passed and "MemoryError" in error
+    assert time.time() - t < 3  # the memory limit stops it, not the timeout
+
+
+def test_sandbox_output_flood_is_cut():
+    t = time.time()
+    passed, error, stdout = execution.run_program("while True:\n    print('x' * 10**6)\n",
+                                                  timeout=5)
+    assert not passed and "File too large" in error
+    assert len(stdout) <= 10_000 and time.time() - t < 5
+
+
+@pytest.mark.parametrize("code", ["import socket\nsocket.socket()\n",
+                                  "import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)\n",
+                                  "import urllib.request\nurllib.request.urlopen('http://127.0.0.1:80', timeout=1)\n"])
+def test_sandbox_network_fails(code):
+    passed, error, _ = execution.run_program(code, timeout=2)
+    assert not passed and "sandbox: socket." in error
+
+
+def test_sandbox_network_fails_without_namespaces(monkeypatch):
+    # where unshare is refused (containers, unprivileged users), the audit hook alone must still
+    # stop sockets
+    code = "import os\nprint(os.getuid())\nimport socket\nsocket.socket()\n"
+    passed, error, stdout = execution.run_program(code, timeout=2, network_namespace=False)
+    assert not passed and "sandbox: socket.__new__" in error and stdout == f"{os.getuid()}\n"
+    assert execution.run_program(GOOD_PROGRAM)[:2] == (True, None)
+
+
+@pytest.mark.parametrize("code", [
+    "open({target!r}, 'w').write('pwned')",
+    "import os\nos.close(os.open({target!r}, os.O_WRONLY | os.O_CREAT))",
+    "import pathlib\npathlib.Path({target!r}).write_text('pwned')",
+    # symlinks are followed
+    "import os\nos.symlink({target!r}, 'link')\nopen('link', 'w').write('pwned')",
+    "import os\nos.mkdir({target!r})",
+    "import shutil\nshutil.copy('program.py', {target!r})",
+])
+def test_sandbox_write_outside_fails(tmp_path, code):
+    target = str(tmp_path / "new.txt")
+    before = tree_snapshot(tmp_path)
+    passed, error, _ = execution.run_program(code.format(target=target))
+    assert not passed and "PermissionError: sandbox:" in error
+    assert not os.path.exists(target) and tree_snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("code", [
+    "import os\nos.remove({victim!r})",
+    "import os\nos.rename({victim!r}, 'stolen.txt')",
+    "import os\nos.replace('program.py', {victim!r})",
+    "import shutil\nshutil.move({victim!r}, 'stolen.txt')",
+    "import shutil\nshutil.rmtree({folder!r})",
+    "import os\nos.chmod({victim!r}, 0)",
+    "import os\nos.truncate({victim!r}, 0)",
+    "open({victim!r}, 'a').write('more')",
+    # a hard link would share the inode
+    "import os\nos.link({victim!r}, 'hard')\nopen('hard', 'a').write('more')",
+    # fds are checked by the file they are on
+    "import os\nfd = os.open({victim!r}, os.O_RDONLY)\nos.chmod(fd, 0)",
+    "import os\nd = os.open({folder!r}, os.O_RDONLY)\nos.remove('victim.txt', dir_fd=d)",
+])
+def test_sandbox_change_outside_fails(tmp_path, code):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    victim = folder / "victim.txt"
+    victim.write_text("precious")
+    os.chmod(victim, 0o644)
+    before = tree_snapshot(tmp_path)
+    passed, error, _ = execution.run_program(code.format(victim=str(victim), folder=str(folder)))
+    assert not passed and "PermissionError: sandbox:" in error
+    assert victim.read_text() == "precious" and os.stat(victim).st_mode & 0o777 == 0o644
+    assert tree_snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("code", [
+    "import os\nassert os.system('touch {target}') == 0",
+    "import subprocess\nsubprocess.run(['touch', {target!r}])",
+    "import os\nos.execv('/usr/bin/touch', ['touch', {target!r}])",
+    "import os\nif os.fork() == 0:\n    open({target!r}, 'w')",
+    "import multiprocessing as mp\nif __name__ == '__main__':\n"
+    "    p = mp.get_context('spawn').Process(target=print)\n    p.start()\n    p.join()",
+    "import ctypes\nctypes.CDLL(None).system(b'touch {target}')",
+    "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",  # the parent (pytest) must survive
+])
+def test_sandbox_process_creation_and_ctypes_fail(tmp_path, code):
+    target = str(tmp_path / "touched")
+    passed, error, _ = execution.run_program(code.format(target=target))
+    assert not passed and "sandbox:" in error
+    assert not os.path.exists(target)
+
+
+def test_sandbox_own_temp_dir_is_writable_and_removed():
+    code = ("import os, shutil, tempfile\n"
+            "open('data.txt', 'w').write('hello')\n"
+            "assert open('data.txt').read() == 'hello'\n"
+            "os.makedirs('a/b')\nos.rename('data.txt', 'a/b/data.txt')\nshutil.rmtree('a')\n"
+            "with tempfile.TemporaryFile() as f:\n    f.write(b'x')\n"
+            "print(os.getcwd())\n")
+    passed, error, stdout = execution.run_program(code)
+    assert (passed, error) == (True, None)
+    cwd = stdout.strip()
+    assert cwd.startswith("/") and not os.path.exists(cwd)
+
+
+def test_sandbox_ordinary_imports_work():
+    code = ("import math, itertools, collections, re, json, functools, heapq, string, typing, fractions, decimal\n"
+            "import random, hashlib, bisect, statistics, datetime, copy, operator, sys\n"
+            "assert hashlib.sha256(b'x').hexdigest().startswith('2d711642')\n"
+            "assert json.loads(json.dumps({'a': [1, 2]})) == {'a': [1, 2]}\n"
+            "sys.setrecursionlimit(10_000)\n"
+            "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
+            "assert depth(5_000) == 5_000\n")
+    assert execution.run_program(code)[:2] == (True, None)
+
+
+def test_sandbox_run_goes_on(tmp_path):
+    # after every kind of failure in a row, the parent is fine and a normal program still passes
+    bad = ["while True: pass", "bytearray(10**10)", "import socket; socket.socket()",
+           "import ctypes",
+           f"open({str(tmp_path / 'x')!r}, 'w')", "import os; os.system('true')",
+           "raise SystemExit(7)"]
+    for code in bad:
+        assert execution.run_program(code, timeout=1)[0] is False
+    assert execution.run_program(GOOD_PROGRAM)[:2] == (True, None)
+    assert os.listdir(tmp_path) == []
+
 
 # --------------------------------------------------------------------------------------------------
-# The slot engine: many requests at once, each equal to the reference `generate` alone
+# tasks.py: the synthetic tasks, the SFT mixture, the held-out questions
+
+def task_key(task, messages):
+    """The item a task conversation is about (what the train/test split hashes)."""
+    question, answer = messages[0]["content"], messages[1]["content"]
+    if task == "identity":
+        return question
+    if task == "arithmetic":
+        return answer[0]["text"]
+    if task == "spelling":
+        return answer.replace("-", "")
+    if task == "counting":
+        return re.match(r"'(\w+)'", answer[0]["text"])[1]
+    # the qualified name, the first dotted word
+    return re.search(r"[A-Za-z_]\w*(?:\.\w+)+", question)[0]
 
 
-def solo(params, cfg, prompt, **kwargs):
-    """(tokens, masks) of the first row of the reference engine.generate, greedy by default."""
-    tokens, masks = generated(params, cfg, prompt, **kwargs)
-    return tokens[:, 0].tolist(), masks[:, 0].tolist()
+def reference_completion(btok, messages):
+    """The decoded tokens after <|assistant_start|>: what a model that got it right would generate.
+    """
+    ids, _ = data.render_conversation(btok, messages)
+    return btok.decode(ids[len(ids) - ids[::-1].index(btok.special["<|assistant_start|>"]):])
 
 
-def greedy(max_tokens, **kwargs):
-    return engine.Sampling(max_tokens=max_tokens, temperature=0.0, **kwargs)
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_task_generator_and_checker(btok, task):
+    take = lambda split, seed, n: list(itertools.islice(tasks.task_conversations(task, split, seed), n))
+    train = take("train", 0, 300)
+    assert train[:30] == take("train", 0, 30)  # deterministic per seed
+    assert train[:30] != take("train", 1, 30)
+    test = take("test", 0, 100)
+    train_keys, test_keys = {task_key(task, m) for m in train}, {task_key(task, m) for m in test}
+    assert train_keys and test_keys and not train_keys & test_keys  # disjoint items
+    assert len(test_keys) < len(train_keys)
+    for messages in train[:100] + test[:30]:
+        assert [m["role"] for m in messages] == ["user", "assistant"]
+        ids, mask = data.render_conversation(btok, messages)
+        assert ids[-1] == btok.special["<|assistant_end|>"] and mask[-1] == 1 and sum(mask) > 1
+        generated = reference_completion(btok, messages)
+        assert generated.endswith("<|assistant_end|>")
+        assert tasks.check(messages, generated)
+        ref = messages[-1]["content"]
+        numeric = isinstance(ref, list)
+        if numeric:
+            value = ref[1]["text"]
+            assert tasks.check(messages, f"The answer is {value}.")
+            assert not tasks.check(messages,
+                                   generated.replace("<|assistant_end|>", "") + " -12345678")
+            assert not tasks.check(messages, "I don't know.")
+            tool_part = generated[:generated.rindex("<|output_end|>") + len("<|output_end|>")]
+            # only the final text counts
+            assert not tasks.check(messages, tool_part + "No idea.<|assistant_end|>")
+        else:
+            assert tasks.check(messages, f"  {ref}\n")
+            assert not tasks.check(messages, ref + " Extra.")
+            assert not tasks.check(messages, "wrong " + ref)
+    with pytest.raises(ValueError, match="unknown task"):
+        tasks.task_conversations(task, "val")
+    with pytest.raises(ValueError, match="unknown task"):
+        tasks.task_conversations("poetry", "train")
 
 
-def test_engine_golden_prompt_among_others(gen_golden):
-    """nanochat's golden prompt, admitted into a slot while the other slots decode other prompts,
-    gives nanochat's Engine tokens exactly and its logits (as log-probabilities) within the golden
-    tolerance."""
-    params, g = gen_golden
-    eng = engine.Engine(params, GEN_CFG, slots=4, kmax=4)
-    rng = np.random.default_rng(5)
-    others = [eng.submit(rng.integers(0, 300, n).tolist(), greedy(40)) for n in (9, 30)]
-    eng.step()
-    eng.step()  # the others are 5 tokens in
-    golden = eng.submit(g["prompt"].tolist(), greedy(24, logprobs=True), stream=True)
-    eng.drain()
-    assert golden.tokens[0] == g["engine_tokens"].tolist() and golden.finish == ["length"]
-    assert golden.masks[0] == [1] * 24 and all(len(r.tokens[0]) == 40 for r in others)
-    # each token's log-probabilities: the golden logits that chose it, log-softmaxed
-    logits = np.concatenate([g["prefill_last_logits"][None], g["decode_logits"][:23]])
-    want = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
-    for step, event in enumerate(list(golden)[:-1]):
-        chosen, likeliest = event.logprobs
-        ids = [i for i, _ in likeliest]
-        assert ids[0] == event.token and len(ids) == engine.TOP_LOGPROBS
-        np.testing.assert_allclose([lp for _, lp in likeliest], want[step, ids], rtol=0, atol=4e-5)
-        assert chosen == pytest.approx(float(want[step, event.token]), abs=4e-5)
+def test_task_contents():
+    take = lambda task, n: list(itertools.islice(tasks.task_conversations(task, "train"), n))
+    ops, digits, phrasings = {"+": operator.add, "-": operator.sub, "*": operator.mul,
+                              "/": operator.truediv}, [], set()
+    for (user, assistant) in take("arithmetic", 400):
+        a, op, b = re.fullmatch(r"(\d+)([-+*/])(\d+)", assistant["content"][0]["text"]).groups()
+        value = ops[op](int(a), int(b))
+        shown = int(value) if op == "/" else value
+        assert op != "/" or value == shown  # exact divisions only
+        assert [p["type"] for p in assistant["content"]] == ["python", "python_output", "text"]
+        assert assistant["content"][1]["text"] == str(value)
+        assert assistant["content"][2]["text"] == f"{a} {op} {b} = {shown}"
+        assert re.search(rf"(?<!\d){a}(?!\d)", user["content"]) and re.search(rf"(?<!\d){b}(?!\d)", user["content"])
+        digits += [len(a), len(b)]
+        phrasings.add(re.sub(r"\d+", "N", user["content"].lower()))
+    assert collections.Counter(digits).keys() == {1, 2, 3, 4} and np.mean(np.array(digits) <= 2) > 0.6
+    assert len(phrasings) > 300  # hardly a phrasing twice in 400
+    words = []
+    for (user, assistant) in take("counting", 200):
+        w, c = re.fullmatch(r"'([a-z]+)'\.count\('([a-z])'\)",
+                            assistant["content"][0]["text"]).groups()
+        assert assistant["content"][1]["text"] == str(w.count(c)) == str(data.use_calculator(f"'{w}'.count('{c}')"))
+        assert re.findall(r"\d+", assistant["content"][2]["text"])[-1] == str(w.count(c))
+        assert re.search(rf"\b{w}\b", user["content"]) and re.search(rf"\b{c}", user["content"])
+        words.append(w)
+    for (user, assistant) in take("spelling", 200):
+        w = assistant["content"].replace("-", "")
+        assert assistant["content"] == "-".join(w) and w.isalpha() and w.islower() and 3 <= len(w) <= 10
+        assert re.search(rf"\b{w}\b", user["content"])
+        words.append(w)
+    # broad, made-up words too
+    assert len(set(words)) > 350 and not set(words) <= set(tasks._corpus_words())
+    # doubled letters are common
+    assert np.mean([bool(re.search(r"(.)\1", w)) for w in words]) > 0.15
+    # reading: the answer is the paragraph's first sentence
+    for (user, assistant) in take("docstring", 100):
+        sentence = assistant["content"]
+        assert sentence in user["content"] and sentence[-1] in ".!?" and not re.search(r"[.!?]\s", sentence)
+    for (user, assistant) in take("identity", 50):
+        assert "nanochat" in assistant["content"]
 
 
-def test_engine_staggered_requests_equal_each_alone(window_model):
-    """Six prompts of different lengths arrive at different steps into four slots (two reused
-    after long requests); slots cross the 128-token sliding window at different steps. Every
-    stream equals its prompt's solo greedy `generate`."""
-    params, prompt = window_model
-    lengths = (5, 100, 40, 120, 3, 60)
-    budgets = (150, 100, 100, 120, 130, 150)  # past 128 in all: generate's cache is 256 for each
-    eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8)
-    arrivals = {0: [0, 1], 1: [2], 3: [3, 4], 6: [5]}  # round -> the requests that come then
-    requests = {}
-    for round_ in range(200):
-        for i in arrivals.get(round_, []):
-            requests[i] = eng.submit(prompt[:lengths[i]].tolist(), greedy(budgets[i]))
-        if not eng.step() and round_ > max(arrivals):
-            break
-    assert eng.stats["chunks"] > 20  # long enough to reuse slots
-    for i, request in sorted(requests.items()):
-        want = min(budgets[i], WINDOW_CFG.sequence_len - lengths[i])
-        tokens, masks = solo(params, WINDOW_CFG, prompt[:lengths[i]], max_tokens=want)
-        assert request.tokens[0] == tokens and request.masks[0] == masks == [1] * want, i
-        assert request.finish == ["length"]
-    # the two that crossed the window did so at different steps
-    crossings = [128 - lengths[i] for i in (1, 3)]
-    assert crossings[0] != crossings[1] and all(0 < c < budgets[i] for c, i in zip(crossings, (1, 3)))
+def test_sft_mixture_keeps_pretraining_text():
+    docs = data.shuffled([f"document {i}" for i in range(5)])
+    items = list(itertools.islice(tasks.sft_mixture(3, extra=["mine"], documents=docs, text_every=4)(0), 1 + 40))
+    assert items[0] == "mine" and items[1:] == list(itertools.islice(tasks.sft_mixture(3, ["mine"], docs, 4)(0), 1, 41))
+    texts = [i for i, x in enumerate(items[1:]) if isinstance(x, str)]
+    assert texts == [4, 9, 14, 19, 24, 29, 34, 39]  # a document after every 4 conversations
+    # cycles through the corpus
+    assert set(items[1 + t] for t in texts) == {f"document {i}" for i in range(5)}
+    kinds = collections.Counter(task_of(m) for m in items[1:] if not isinstance(m, str))
+    assert set(kinds) <= set(tasks.MIXTURE)
+    assert not any(isinstance(x, str) for x in itertools.islice(tasks.sft_mixture(3)(0), 50))
 
 
-def block_tool(start, end, result):
-    """The calculator's state machine on ids start and end (data.calculator_tool's): after start,
-    ids, end it forces result(ids)."""
-    blocks = {}
-
-    def tool(row, token):
-        if token == start:
-            blocks[row] = []
-        elif row in blocks and token == end:
-            return list(result(blocks.pop(row)))
-        elif row in blocks:
-            blocks[row].append(token)
-        return []
-    return tool
+def task_of(messages):
+    answer = messages[1]["content"]
+    if isinstance(answer, list):
+        return "counting" if ".count(" in answer[0]["text"] else "arithmetic"
+    return "spelling" if re.fullmatch(r"[a-z](-[a-z])+", answer) else "identity" if "nanochat" in answer else "docstring"
 
 
-@pytest.mark.parametrize("forced", [[7, 8, 9], []], ids=["result", "nothing"])
-def test_engine_calculator_hops_and_forced_tokens(window_model, forced):
-    """A python block the model writes hands the slot to the host, which runs the tool and queues
-    its ids: the same tokens and masks as `generate` with that tool, one hop per closed block; a
-    tool that gives nothing (an empty or failing expression) forces nothing."""
-    params, prompt = window_model
-    # prompts and lengths whose shapes the staggered test compiled
-    plain, _ = solo(params, WINDOW_CFG, prompt[:40], max_tokens=125)
-    start = plain[2]  # tokens this model writes: its greedy stream opens and closes a block
-    end = next(t for t in plain[4:] if t != start)
-    want, masks = solo(params, WINDOW_CFG, prompt[:40], max_tokens=125,
-                       tool=block_tool(start, end, lambda ids: forced))
-    eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8, python_ids=(start, end))
-    others = [eng.submit(prompt[:n].tolist(), greedy(125)) for n in (7, 33)]
-    request = eng.submit(prompt[:40].tolist(), greedy(125),
-                         tool=block_tool(start, end, lambda ids: forced))
-    eng.drain()
-    assert request.tokens[0] == want and request.masks[0] == masks
-    assert (0 in masks) == bool(forced)
-    streams = [want]
-    for r, n in zip(others, (7, 33)):  # the others, without a tool, resume sampling at once
-        streams.append(solo(params, WINDOW_CFG, prompt[:n], max_tokens=125,
-                            tool=block_tool(start, end, lambda ids: []))[0])
-        assert r.tokens[0] == streams[-1]
-    # a block closed by a choice's last token needs no hop: the choice ends
-    assert eng.stats["hops"] == sum(closed_blocks(s[:-1], start, end) for s in streams)
-    assert closed_blocks(want[:-1], start, end) >= 1
+def test_heldout_questions_and_grading(tmp_path):
+    questions = tasks.load_questions(os.path.join(TESTDATA, "heldout_questions.jsonl"))
+    counts = collections.Counter(q["skill"] for q in questions)
+    assert len(questions) >= 40 and set(counts) == {"arithmetic", "counting", "spelling",
+                                                    "identity"}
+    assert tasks.grade("arithmetic", "47",
+                       "<|python_start|>12+35<|python_end|><|output_start|>47<|output_end|>"
+                      "12 + 35 = 47<|assistant_end|>")
+    assert tasks.grade("arithmetic", "12", "84 / 7 = 12.0") and not tasks.grade("arithmetic", "12", "13")
+    assert not tasks.grade("arithmetic", "47", "<|output_start|>47<|output_end|>I don't know.")
+    assert tasks.grade("counting", "3", "'r' appears 3 time(s) in 'strawberry'.") and not tasks.grade("counting", "3", "")
+    assert tasks.grade("spelling", "coffee", "c-o-f-f-e-e") and not tasks.grade("spelling", "coffee", "c-o-f-e-e")
+    assert tasks.grade("identity", "nanochat", "I'm nanochat, ...") and not tasks.grade("identity", "nanochat", "A bot.")
+    with pytest.raises(ValueError, match=r"README.md:1: invalid JSON"):
+        tasks.load_questions(os.path.join(TESTDATA, "..", "README.md"))
+    with pytest.raises(ValueError, match=r":1: want \{"):
+        (tmp_path / "q.jsonl").write_text('{"skill": "poetry", "question": "?", "answer": "!"}\n')
+        tasks.load_questions(tmp_path / "q.jsonl")
 
-
-def closed_blocks(tokens, start, end):
-    """The python blocks a stream closes, counted as nanochat's Engine does."""
-    closed = 0
-    inside = False
-    for t in tokens:
-        if t == start:
-            inside = True
-        elif t == end and inside:
-            inside = False
-            closed += 1
-    return closed
-
-
-def test_engine_stops_limits_choices_and_seeds(window_model):
-    """Stop ids, max_tokens and a full context end a choice as in `generate`; n choices share one
-    prefill and equal generate's rows; a seeded request gives the same tokens alone and among
-    seven others."""
-    params, prompt = window_model
-    eng = engine.Engine(params, WINDOW_CFG, slots=8, kmax=8)
-    plain, _ = solo(params, WINDOW_CFG, prompt[:20], max_tokens=12)
-    stopped = eng.submit(prompt[:20].tolist(), greedy(12, stop_ids=(plain[3],)))
-    limited = eng.submit(prompt[:20].tolist(), greedy(5))
-    full = eng.submit(prompt[:250].tolist(), greedy(100))
-    eng.drain()
-    assert stopped.tokens[0] == plain[:plain.index(plain[3]) + 1] and stopped.finish == ["stop"]
-    assert limited.tokens[0] == plain[:5] and limited.finish == ["length"]
-    assert len(full.tokens[0]) == 6 and full.finish == ["length"]  # the context is full
-    # four choices from one prefill: generate's four rows, whose keys are fold_in(key(seed), row)
-    admits = eng.stats["admits"]
-    sampled = engine.Sampling(max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=11)
-    choices = eng.submit(prompt[:20].tolist(), sampled, n=4)
-    eng.drain()
-    rows, _ = generated(params, WINDOW_CFG, prompt[:20], max_tokens=12, seed=11,
-                        temperature=1.0, top_k=50, top_p=0.9, num_samples=4)
-    assert choices.tokens == rows.T.tolist() and len({tuple(c) for c in choices.tokens}) > 1
-    assert eng.stats["admits"] == admits + 1  # one prefill for the four
-    alone = eng.submit(prompt[:30].tolist(), sampled)
-    eng.drain()
-    crowd = [eng.submit(prompt[:n].tolist(), dataclasses.replace(sampled, seed=n))
-             for n in (3, 9, 15, 21, 40, 50, 60)]
-    among = eng.submit(prompt[:30].tolist(), sampled)
-    eng.drain()
-    assert among.tokens == alone.tokens and all(len(r.tokens[0]) == 12 for r in crowd)
-    with pytest.raises(ValueError, match="context"):
-        eng.submit(prompt[:256].tolist(), sampled)
-    with pytest.raises(ValueError, match="top_k"):
-        eng.submit(prompt[:5].tolist(), dataclasses.replace(sampled, top_k=257))
-
-
-def test_engine_never_recompiles_after_warm_up_and_donates(window_model, recwarn):
-    """After warm_up, prompts of every bucket, any number of concurrent requests, chunks of any
-    row count, calculator hops, logprobs and cancellations compile nothing; each call donates the
-    state (no second cache)."""
-    params, prompt = window_model
-    plain, _ = solo(params, WINDOW_CFG, prompt[:20], max_tokens=8)
-    eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8, python_ids=(plain[2], plain[5]))
-    eng.warm_up()
-    compiles = []
-
-    def listen(event, *_, **__):
-        if event == LOWERED:
-            compiles.append(event)
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        rng = np.random.default_rng(0)
-        for wave in range(4):
-            requests = []
-            for i in range(1 + 3 * wave):
-                n = int(rng.integers(1, 255))
-                sampling = engine.Sampling(max_tokens=int(rng.integers(1, 40)),
-                                           temperature=float(rng.uniform(0, 2)),
-                                           top_k=int(rng.integers(0, 257)),
-                                           top_p=float(rng.uniform(0.1, 1)),
-                                           seed=int(rng.integers(0, 2**32)),
-                                           logprobs=bool(i % 2),
-                                           stop_ids=tuple(rng.integers(0, 100, i % 3).tolist()))
-                tool = block_tool(plain[2], plain[5], lambda ids: ids[:2])
-                requests.append(eng.submit(rng.integers(0, 100, n).tolist(), sampling,
-                                           n=1 + i % 3, tool=tool))
-            old = eng.state
-            eng.step()
-            assert all(a.is_deleted() for a in jax.tree.leaves(old["cache"]))
-            requests[0].cancel()
-            eng.drain()
-            assert all(r.done for r in requests[1:]) and requests[0].cancelled
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    assert compiles == [] and eng.stats["hops"] > 0
-    assert not [w for w in recwarn if "donated" in str(w.message)]
-    assert all(owner is None for owner in eng.owner)  # every slot free again
 
 # --------------------------------------------------------------------------------------------------
-# Real nanochat checkpoints
-
-
-def test_nanochat_checkpoint_import():
-    root = TESTDATA / "nanochat_checkpoint"
-    e = np.load(root / "expected.npz")
-    # the NANOCHAT_BASE_DIR: finds base_checkpoints/d2
-    params, cfg, tk = checkpoint.load_nanochat(str(root))
-    assert cfg == nc.Config(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=1,
-                            n_embd=64,
-                            window_pattern="L")
-    assert [tk.bos] + tk.encode("Return the") == e["prompt_ids"][0].tolist() and tk.bos == 503
-    # causal: pads are harmless
-    batch = np.concatenate([e["text_ids"], np.pad(e["prompt_ids"], ((0, 0), (0, 59)))])
-    logits = np.asarray(full_forward(params, batch, cfg))
-    np.testing.assert_allclose(logits[1:, :5], e["logits"], rtol=0, atol=5e-5)
-    np.testing.assert_allclose(logits[:1], e["text_logits"], rtol=0, atol=5e-5)
-    lse = np.log(np.exp(logits[0, :-1].astype(np.float64)).sum(-1))
-    nll = lse - logits[0, np.arange(63), e["text_ids"][0, 1:]]
-    np.testing.assert_allclose(nll.mean(), e["text_loss"], rtol=0, atol=1e-5)
-    tokens, _ = generated(params, cfg, e["prompt_ids"][0], max_tokens=20)
-    assert tokens[:, 0].tolist() == e["greedy_ids"].tolist() == e["naive_greedy_ids"].tolist()
-    assert tk.decode(e["prompt_ids"][0].tolist() + tokens[:, 0].tolist()) == \
-        "<|bos|>Return the string obtained by replacing the leftmost\nnon"
-    model_dir = root / "base_checkpoints" / "d2"  # the model directory itself works too
-    again, _, _ = checkpoint.load_nanochat(str(model_dir))
-    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, again, params)))
-    sd = torch_files.read_torch_state_dict(model_dir / "model_000100.pt")
-    assert sd["transformer.wte.weight"].dtype.name == "bfloat16" and sd["lm_head.weight"].dtype == np.float32
-
+# torch_files.py: nanochat's .pt files read without running their pickles
 
 class _Evil:
     def __init__(self, marker):
@@ -2992,6 +1802,7 @@ def test_malicious_pickles_are_refused(tmp_path):
     code, _, err = run_chat(["--nanochat-checkpoint", str(tmp_path)])
     assert code == 1 and "refusing to load posix.system" in err and len(err.splitlines()) == 1
     assert not marker.exists()  # nothing ran
+
 
 def test_damaged_torch_checkpoints_are_one_line_errors(tmp_path):
     """Each way a nanochat .pt can be broken, built here from the real one: a ValueError naming the
@@ -3048,6 +1859,155 @@ def test_damaged_torch_checkpoints_are_one_line_errors(tmp_path):
     assert code == 1 and err.count("\n") == 1 and "storage 0 is shorter" in err
 
 
+# --------------------------------------------------------------------------------------------------
+# checkpoint.py: nanochat's state_dict, our checkpoints, real nanochat checkpoints, export
+
+def test_state_dict_round_trip(tiny_params):
+    sd = checkpoint.to_nanochat_state_dict(tiny_params, TINY)
+    assert sd["transformer.h.0.attn.c_k.weight"].shape == (16, 32)  # (out, in)
+    assert sd["lm_head.weight"].shape == (128, 32) and "value_embeds.1.weight" not in sd
+    back = checkpoint.from_nanochat_state_dict({"_orig_mod." + k: v for k, v in sd.items()}, TINY)
+    assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, back, tiny_params)))
+    again = checkpoint.to_nanochat_state_dict(back, TINY)
+    assert all(np.array_equal(again[k], sd[k]) for k in sd)
+
+
+def test_state_dict_errors(tiny_params):
+    sd = checkpoint.to_nanochat_state_dict(tiny_params, TINY)
+    with pytest.raises(ValueError, match="missing .*lm_head"):
+        checkpoint.from_nanochat_state_dict({k: v for k, v in sd.items() if k != "lm_head.weight"},
+                                            TINY)
+    with pytest.raises(ValueError, match="shape"):
+        checkpoint.from_nanochat_state_dict({**sd, "transformer.wte.weight": np.zeros((64, 32))},
+                                            TINY)
+
+
+def test_checkpoint_round_trip_and_atomic(tmp_path, tiny_params):
+    opt = init_opt(tiny_params)
+    for step in (1, 2, 3, 4):
+        path = checkpoint.save_checkpoint(str(tmp_path), step, tiny_params, opt, {"step": step},
+                                          keep=2)
+    assert [os.path.basename(d) for d in checkpoint.checkpoint_dirs(str(tmp_path))] == ["step_000003", "step_000004"]
+    params, opt2, meta = checkpoint.load_checkpoint(path)
+    assert meta == {"step": 4} and all(jax.tree.leaves(jax.tree.map(np.array_equal, params, tiny_params)))
+    assert int(opt2["step"]) == 0 and all(jax.tree.leaves(jax.tree.map(np.array_equal, opt2, opt)))
+    # a write that dies midway leaves the previous checkpoint intact
+    with pytest.raises(TypeError):
+        checkpoint.save_checkpoint(str(tmp_path), 5, {"bad": object()}, None, {})
+    # no half-written step 5 left
+    assert sorted(os.listdir(tmp_path)) == ["step_000003", "step_000004"]
+    unwritable = lambda p: open(os.path.join(p, "no_such_dir", "tokenizer.json"), "w")
+    # nor when an extra file (train.py's tokenizer.json) fails
+    with pytest.raises(FileNotFoundError):
+        checkpoint.save_checkpoint(str(tmp_path), 5, tiny_params, None, {},
+                                   files={"tokenizer.json": unwritable})
+    assert sorted(os.listdir(tmp_path)) == ["step_000003", "step_000004"]
+    assert checkpoint.latest_checkpoint(str(tmp_path), ("",)) == path and checkpoint.load_checkpoint(path)[2] == {"step": 4}
+    with pytest.raises(FileNotFoundError, match="not a checkpoint"):
+        checkpoint.load_checkpoint(str(tmp_path))
+
+
+def test_a_checkpoint_is_found_from_a_step_a_stage_or_a_root(tmp_path, tiny_params):
+    """checkpoint.load_model (chat.py's and evaluate.py's --checkpoint) takes a step directory, a
+    stage folder (its newest step) or a root (the newest step of its last stage: RL, then SFT, then
+    base)."""
+    tok, root = data.byte_tokenizer(), tmp_path / "checkpoints"
+    meta = {"config": dataclasses.asdict(TINY), "tokenizer": "tokenizer.json"}
+    for stage, step in (("base", 5), ("base", 9), ("sft", 3)):
+        scaled = jax.tree.map(lambda w: w * step, tiny_params)  # each step's weights tell it apart
+        checkpoint.save_checkpoint(str(root / stage), step, scaled, None, meta,
+                                   files={"tokenizer.json": tok.save})
+    for where, step in ((root / "base" / "step_000005", 5), (root / "base", 9), (root, 3)):
+        assert checkpoint.find_step(str(where)).endswith(f"step_{step:06d}")
+        params, cfg, loaded = checkpoint.load_model(str(where))
+        np.testing.assert_array_equal(params["wte"], tiny_params["wte"] * step)
+        assert cfg == TINY and loaded.tokens == tok.tokens
+    with pytest.raises(FileNotFoundError,
+                       match=r"no checkpoint in .*empty/: pass a step directory, a stage folder"):
+        checkpoint.load_model(str(tmp_path / "empty"))
+
+
+@pytest.mark.slow  # five saving processes, each killed after a wait
+def test_damaged_checkpoint_is_skipped_by_resume_and_kill9_never_leaves_half_a_step(tmp_path, tiny_params):
+    """A damaged params.msgpack or meta.json is a one-line error, and --resume's loader falls back
+    to the previous step; a process killed at random moments while saving (kill -9) leaves every
+    step_* complete or absent."""
+    root = str(tmp_path / "ck")
+    for step in (1, 2):
+        checkpoint.save_checkpoint(root, step, tiny_params, None, {"step": step})
+    newest = os.path.join(root, "step_000002")
+    raw = open(os.path.join(newest, "params.msgpack"), "rb").read()
+    # truncated; a byte msgpack never uses
+    for damage in (raw[:len(raw) // 2], raw[:100] + b"\xc1" + raw[101:]):
+        open(os.path.join(newest, "params.msgpack"), "wb").write(damage)
+        with pytest.raises(ValueError,
+                           match="params.msgpack: damaged .*; use an earlier checkpoint"):
+            checkpoint.load_checkpoint(newest)
+        said = []
+        path, params, _, meta = checkpoint.load_newest(root, log=said.append)
+        assert path.endswith("step_000001") and meta == {"step": 1} and said[0].startswith(f"skipping {newest}")
+    open(os.path.join(root, "step_000001", "meta.json"), "w").write('{"step": ')
+    with pytest.raises(ValueError, match="meta.json: damaged"):
+        checkpoint.load_checkpoint(os.path.join(root, "step_000001"))
+    assert checkpoint.load_newest(root, log=lambda *_: None) is None
+    with pytest.raises(ValueError,
+                       match=r"meta.json: config fields \['n_expert'\] are unknown to this version"):
+        checkpoint.config_from({**dataclasses.asdict(TINY), "n_expert": 8}, "ck/meta.json")
+    saver = (f"import checkpoint, numpy as np\nbig = {{'w': np.arange(4_000_000, dtype=np.float32)}}\n"
+             f"for step in range(10**6):\n"
+             f"    checkpoint.save_checkpoint({root!r}, step % 3 + 10, big, big, {{'step': step}})\n")
+    shutil.rmtree(root)
+    for delay in (0.6, 0.9, 1.3, 1.7, 2.2, None):
+        p = subprocess.Popen([sys.executable, "-c", saver], cwd=pathlib.Path(__file__).parent)
+        if delay is None:  # the last one once a save is whole: a loaded machine imports slowly
+            deadline = time.time() + 120
+            while not checkpoint.checkpoint_dirs(root) and time.time() < deadline:
+                time.sleep(0.05)
+        else:
+            time.sleep(delay)
+        p.kill()  # SIGKILL, wherever the save is
+        p.wait()
+        for step_dir in checkpoint.checkpoint_dirs(root):  # whatever is there is whole
+            params, opt, meta = checkpoint.load_checkpoint(step_dir)
+            assert params["w"].shape == (4_000_000,) and float(params["w"][-1]) == 3_999_999 and opt is not None
+    assert checkpoint.checkpoint_dirs(root)  # some saves completed
+    # the next save sweeps what the killed ones left
+    checkpoint.save_checkpoint(root, 99, tiny_params, None, {})
+    assert all(re.fullmatch(r"step_\d{6}", n) for n in os.listdir(root))
+
+
+# --------------------------------------------------------------------------------------------------
+# Real nanochat checkpoints
+
+def test_nanochat_checkpoint_import():
+    root = TESTDATA / "nanochat_checkpoint"
+    e = np.load(root / "expected.npz")
+    # the NANOCHAT_BASE_DIR: finds base_checkpoints/d2
+    params, cfg, tk = checkpoint.load_nanochat(str(root))
+    assert cfg == nc.Config(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=1,
+                            n_embd=64,
+                            window_pattern="L")
+    assert [tk.bos] + tk.encode("Return the") == e["prompt_ids"][0].tolist() and tk.bos == 503
+    # causal: pads are harmless
+    batch = np.concatenate([e["text_ids"], np.pad(e["prompt_ids"], ((0, 0), (0, 59)))])
+    logits = np.asarray(full_forward(params, batch, cfg))
+    np.testing.assert_allclose(logits[1:, :5], e["logits"], rtol=0, atol=5e-5)
+    np.testing.assert_allclose(logits[:1], e["text_logits"], rtol=0, atol=5e-5)
+    lse = np.log(np.exp(logits[0, :-1].astype(np.float64)).sum(-1))
+    nll = lse - logits[0, np.arange(63), e["text_ids"][0, 1:]]
+    np.testing.assert_allclose(nll.mean(), e["text_loss"], rtol=0, atol=1e-5)
+    tokens, _ = generated(params, cfg, e["prompt_ids"][0], max_tokens=20)
+    assert tokens[:, 0].tolist() == e["greedy_ids"].tolist() == e["naive_greedy_ids"].tolist()
+    assert tk.decode(e["prompt_ids"][0].tolist() + tokens[:, 0].tolist()) == \
+        "<|bos|>Return the string obtained by replacing the leftmost\nnon"
+    model_dir = root / "base_checkpoints" / "d2"  # the model directory itself works too
+    again, _, _ = checkpoint.load_nanochat(str(model_dir))
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, again, params)))
+    sd = torch_files.read_torch_state_dict(model_dir / "model_000100.pt")
+    assert sd["transformer.wte.weight"].dtype.name == "bfloat16" and sd["lm_head.weight"].dtype == np.float32
+
+
+# --------------------------------------------------------------------------------------------------
 # Export to nanochat: python checkpoint.py export SOURCE DEST (docs/export.md)
 
 NANOCHAT_D2 = TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"
@@ -3250,56 +2210,168 @@ def test_export_cli(tmp_path):
         assert sorted((p, p.stat().st_mtime_ns) for p in dest.rglob("*")) == listing
 
 
-@pytest.mark.slow  # five saving processes, each killed after a wait
-def test_damaged_checkpoint_is_skipped_by_resume_and_kill9_never_leaves_half_a_step(tmp_path, tiny_params):
-    """A damaged params.msgpack or meta.json is a one-line error, and --resume's loader falls back
-    to the previous step; a process killed at random moments while saving (kill -9) leaves every
-    step_* complete or absent."""
-    root = str(tmp_path / "ck")
-    for step in (1, 2):
-        checkpoint.save_checkpoint(root, step, tiny_params, None, {"step": step})
-    newest = os.path.join(root, "step_000002")
-    raw = open(os.path.join(newest, "params.msgpack"), "rb").read()
-    # truncated; a byte msgpack never uses
-    for damage in (raw[:len(raw) // 2], raw[:100] + b"\xc1" + raw[101:]):
-        open(os.path.join(newest, "params.msgpack"), "wb").write(damage)
-        with pytest.raises(ValueError,
-                           match="params.msgpack: damaged .*; use an earlier checkpoint"):
-            checkpoint.load_checkpoint(newest)
-        said = []
-        path, params, _, meta = checkpoint.load_newest(root, log=said.append)
-        assert path.endswith("step_000001") and meta == {"step": 1} and said[0].startswith(f"skipping {newest}")
-    open(os.path.join(root, "step_000001", "meta.json"), "w").write('{"step": ')
-    with pytest.raises(ValueError, match="meta.json: damaged"):
-        checkpoint.load_checkpoint(os.path.join(root, "step_000001"))
-    assert checkpoint.load_newest(root, log=lambda *_: None) is None
-    with pytest.raises(ValueError,
-                       match=r"meta.json: config fields \['n_expert'\] are unknown to this version"):
-        checkpoint.config_from({**dataclasses.asdict(TINY), "n_expert": 8}, "ck/meta.json")
-    saver = (f"import checkpoint, numpy as np\nbig = {{'w': np.arange(4_000_000, dtype=np.float32)}}\n"
-             f"for step in range(10**6):\n"
-             f"    checkpoint.save_checkpoint({root!r}, step % 3 + 10, big, big, {{'step': step}})\n")
-    shutil.rmtree(root)
-    for delay in (0.6, 0.9, 1.3, 1.7, 2.2, None):
-        p = subprocess.Popen([sys.executable, "-c", saver], cwd=pathlib.Path(__file__).parent)
-        if delay is None:  # the last one once a save is whole: a loaded machine imports slowly
-            deadline = time.time() + 120
-            while not checkpoint.checkpoint_dirs(root) and time.time() < deadline:
-                time.sleep(0.05)
-        else:
-            time.sleep(delay)
-        p.kill()  # SIGKILL, wherever the save is
-        p.wait()
-        for step_dir in checkpoint.checkpoint_dirs(root):  # whatever is there is whole
-            params, opt, meta = checkpoint.load_checkpoint(step_dir)
-            assert params["w"].shape == (4_000_000,) and float(params["w"][-1]) == 3_999_999 and opt is not None
-    assert checkpoint.checkpoint_dirs(root)  # some saves completed
-    # the next save sweeps what the killed ones left
-    checkpoint.save_checkpoint(root, 99, tiny_params, None, {})
-    assert all(re.fullmatch(r"step_\d{6}", n) for n in os.listdir(root))
-
 # --------------------------------------------------------------------------------------------------
-# chat.py: terminal and web
+# engine.py: the reference generate (a KV cache, sampling, tools) against nanochat's Engine
+# and the full forward
+
+GEN_CFG = nc.Config(sequence_len=512, vocab_size=300, n_layer=4, n_head=2, n_kv_head=1, n_embd=64,
+                    window_pattern="SL")
+WINDOW_CFG = nc.Config(sequence_len=256, vocab_size=100, n_layer=2, n_head=2, n_kv_head=1,
+                       n_embd=32,
+                       # windows [128, 256]: a 160-token generation crosses the short one
+                       window_pattern="SL")
+full_forward = jax.jit(nc.forward, static_argnames="cfg")
+GREEDY = (0.0, 0, 1.0)  # engine.prefill's and decode's settings: temperature, top_k, top_p
+
+
+def generated(params, cfg, prompt, num_samples=1, tool=None, **sampling):
+    """(token columns, mask columns) of one generate call, as (steps, num_samples) arrays; sampling:
+    engine.Sampling's fields (greedy, 24 tokens unless given)."""
+    sampling = engine.Sampling(**{"max_tokens": 24, "temperature": 0.0, **sampling})
+    steps = list(engine.generate(params, cfg, list(prompt), sampling, num_samples=num_samples,
+                                 tool=tool))
+    return np.array([c for c, _ in steps]), np.array([m for _, m in steps])
+
+
+@pytest.fixture(scope="module")
+def gen_golden():
+    g = np.load(TESTDATA / "nanochat_golden.npz")
+    params = checkpoint.from_nanochat_state_dict({k[6:]: g[k] for k in g.files if k.startswith("param/")}, GEN_CFG)
+    return params, np.load(TESTDATA / "nanochat_generate.npz")
+
+
+def stepped(params, cfg, prompt, bucket, max_len, feed):
+    """Logits of prefill (prompt padded to `bucket`) and of each decode step fed `feed`, through the
+    jitted steps that `generate` runs with the same shapes (so nothing compiles twice)."""
+    padded = np.zeros((1, bucket), np.int32)
+    padded[0, :len(prompt)] = prompt
+    key, p = jax.random.key(0), nc.unstack(params, cfg)
+    _, logits, cache = engine.prefill(p, padded, len(prompt), key, GREEDY, cfg=cfg, max_len=max_len)
+    out = [logits[0]]
+    for t in feed:
+        _, logits, cache = engine.decode(p, np.array([t], np.int32), cache, key, GREEDY, cfg=cfg)
+        out.append(logits[0])
+    return np.array(out), cache
+
+
+def test_golden_generate_equals_nanochat_engine(gen_golden):
+    params, g = gen_golden
+    # 17 + 24 tokens: prefill bucket 32, cache 64
+    tokens, masks = generated(params, GEN_CFG, g["prompt"])
+    assert tokens[:, 0].tolist() == g["engine_tokens"].tolist() == g["naive_tokens"].tolist()
+    assert masks.all()
+    logits, cache = stepped(params, GEN_CFG, g["prompt"], 32, 64, g["engine_tokens"])
+    np.testing.assert_allclose(logits[0], g["prefill_last_logits"], rtol=0, atol=2e-5)
+    # the step after the last too
+    np.testing.assert_allclose(logits[1:], g["decode_logits"], rtol=0, atol=2e-5)
+    assert cache["pos"].tolist() == [17 + 24]
+
+
+@pytest.fixture(scope="module")
+def window_model():
+    params = random_params(WINDOW_CFG, 3)
+    prompt = np.random.default_rng(4).integers(0, WINDOW_CFG.vocab_size, 260)
+    return params, prompt
+
+
+@pytest.mark.slow  # a 256-token cache and programs of its own (the golden test checks decode)
+def test_kv_decode_equals_full_forward_with_sliding_window(window_model):
+    params, prompt = window_model
+    assert nc.window_sizes(WINDOW_CFG) == [128, 256]
+    # prefill bucket 128, cache 256
+    tokens, _ = generated(params, WINDOW_CFG, prompt[:100], max_tokens=60)
+    # 160 tokens: layer 0's 128-token window binds
+    seq = np.concatenate([prompt[:100], tokens[:, 0]])[None]
+    full = np.asarray(full_forward(params, seq, WINDOW_CFG))[0]
+    # greedy with the cache = naive greedy
+    assert full[99:159].argmax(-1).tolist() == tokens[:, 0].tolist()
+    logits, _ = stepped(params, WINDOW_CFG, prompt[:100], 128, 256, tokens[:-1, 0])
+    np.testing.assert_allclose(logits, full[99:159], rtol=0, atol=2e-5)
+    # the window matters: full attention gives other logits past 128 tokens, so the cache really
+    # honoured it
+    unwindowed = nc.Config(**{**WINDOW_CFG.__dict__, "window_pattern": "L"})
+    other = np.asarray(full_forward(params, seq, unwindowed))[0]
+    np.testing.assert_allclose(other[:129], full[:129], rtol=0, atol=1e-5)
+    assert np.abs(other[140:] - full[140:]).max() > 1e-3
+
+
+def test_prompt_buckets_do_not_change_results_or_recompile(window_model):
+    params, prompt = window_model
+    key, p = jax.random.key(0), nc.unstack(params, WINDOW_CFG)
+    # junk after the prompt
+    padded = np.pad(prompt[None, :100], ((0, 0), (0, 28)), constant_values=7)
+    _, bucketed, c2 = engine.prefill(p, padded, 100, key, GREEDY, cfg=WINDOW_CFG, max_len=256)
+    _, exact, c1 = engine.prefill(p, prompt[None, :100], 100, key, GREEDY, cfg=WINDOW_CFG, max_len=256)
+    np.testing.assert_allclose(bucketed, exact, rtol=0, atol=1e-5)
+    assert c1["pos"].tolist() == c2["pos"].tolist() == [100]
+    np.testing.assert_array_equal(c1["prev"], c2["prev"])  # the smear carries the last real token
+    for (k1, _), (k2, _) in zip(c1["layers"], c2["layers"]):  # (B, K, S, D)
+        np.testing.assert_allclose(k1[:, :, :100], k2[:, :, :100], rtol=0, atol=1e-5)
+    _, after_exact, _ = engine.decode(p, np.array([5], np.int32), c1, key, GREEDY, cfg=WINDOW_CFG)
+    _, after_bucketed, _ = engine.decode(p, np.array([5], np.int32), c2, key, GREEDY, cfg=WINDOW_CFG)
+    # the junk slot 100 is overwritten
+    np.testing.assert_allclose(after_bucketed, after_exact, rtol=0, atol=1e-5)
+    generated(params, WINDOW_CFG, prompt[:100], max_tokens=60)  # generate's own programs
+    compiled = engine.prefill._cache_size(), engine.decode._cache_size()
+    # one prompt bucket (128) and one cache size (256): a growing chat does not recompile
+    for n in (97, 110, 120):
+        generated(params, WINDOW_CFG, prompt[:n], max_tokens=60)
+    assert (engine.prefill._cache_size(), engine.decode._cache_size()) == compiled
+
+
+def test_sampling_keys_rows_and_top_k(window_model):
+    params, prompt = window_model
+    sample = lambda seed, **kw: generated(params, WINDOW_CFG, prompt[:20], max_tokens=12,
+                                          seed=seed,
+                                          **{"temperature": 1.0, "num_samples": 4, **kw})[0]
+    a, b, c = sample(1), sample(1), sample(2)
+    assert a.shape == (12, 4)
+    np.testing.assert_array_equal(a, b)  # same key, same samples
+    assert not np.array_equal(a, c)  # another key, other samples
+    assert len({tuple(r) for r in a.T}) > 1  # rows sample independently
+    greedy = sample(3, temperature=0.0)
+    assert (greedy == greedy[:, :1]).all()
+    # top-k 1 is greedy at any temperature
+    np.testing.assert_array_equal(sample(4, top_k=1), greedy)
+
+
+def test_sample_top_k_and_top_p_are_traced():
+    """top_k and top_p truncate the distribution as HF does (top-k first, then the smallest set
+    holding top_p of what remains; 0 and 1 turn them off); being traced, 40 settings share one
+    compiled sampler."""
+    probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04] + [0.0] * 300)  # V 306 > TOP_K_MAX
+    logits = jnp.log(jnp.asarray(probs, jnp.float32) + 1e-30)[None]
+    draw = jax.jit(jax.vmap(lambda key, t, k, p: engine.sample_next_token(logits, key[None], t, k, p)[0],
+                            (0, None, None, None)))
+    keys = jax.random.split(jax.random.key(0), 20000)
+    freq = lambda t, k, p: np.bincount(np.asarray(draw(keys, t, k, p)), minlength=306)[:8] / len(keys)
+    for k, p, kept in ((0, 1.0, 6), (3, 1.0, 3), (0, 0.5, 2), (0, 0.8, 4), (4, 0.75, 3),
+                       (4, 0.7, 2), (1, 1.0, 1), (300, 1.0, 6)):
+        want = np.zeros(8)
+        want[:kept] = probs[:kept] / probs[:kept].sum()
+        np.testing.assert_allclose(freq(1.0, k, p), want, atol=0.012,
+                                   err_msg=f"top_k {k}, top_p {p}")
+    np.testing.assert_array_equal(freq(0.0, 0, 0.3), np.eye(8)[0])  # temperature 0: argmax
+    for k, p in itertools.product((0, 1, 2, 50, 256), (1.0, 0.9, 0.5, 0.1)):
+        draw(keys, 0.7, k, p)
+    assert draw._cache_size() == 1
+
+
+def test_stops_and_limits(window_model):
+    params, prompt = window_model
+    run = lambda **kw: generated(params, WINDOW_CFG, prompt[:20], max_tokens=12, num_samples=4,
+                                 **kw)[0]
+    greedy = run()[:, 0].tolist()
+    stopped = run(stop_ids=[greedy[3]])
+    # the stop token comes, then the end
+    assert stopped[:, 0].tolist() == greedy[:greedy.index(greedy[3]) + 1]
+    rows = run(temperature=1.0, stop_ids=[greedy[0]])
+    # rows keep going until every row is done
+    assert len(rows) == 12 or all(greedy[0] in r for r in rows.T)
+    # the context is full
+    assert len(generated(params, WINDOW_CFG, prompt[:250], max_tokens=100)[0]) == 6
+    with pytest.raises(ValueError, match="context"):
+        generated(params, WINDOW_CFG, np.tile(prompt, 2)[:256])
 
 
 @pytest.fixture(scope="module")
@@ -3316,12 +2388,1302 @@ def chat_model(tmp_path_factory):
 
 
 HI = [{"role": "user", "content": "hello"}]
-# <= 16 tokens, as HI
-HELLO = [{"role": "system", "content": "Hi."}, {"role": "user", "content": "hello"}]
 
 
 def chat_prompt(bt, messages):
     return data.render_conversation(bt, messages)[0] + [bt.special["<|assistant_start|>"]]
+
+
+def test_tool_output_is_forced_with_mask_zero(chat_model):
+    params, cfg, bt, _ = chat_model
+    sp = bt.special
+    calculator = data.calculator_tool(bt)
+    script = [sp["<|python_start|>"], *bt.encode("6*7"), sp["<|python_end|>"]]
+    seen = []
+
+    # a model that writes a python block after its first token, fed to the real calculator
+    def tool(row, token):
+        seen.append(token)
+        return (script if len(seen) == 1 else []) + calculator(row, token)
+
+    tokens, masks = generated(params, cfg, chat_prompt(bt, HI), max_tokens=32, top_k=50, tool=tool)
+    forced = script + [sp["<|output_start|>"], *bt.encode("42"), sp["<|output_end|>"]]
+    assert tokens[1:1 + len(forced), 0].tolist() == forced
+    assert masks[:, 0].tolist() == [1] + [0] * len(forced) + [1] * (32 - 1 - len(forced))
+    assert seen == tokens[:, 0].tolist()  # the tool saw every emitted token
+
+
+def test_decode_donates_its_cache(chat_model):
+    params, cfg, _, _ = chat_model
+    key, p = jax.random.key(0), nc.unstack(params, cfg)
+    # the shapes of the generate call above (prompt bucket 16, cache 64): nothing compiles again
+    _, _, cache = engine.prefill(p, np.zeros((1, 16), np.int32), 3, key, GREEDY, cfg=cfg, max_len=64)
+    _, _, new = engine.decode(p, np.array([5], np.int32), cache, key, GREEDY, cfg=cfg)
+    # written in place: no second cache
+    assert all(a.is_deleted() for a in jax.tree.leaves(cache["layers"]))
+    assert new["pos"].tolist() == [4]
+
+
+# --------------------------------------------------------------------------------------------------
+# The slot engine: many requests at once, each equal to the reference `generate` alone
+
+def solo(params, cfg, prompt, **kwargs):
+    """(tokens, masks) of the first row of the reference engine.generate, greedy by default."""
+    tokens, masks = generated(params, cfg, prompt, **kwargs)
+    return tokens[:, 0].tolist(), masks[:, 0].tolist()
+
+
+def greedy(max_tokens, **kwargs):
+    return engine.Sampling(max_tokens=max_tokens, temperature=0.0, **kwargs)
+
+
+def test_engine_golden_prompt_among_others(gen_golden):
+    """nanochat's golden prompt, admitted into a slot while the other slots decode other prompts,
+    gives nanochat's Engine tokens exactly and its logits (as log-probabilities) within the golden
+    tolerance."""
+    params, g = gen_golden
+    eng = engine.Engine(params, GEN_CFG, slots=4, kmax=4)
+    rng = np.random.default_rng(5)
+    others = [eng.submit(rng.integers(0, 300, n).tolist(), greedy(40)) for n in (9, 30)]
+    eng.step()
+    eng.step()  # the others are 5 tokens in
+    golden = eng.submit(g["prompt"].tolist(), greedy(24, logprobs=True), stream=True)
+    eng.drain()
+    assert golden.tokens[0] == g["engine_tokens"].tolist() and golden.finish == ["length"]
+    assert golden.masks[0] == [1] * 24 and all(len(r.tokens[0]) == 40 for r in others)
+    # each token's log-probabilities: the golden logits that chose it, log-softmaxed
+    logits = np.concatenate([g["prefill_last_logits"][None], g["decode_logits"][:23]])
+    want = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    for step, event in enumerate(list(golden)[:-1]):
+        chosen, likeliest = event.logprobs
+        ids = [i for i, _ in likeliest]
+        assert ids[0] == event.token and len(ids) == engine.TOP_LOGPROBS
+        np.testing.assert_allclose([lp for _, lp in likeliest], want[step, ids], rtol=0, atol=4e-5)
+        assert chosen == pytest.approx(float(want[step, event.token]), abs=4e-5)
+
+
+def test_engine_staggered_requests_equal_each_alone(window_model):
+    """Six prompts of different lengths arrive at different steps into four slots (two reused
+    after long requests); slots cross the 128-token sliding window at different steps. Every
+    stream equals its prompt's solo greedy `generate`."""
+    params, prompt = window_model
+    lengths = (5, 100, 40, 120, 3, 60)
+    budgets = (150, 100, 100, 120, 130, 150)  # past 128 in all: generate's cache is 256 for each
+    eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8)
+    arrivals = {0: [0, 1], 1: [2], 3: [3, 4], 6: [5]}  # round -> the requests that come then
+    requests = {}
+    for round_ in range(200):
+        for i in arrivals.get(round_, []):
+            requests[i] = eng.submit(prompt[:lengths[i]].tolist(), greedy(budgets[i]))
+        if not eng.step() and round_ > max(arrivals):
+            break
+    assert eng.stats["chunks"] > 20  # long enough to reuse slots
+    for i, request in sorted(requests.items()):
+        want = min(budgets[i], WINDOW_CFG.sequence_len - lengths[i])
+        tokens, masks = solo(params, WINDOW_CFG, prompt[:lengths[i]], max_tokens=want)
+        assert request.tokens[0] == tokens and request.masks[0] == masks == [1] * want, i
+        assert request.finish == ["length"]
+    # the two that crossed the window did so at different steps
+    crossings = [128 - lengths[i] for i in (1, 3)]
+    assert crossings[0] != crossings[1] and all(0 < c < budgets[i] for c, i in zip(crossings, (1, 3)))
+
+
+def block_tool(start, end, result):
+    """The calculator's state machine on ids start and end (data.calculator_tool's): after start,
+    ids, end it forces result(ids)."""
+    blocks = {}
+
+    def tool(row, token):
+        if token == start:
+            blocks[row] = []
+        elif row in blocks and token == end:
+            return list(result(blocks.pop(row)))
+        elif row in blocks:
+            blocks[row].append(token)
+        return []
+    return tool
+
+
+@pytest.mark.parametrize("forced", [[7, 8, 9], []], ids=["result", "nothing"])
+def test_engine_calculator_hops_and_forced_tokens(window_model, forced):
+    """A python block the model writes hands the slot to the host, which runs the tool and queues
+    its ids: the same tokens and masks as `generate` with that tool, one hop per closed block; a
+    tool that gives nothing (an empty or failing expression) forces nothing."""
+    params, prompt = window_model
+    # prompts and lengths whose shapes the staggered test compiled
+    plain, _ = solo(params, WINDOW_CFG, prompt[:40], max_tokens=125)
+    start = plain[2]  # tokens this model writes: its greedy stream opens and closes a block
+    end = next(t for t in plain[4:] if t != start)
+    want, masks = solo(params, WINDOW_CFG, prompt[:40], max_tokens=125,
+                       tool=block_tool(start, end, lambda ids: forced))
+    eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8, python_ids=(start, end))
+    others = [eng.submit(prompt[:n].tolist(), greedy(125)) for n in (7, 33)]
+    request = eng.submit(prompt[:40].tolist(), greedy(125),
+                         tool=block_tool(start, end, lambda ids: forced))
+    eng.drain()
+    assert request.tokens[0] == want and request.masks[0] == masks
+    assert (0 in masks) == bool(forced)
+    streams = [want]
+    for r, n in zip(others, (7, 33)):  # the others, without a tool, resume sampling at once
+        streams.append(solo(params, WINDOW_CFG, prompt[:n], max_tokens=125,
+                            tool=block_tool(start, end, lambda ids: []))[0])
+        assert r.tokens[0] == streams[-1]
+    # a block closed by a choice's last token needs no hop: the choice ends
+    assert eng.stats["hops"] == sum(closed_blocks(s[:-1], start, end) for s in streams)
+    assert closed_blocks(want[:-1], start, end) >= 1
+
+
+def closed_blocks(tokens, start, end):
+    """The python blocks a stream closes, counted as nanochat's Engine does."""
+    closed = 0
+    inside = False
+    for t in tokens:
+        if t == start:
+            inside = True
+        elif t == end and inside:
+            inside = False
+            closed += 1
+    return closed
+
+
+def test_engine_stops_limits_choices_and_seeds(window_model):
+    """Stop ids, max_tokens and a full context end a choice as in `generate`; n choices share one
+    prefill and equal generate's rows; a seeded request gives the same tokens alone and among
+    seven others."""
+    params, prompt = window_model
+    eng = engine.Engine(params, WINDOW_CFG, slots=8, kmax=8)
+    plain, _ = solo(params, WINDOW_CFG, prompt[:20], max_tokens=12)
+    stopped = eng.submit(prompt[:20].tolist(), greedy(12, stop_ids=(plain[3],)))
+    limited = eng.submit(prompt[:20].tolist(), greedy(5))
+    full = eng.submit(prompt[:250].tolist(), greedy(100))
+    eng.drain()
+    assert stopped.tokens[0] == plain[:plain.index(plain[3]) + 1] and stopped.finish == ["stop"]
+    assert limited.tokens[0] == plain[:5] and limited.finish == ["length"]
+    assert len(full.tokens[0]) == 6 and full.finish == ["length"]  # the context is full
+    # four choices from one prefill: generate's four rows, whose keys are fold_in(key(seed), row)
+    admits = eng.stats["admits"]
+    sampled = engine.Sampling(max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=11)
+    choices = eng.submit(prompt[:20].tolist(), sampled, n=4)
+    eng.drain()
+    rows, _ = generated(params, WINDOW_CFG, prompt[:20], max_tokens=12, seed=11,
+                        temperature=1.0, top_k=50, top_p=0.9, num_samples=4)
+    assert choices.tokens == rows.T.tolist() and len({tuple(c) for c in choices.tokens}) > 1
+    assert eng.stats["admits"] == admits + 1  # one prefill for the four
+    alone = eng.submit(prompt[:30].tolist(), sampled)
+    eng.drain()
+    crowd = [eng.submit(prompt[:n].tolist(), dataclasses.replace(sampled, seed=n))
+             for n in (3, 9, 15, 21, 40, 50, 60)]
+    among = eng.submit(prompt[:30].tolist(), sampled)
+    eng.drain()
+    assert among.tokens == alone.tokens and all(len(r.tokens[0]) == 12 for r in crowd)
+    with pytest.raises(ValueError, match="context"):
+        eng.submit(prompt[:256].tolist(), sampled)
+    with pytest.raises(ValueError, match="top_k"):
+        eng.submit(prompt[:5].tolist(), dataclasses.replace(sampled, top_k=257))
+
+
+def test_engine_never_recompiles_after_warm_up_and_donates(window_model, recwarn):
+    """After warm_up, prompts of every bucket, any number of concurrent requests, chunks of any
+    row count, calculator hops, logprobs and cancellations compile nothing; each call donates the
+    state (no second cache)."""
+    params, prompt = window_model
+    plain, _ = solo(params, WINDOW_CFG, prompt[:20], max_tokens=8)
+    eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8, python_ids=(plain[2], plain[5]))
+    eng.warm_up()
+    compiles = []
+
+    def listen(event, *_, **__):
+        if event == LOWERED:
+            compiles.append(event)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        rng = np.random.default_rng(0)
+        for wave in range(4):
+            requests = []
+            for i in range(1 + 3 * wave):
+                n = int(rng.integers(1, 255))
+                sampling = engine.Sampling(max_tokens=int(rng.integers(1, 40)),
+                                           temperature=float(rng.uniform(0, 2)),
+                                           top_k=int(rng.integers(0, 257)),
+                                           top_p=float(rng.uniform(0.1, 1)),
+                                           seed=int(rng.integers(0, 2**32)),
+                                           logprobs=bool(i % 2),
+                                           stop_ids=tuple(rng.integers(0, 100, i % 3).tolist()))
+                tool = block_tool(plain[2], plain[5], lambda ids: ids[:2])
+                requests.append(eng.submit(rng.integers(0, 100, n).tolist(), sampling,
+                                           n=1 + i % 3, tool=tool))
+            old = eng.state
+            eng.step()
+            assert all(a.is_deleted() for a in jax.tree.leaves(old["cache"]))
+            requests[0].cancel()
+            eng.drain()
+            assert all(r.done for r in requests[1:]) and requests[0].cancelled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == [] and eng.stats["hops"] > 0
+    assert not [w for w in recwarn if "donated" in str(w.message)]
+    assert all(owner is None for owner in eng.owner)  # every slot free again
+
+
+# --------------------------------------------------------------------------------------------------
+# sharding.py: each leaf's split over the devices and the bytes it leaves each, from shapes
+
+# 8 stacked layers, width 64, vocab 320: every layer stack and first dimension divides 8 but the
+# value embeddings' stack of 4 and the (1,) scalars; TINY_MODEL's stacks of 2 layers do not divide
+SHARD_MODELS = {"d8": dict(depth=8, aspect_ratio=8), "d2": {}}
+
+
+def test_sharded_state_bytes_per_device():
+    """Per device, --shard full holds at most 1/8 of the replicated params and optimizer state plus
+    the leaves that stay replicated (no axis their kind allows divides 8), --shard optimizer the
+    same of the optimizer state alone; counted from shapes, no devices needed. The optimizer state
+    splits on any axis (a stack of 2 layers on a matrix's), full's params on a matrix's own
+    dimensions first. A mode that needs several devices falls back to none on one, with a
+    warning."""
+    P = jax.sharding.PartitionSpec
+    for model in (dict(depth=16, aspect_ratio=4), *SHARD_MODELS.values()):
+        params = nc.param_shapes(train.model_config(320, **{**TINY_MODEL, **model}))
+        opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
+        replicated = sharding.memory(params, opt, 8, "none")
+        p_specs, o_specs = sharding.state_specs(params, opt, 8, "full")
+        kept = [sum(a.size * a.dtype.itemsize for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(
+            specs, is_leaf=sharding.is_spec)) if s == P())
+            for tree, specs in ((params, p_specs), (opt, o_specs))]  # the leaves left whole
+        full, optimizer = (sharding.memory(params, opt, 8, m) for m in ("full", "optimizer"))
+        assert full["params"] + full["optimizer"] <= \
+            (replicated["params"] + replicated["optimizer"]) / 8 + sum(kept)
+        assert optimizer["optimizer"] <= replicated["optimizer"] / 8 + kept[1]
+        assert optimizer["params"] == optimizer["grads"] == replicated["params"]
+        assert full["grads"] == full["params"] < replicated["params"]
+        # value embeddings: 2 or 8 tables; vocab 320 divides 8
+        assert p_specs["value_embeds"] == P(None, "data")
+        assert o_specs["mom"]["value_embeds"] == (P("data") if model.get("depth") == 16
+                                                  else P(None, "data"))
+        # the Muon stacks split on the stack axis where it divides, else on a matrix's
+        assert o_specs["mom"]["h"]["mlp"]["c_fc"] == (P("data") if model.get("depth") in (8, 16)
+                                                      else P(None, "data"))
+        whole = [a.shape for a, s in zip(jax.tree.leaves(opt), jax.tree.leaves(
+            o_specs, is_leaf=sharding.is_spec)) if s == P()]
+        assert all(d % 8 for shape in whole for d in shape)  # only where no axis divides
+        if model.get("depth") == 16:  # every stack divides: only the (1,) scalars stay whole
+            assert sum(kept) < 64 and full["params"] * 8 - replicated["params"] < 64
+    # Muon's stacks, while updated, split along the stack axis only, never across a matrix
+    assert sharding.leaf_spec((8, 64, 256), 8, "stack") == P("data")
+    assert sharding.leaf_spec((2, 64, 256), 8, "stack") == P()
+    assert sharding.leaf_spec((2, 64, 256), 8, "any") == P(None, "data")
+    assert sharding.leaf_spec((8, 64, 256), 8, "matrix") == P(None, "data")
+    assert sharding.leaf_spec((8, 60, 256), 8, "matrix") == P(None, None, "data")
+    assert sharding.leaf_spec((), 8, "any") == sharding.leaf_spec((8, 64), 8, None) == P()
+    said = []
+    assert sharding.choose_mode("full", 1, said.append) == "none" and "warning" in said[0]
+    assert sharding.choose_mode(None, 8) == "optimizer" and sharding.choose_mode(None, 1) == "none"
+
+
+# --------------------------------------------------------------------------------------------------
+# evaluate.py: bits per byte, our tasks, CORE and ChatCORE against nanochat
+
+def test_bits_per_byte(tiny_params):
+    params = perturbed(tiny_params, jax.random.key(11))
+    x = np.asarray(jax.random.randint(jax.random.key(12), (2, 16), 0, TINY.vocab_size))
+    y = np.roll(x, -1, axis=1)
+    y[0, 3] = -1
+    # ids with 0 bytes (specials) count neither nats nor bytes
+    token_bytes = np.arange(TINY.vocab_size) % 4
+    nats = np.asarray(loss_fn(params, x, y, TINY, reduction="none"))
+    nb = np.where(y >= 0, token_bytes[np.maximum(y, 0)], 0)
+    want = (nats * (nb > 0)).sum() / (np.log(2) * nb.sum())
+    got = evaluate.evaluate_bpb(params, TINY, iter([(x, y, None)] * 3), jnp.asarray(token_bytes), 2)
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_task_evaluation_scores_exact_matches(monkeypatch):
+    btok = data.byte_tokenizer()
+    cfg = nc.Config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=1, n_kv_head=1,
+                    n_embd=32)
+    # a stand-in model that knows every reference answer of two tasks and none of the others
+    answers = {}
+
+    def oracle(params, cfg, tok, prompts, n, max_tokens):  # evaluate.complete's replies
+        return [[answers.get(tuple(prompt), [])] * n for prompt in prompts]
+
+    for task in tasks.TASKS:
+        for c in itertools.islice(tasks.task_conversations(task, "test"), 5):
+            ids, mask = data.render_conversation(btok, c)
+            prompt = data.render_for_completion(btok, c)
+            if task in ("identity", "arithmetic"):
+                answers[tuple(prompt)] = [t for t, m in zip(ids[len(prompt):], mask[len(prompt):]) if m][:-1]
+    monkeypatch.setattr(evaluate, "complete", oracle)
+    acc, _ = evaluate.evaluate_tasks(None, cfg, btok, n=5)
+    assert acc == {"identity": 1.0, "arithmetic": 1.0, "counting": 0.0, "spelling": 0.0,
+                   "docstring": 0.0}
+
+
+CORE_DIR = TESTDATA / "core_eval"
+
+
+@pytest.fixture(scope="session")
+def nanochat_d2():
+    return checkpoint.load_nanochat(str(TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"))
+
+
+def test_core_equals_nanochat(nanochat_d2):
+    """nanochat's own CORE code on its checkpoint (testdata/core_eval/README.md): every example's
+    decision equal, mean losses within 1e-4, token rows, spans and prompts (few-shot included)
+    exact, the accuracies and CORE equal."""
+    params, cfg, tok = nanochat_d2
+    expected = json.loads((CORE_DIR / "expected.json").read_text())
+    found = evaluate.load_bundle(str(CORE_DIR / "eval_bundle"))
+    # several batches a task
+    out = evaluate.evaluate_core(params, cfg, tok, found, batch_tokens=512, details=True)
+    assert [t["label"] for t in found] == list(expected["results"])
+    for task in found:
+        want, got = expected["tasks"][task["label"]], out["per_example"][task["label"]]
+        lines = [l for _, l in data.json_lines(CORE_DIR / "eval_bundle" / "eval_data" / want["dataset_uri"], "")]
+        assert task["data"] == [lines[i] for i in want["shuffled_lines"]]  # Random(1337)'s shuffle
+        assert got["correct"] == [bool(c) for c in want["correct"]]
+        for ex, losses in zip(want["examples"], got["mean_losses"]):
+            np.testing.assert_allclose(losses, ex.get("mean_losses", [ex.get("mean_loss")]),
+                                       atol=1e-4)
+            if "detail" in ex:
+                fewshot = [task["data"][i] for i in ex["fewshot_idx"]]
+                item = task["data"][ex["idx"]]
+                assert evaluate.core_prompts(item, task["type"], task["delimiter"], fewshot) == ex["detail"]["prompts"]
+                assert evaluate.core_example(tok, task, ex["idx"]) == (
+                    ex["detail"]["tokens"][-1:] if task["type"] == "language_modeling" else ex["detail"]["tokens"],
+                    ex["start_idxs"], ex["end_idxs"])
+    assert out["results"] == expected["results"] and out["centered_results"] == expected["centered_results"]
+    assert out["core_metric"] == pytest.approx(expected["core_metric"], abs=1e-12)
+
+
+@pytest.mark.slow  # five evaluate.py processes
+def test_core_cli_on_four_devices_and_its_errors(tmp_path):
+    """evaluate.py on a 4-device mesh (each batch's rows split over the devices) gives nanochat's
+    CORE; bad bundles and checkpoints are one-line errors."""
+    cmd = [sys.executable, "evaluate.py", "--nanochat-checkpoint",
+           str(TESTDATA / "nanochat_checkpoint")]
+    four = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    run = lambda *a: subprocess.run(cmd + list(a), cwd=pathlib.Path(__file__).parent,
+                                    capture_output=True, text=True,
+                                    timeout=300, env=four)
+    r = run("--eval-bundle", str(CORE_DIR / "eval_bundle"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "4 devices" in r.stdout
+    expected = json.loads((CORE_DIR / "expected.json").read_text())
+    assert json.loads(r.stdout.splitlines()[-1])["core"]["core_metric"] == pytest.approx(expected["core_metric"])
+    bad = tmp_path / "bundle"
+    shutil.copytree(CORE_DIR / "eval_bundle", bad)
+    (bad / "eval_data" / "opposites.jsonl").write_text('{"query": "up", "gold": 0}\n')
+    for args, message in [(["--eval-bundle", str(tmp_path / "nowhere")],
+                           "no core.yaml here, not an eval_bundle"),
+                          (["--eval-bundle", str(bad)],
+                           "opposites.jsonl: example 0 lacks one of ('query', 'choices'"),
+                          (["--chat-data", str(tmp_path)], "none of the ChatCORE datasets"),
+                          ([], "give --eval-bundle DIR (CORE) and/or --chat-data DIR (ChatCORE)")]:
+        r = run(*args)
+        assert r.returncode in (1, 2) and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr[-2000:]
+
+
+def test_core_yaml_and_bad_bundles(tmp_path):
+    yaml = tmp_path / "core.yaml"
+    yaml.write_text("# a comment\nicl_tasks:\n- label: a  # inline comment\n  num_fewshot:\n  - 0\n  - 3\n"
+                    "  continuation_delimiter: \"#### \\n\"\n-\n  label: 'it''s'\n  num_fewshot: [10, 5]\n"
+                    "  has_categories: true\neval_gauntlet:\n  weighting: EQUAL\n")
+    assert evaluate.read_icl_tasks(str(yaml)) == [
+        {"label": "a", "num_fewshot": [0, 3], "continuation_delimiter": "#### \n"},
+        {"label": "it's", "num_fewshot": [10, 5], "has_categories": True}]
+    bundle = tmp_path / "b"
+    shutil.copytree(CORE_DIR / "eval_bundle", bundle)
+    with pytest.raises(ValueError,
+                       match="task 'opposites' takes 3-shot examples from the others of its 3"):
+        evaluate.load_bundle(str(bundle), max_per_task=3)
+    (bundle / "eval_meta_data.csv").write_text("Eval Task,Random baseline\npydoc_qa,25\n")
+    with pytest.raises(ValueError, match="no 'Random baseline' for task 'opposites'"):
+        evaluate.load_bundle(str(bundle))
+    (bundle / "core.yaml").write_text("icl_tasks:\n- label: x\n  what is this\n")
+    with pytest.raises(ValueError, match=r"core.yaml:3: cannot read 'what is this'"):
+        evaluate.load_bundle(str(bundle))
+
+
+def test_core_task_types_by_hand(btok):
+    """The three task types' prompts and scored spans, worked out by hand with the byte tokenizer.
+    """
+    mc = dict(label="mc", type="multiple_choice", num_fewshot=1, delimiter=" ",
+              data=[{"query": "Pets:", "choices": ["cat", "car"], "gold": 0},
+                    {"query": "Q", "choices": ["a"], "gold": 0}])
+    rows, starts, ends = evaluate.core_example(btok, mc, 0)
+    assert [btok.decode(r[1:]) for r in rows] == ["Q a\n\nPets: cat", "Q a\n\nPets: car"]
+    # the shared prefix is not scored
+    assert starts == [len("Q a\n\nPets: ca") + 1] * 2 and ends == [len(rows[0])] * 2
+    schema = dict(label="s", type="schema", num_fewshot=0, delimiter=" ",
+                  data=[{"context_options": ["It rained", "It was sunny"],
+                         "continuation": "so it is wet.", "gold": 0}])
+    rows, starts, ends = evaluate.core_example(btok, schema, 0)
+    # the shared suffix
+    assert [btok.decode(r[s:e]) for r, s, e in zip(rows, starts, ends)] == [" so it is wet."] * 2
+    lm = dict(label="lm", type="language_modeling", num_fewshot=0, delimiter="\nAnswer: ",
+              data=[{"context": "  Capital of France? ", "continuation": "Paris"}])
+    (row,), (s,), (e,) = evaluate.core_example(btok, lm, 0)
+    assert btok.decode(row[1:s]) == "Capital of France?\nAnswer:" and btok.decode(row[s:e]) == " Paris"
+
+
+def write_chat_data(root):
+    """Small ChatCORE datasets in the public layouts: ARC-Easy as Hugging Face parquet,
+    ARC-Challenge as AI2's own .jsonl, the others as Hugging Face .jsonl; returns {task: rows as
+    written}."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    arc = [{"id": f"q{i}", "question": f"Which is number {i}?", "answerKey": "ABCD"[i % 4],
+            "choices": {"text": [f"number {j}" for j in range(4)], "label": list("ABCD")}} for i in range(6)]
+    ai2 = [{"id": "c1", "answerKey": "2", "question": {"stem": "Pick two.", "choices": [
+        {"text": "one", "label": "1"}, {"text": "two", "label": "2"},
+        {"text": "three", "label": "3"}]}}]
+    mmlu = [{"question": f"{i} + 1 =", "subject": "math", "choices": [str(i + d) for d in range(4)],
+             "answer": 1}
+            for i in range(5)]
+    gsm = [{"question": f"Tom has {i} apples and buys 2 more. How many?",
+            "answer": f"He has {i}+2=<<{i}+2={i + 2}>>{i + 2} apples.\n#### {i + 2}"} for i in range(4)]
+    he = [{"task_id": "HumanEval/0",
+           "prompt": "import math\n\ndef root(x):\n    \"\"\"Square root.\"\"\"\n",
+           "canonical_solution": "    return math.sqrt(x)\n", "entry_point": "root",
+           "test": "def check(f):\n    assert f(9) == 3\n"}]
+    folders = {"ai2_arc/ARC-Easy": None, "ai2_arc/ARC-Challenge": ai2, "mmlu/all": mmlu,
+               "gsm8k/main": gsm,
+               "openai_humaneval/openai_humaneval": he}
+    for folder, rows in folders.items():
+        (root / folder).mkdir(parents=True)
+        if rows is not None:
+            (root / folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(arc), root / "ai2_arc/ARC-Easy/test-00000-of-00001.parquet")
+    (root / "gsm8k/main/train-00000-of-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gsm[::-1]))
+    return {"ARC-Easy": arc, "ARC-Challenge": ai2, "MMLU": mmlu, "GSM8K": gsm, "HumanEval": he}
+
+
+@pytest.mark.slow  # a model of its own, scored by hand row by row on three tasks
+def test_chatcore_categorical_is_the_letters_argmax(tmp_path, btok):
+    rows = write_chat_data(tmp_path)
+    found = tasks.load_chat_tasks(str(tmp_path))
+    order = np.random.default_rng(42).permutation(6)  # nanochat's Dataset.shuffle(seed=42)
+    answers = [c["messages"][-1]["content"] for c in found["ARC-Easy"]]
+    assert answers == [rows["ARC-Easy"][i]["answerKey"] for i in order]
+    assert found["ARC-Challenge"][0]["messages"] == [
+        {"role": "user",
+         "content": "Multiple Choice question: Pick two.\n- one=1\n- two=2\n- three=3\n\n"
+                                    "Respond only with the letter of the correct answer."},
+        {"role": "assistant", "content": "2"}]
+    cfg = nc.Config(sequence_len=256, vocab_size=btok.n_vocab, n_layer=2, n_head=2, n_kv_head=2,
+                    n_embd=32)
+    params = nc.init_params(cfg, jax.random.key(3))
+    # not the zero init
+    params["lm_head"] = jax.random.normal(jax.random.key(4), params["lm_head"].shape)
+    want = {}
+    # by hand: one row at a time, the full forward's last logits
+    for name in ("ARC-Easy", "ARC-Challenge", "MMLU"):
+        hits = []
+        for c in found[name]:
+            ids = data.render_for_completion(btok, c["messages"])
+            # causal: the pads change no logit before
+            padded = np.zeros((1, cfg.sequence_len), np.int32)
+            # them, and one shape compiles once, not once a prompt length
+            padded[0, :len(ids)] = ids
+            z = np.asarray(forward(params, padded, cfg))[0, len(ids) - 1]
+            hits.append(c["letters"][int(np.argmax(z[[btok.encode(l)[0] for l in c["letters"]]]))] ==
+                        c["messages"][-1]["content"])
+        want[name] = np.mean(hits)
+    categorical = {n: found[n] for n in want}
+    for batch_tokens in (256, 1 << 14):  # one row per batch, or all rows in one
+        assert evaluate.evaluate_chat(params, cfg, btok, categorical, batch_tokens=batch_tokens)["results"] == want
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "mmlu", bad / "mmlu")
+    (bad / "mmlu/all/test.jsonl").write_text('{"question": "q", "choices": ["a", "b"], "answer": 7}\n')
+    with pytest.raises(ValueError,
+                       match="mmlu/all: row 0: .*want the layout of Hugging Face's cais/mmlu"):
+        tasks.load_chat_tasks(str(bad))
+
+
+@pytest.mark.slow  # a model of its own through ChatCORE three times, programs in the sandbox
+def test_gsm8k_humaneval_and_chatcore(tmp_path, btok, monkeypatch):
+    assert tasks.gsm8k_answer("so 3 + 4 = 7\n#### 1,234.5 dollars") == "1234.5"
+    assert tasks.gsm8k_answer("#### -12") == "-12" and tasks.gsm8k_answer("the answer is 12") is None
+    assert tasks.gsm8k_parts("It is 12/60=<<12/60=0.2>>0.2 a minute.\n#### 0.2") == [
+        {"type": "text", "text": "It is 12/60="}, {"type": "python", "text": "12/60"},
+        {"type": "python_output", "text": "0.2"}, {"type": "text",
+                                                   "text": "0.2 a minute.\n#### 0.2"}]
+    write_chat_data(tmp_path)
+    found = tasks.load_chat_tasks(str(tmp_path))
+    he = found["HumanEval"][0]
+    program = tasks.humaneval_program(he,
+                                      "Here:\n```python\ndef root(x):\n    return math.sqrt(x)\n```\nDone.")
+    assert program.startswith("import math\n\ndef root(x):\n") and program.endswith("check(root)")
+    cfg = nc.Config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=2, n_kv_head=2,
+                    n_embd=32)
+    params = nc.init_params(cfg, jax.random.key(0))
+
+    def answer(right):  # the engine's completion replaced by the reference answer (or a wrong one)
+        refs = {}
+        for c in found["GSM8K"] + found["HumanEval"]:
+            ref = c["messages"][-1]["content"]
+            text = f"#### {tasks.gsm8k_answer(ref[-1]['text'])}" if isinstance(ref, list) else ref
+            refs[tuple(data.render_for_completion(btok, c["messages"]))] = text if right else text[:-3] + "1"
+        return lambda p, cfg, tok, prompts, n, *a: [[btok.encode(refs[tuple(prompt)])] * n
+                                                    for prompt in prompts]
+
+    for right in (True, False):
+        monkeypatch.setattr(evaluate, "complete", answer(right))
+        generative = {n: found[n] for n in ("GSM8K", "HumanEval")}
+        assert evaluate.evaluate_chat(params, cfg, btok, generative)["results"] == {"GSM8K": right, "HumanEval": right}
+    out = evaluate.evaluate_chat(params, cfg, btok, found)
+    centred = [(out["results"][n] - b) / (1 - b) for n, b in (("ARC-Easy", .25), ("ARC-Challenge", .25), ("MMLU", .25),
+                                                             ("GSM8K", 0), ("HumanEval", 0))]
+    assert out["chatcore"] == pytest.approx(np.mean(centred))
+    del found["MMLU"]
+    # ChatCORE needs all five
+    assert evaluate.evaluate_chat(params, cfg, btok, found)["chatcore"] is None
+
+
+# --------------------------------------------------------------------------------------------------
+# report.py: the report card, checked where train.py writes it (test_default_pipeline)
+
+
+# --------------------------------------------------------------------------------------------------
+# rl.py: RL's batch and loss by hand, and a reward that RL raises
+
+CONST = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0,
+             momentum_start=0.95,
+             momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
+LRS = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
+
+
+@pytest.mark.slow  # RL's loss, its gradient and a step compiled for RL's weighted batch alone
+def test_rl_loss_and_advantages_by_hand(tiny_params):
+    # prompt 5 6; 7 8 and 9 sampled
+    groups = [([[5, 6, 7, 8], [5, 6, 9]], [[0, 0, 1, 1], [0, 0, 1]], [1.0, 0.0]),
+              # 2 at index 2: tool output
+              ([[3, 4, 2, 2], [3, 4, 1, 0]], [[0, 1, 0, 1], [0, 1, 1, 1]], [1.0, 1.0])]
+    x, y, w = rl.rl_batch(groups, T=5)
+    # r - mean(r) of the group, no std division
+    np.testing.assert_array_equal(w[:, :, 0], [[0.5, -0.5], [0, 0]])
+    assert (w == w[:, :, :1]).all()
+    np.testing.assert_array_equal(x[0], [[5, 6, 7, 0, 0], [5, 6, 0, 0, 0]])
+    np.testing.assert_array_equal(y[0], [[-1, 7, 8, -1, -1], [-1, 9, -1, -1, -1]])
+    np.testing.assert_array_equal(y[1], [[4, -1, 2, -1, -1], [4, 1, 0, -1, -1]])
+    params = perturbed(tiny_params, jax.random.key(3))
+    # jitted: op by op, the backward pass alone compiled some 400 XLA programs (half a minute on 2
+    # cores)
+    loss_and_grads = jax.jit(jax.value_and_grad(train.weighted_loss), static_argnames="cfg")
+    for i in range(2):  # -sum(logp * adv) / valid tokens, per prompt (a micro-batch of the step)
+        logp = np.asarray(jax.nn.log_softmax(forward(params, jnp.asarray(x[i]), TINY), -1),
+                          np.float64)
+        valid = [(j, t) for j in range(2) for t in range(5) if y[i, j, t] >= 0]
+        by_hand = -sum(logp[j, t, y[i, j, t]] * w[i, j, t] for j, t in valid) / len(valid)
+        loss, grads = loss_and_grads(params, TINY, x[i], y[i], w[i])
+        np.testing.assert_allclose(loss, by_hand, rtol=1e-5, atol=1e-7)
+    # all rewards equal: no signal, no NaN
+    assert all((np.asarray(g) == 0).all() for g in jax.tree.leaves(grads))
+    p = jax.tree.map(jnp.copy, params)
+    new, _, m = train.jit_train_step(p, init_opt(p), (x[1:], y[1:], w[1:]), 0, CONST, LRS, cfg=TINY)
+    assert bool(m["finite"]) and float(m["loss"]) == 0.0
+    # Muon (no weight decay here) moves nothing; AdamW only
+    chex.assert_trees_all_equal(new["h"], params["h"])
+    # applies nanochat's fixed weight decays
+    assert all(np.isfinite(a).all() for a in jax.tree.leaves(new))
+    with pytest.raises(FloatingPointError, match="not all finite"):
+        rl.rl_batch([([[1, 2]], [[0, 1]], [float("nan")])], T=4)
+
+
+# a training run: 70 steps and 14 rounds of sampling (RL's math is checked just above)
+@pytest.mark.slow
+def test_rl_raises_the_reward_of_a_tiny_task(btok):
+    """SFT teaches "yes" and "no" equally to one question; RL rewarding "yes" makes the model say
+    it."""
+    cfg = nc.Config(sequence_len=32, vocab_size=btok.n_vocab, n_layer=1, n_head=2, n_kv_head=2,
+                    n_embd=32)
+    ask = lambda answer: [{"role": "user", "content": "yes?"},
+                          {"role": "assistant", "content": answer}]
+    # SFT in RL's shapes, (1, 16, 32) and weights, all 1 (the plain mean loss): one step compiles
+    # for both
+    rows = [data.render_conversation(btok, ask(a)) for a in ("yes", "no") * 8]
+    pad = lambda ids, fill: ids + [fill] * (cfg.sequence_len - len(ids))
+    x = np.array([pad(ids[:-1], 0) for ids, _ in rows], np.int32)[None]
+    y = np.array([pad([t if m else -1 for t, m in zip(ids[1:], mask[1:])], -1) for ids, mask in rows], np.int32)[None]
+    params = nc.init_params(cfg, jax.random.key(0))
+    opt = init_opt(params)
+    for i in range(60):
+        params, opt, _ = train.jit_train_step(params, opt, (x, y, np.ones(x.shape, np.float32)), i,
+                                              CONST, LRS,
+                                              cfg=cfg)
+
+    # over 64 samples, 16 at a time as the steps below draw them: one engine's programs
+    def reward(params, seed):
+        groups = [rl.rollout(params, cfg, btok, [(ask("yes"), tasks.check)], seed + j, 16, 8)[0]
+                  for j in range(4)]
+        return np.mean([g[2] for g in groups])
+
+    before = reward(params, 100)
+    assert 0.2 < before < 0.8  # SFT left both answers likely
+    opt = init_opt(params)
+    for i in range(10):
+        groups = rl.rollout(params, cfg, btok, [(ask("yes"), tasks.check)], i, 16, 8)
+        batch = rl.rl_batch(groups, cfg.sequence_len)
+        params, opt, m = train.jit_train_step(params, opt, batch, i, CONST,
+                                              {k: v * 0.3 for k, v in LRS.items()},
+                                              cfg=cfg)
+    assert reward(params, 100) > before + 0.3
+
+
+# --------------------------------------------------------------------------------------------------
+# train.py: schedules, the step, checkpoints and exact resume, stages, devices and processes,
+# the pipeline, the CLI
+
+def test_schedules_follow_nanochat():
+    s = dict(num_iterations=100, warmup_steps=10, warmdown_ratio=0.65, final_lr_frac=0.05,
+             momentum_start=0.85,
+             momentum=0.97, momentum_end=0.90, momentum_warmup=20, weight_decay=0.2)
+    # (lr multiplier, momentum, wd)
+    at = lambda i: np.array(train.schedules(jnp.int32(i), s), np.float64)
+    expect = {0: (0.1, 0.85, 0.2), 9: (1.0, 0.904, 0.2 * 0.5 * (1 + np.cos(np.pi * 0.09))),
+              # warmdown: round(0.65 * 100)
+              10: (1.0, 0.91, None), 20: (1.0, 0.97, None), 35: (1.0, 0.97, None),
+              68: (32 / 65 + 33 / 65 * 0.05, 0.97 - 0.07 * 33 / 65, None), 50: (None, None, 0.1),
+              100: (0.05, 0.90, 0.0)}
+    for i, want in expect.items():
+        got = at(i)
+        for g, w in zip(got, want):
+            if w is not None:
+                assert g == pytest.approx(w, abs=1e-6), (i, got, want)
+
+
+@pytest.mark.parametrize("depth, tokens, batch, iters, lr_scale, wd", [
+    # nanochat's scaling rules at vocab 32768, ratio 12 (nanochat_spec.md section 1.7)
+    (12, 1.321e9, 2**19, 2520, 1.0, 0.280), (20, 5.222e9, 2**20, 4980, 1.4142, 0.100),
+    (26, 11.021e9, 2**20, 10510, 1.4142, 0.0475),
+])
+def test_horizon_follows_nanochat(depth, tokens, batch, iters, lr_scale, wd):
+    cfg = nc.config_for_depth(depth, 32768)
+    steps, b, scale, weight_decay = train.horizon(
+        cfg, 32, -1, train.Optim(total_batch_size=-1, batch_lr_scale=-1))
+    assert (steps, b) == (iters, batch) and float(f"{steps * b:.4g}") == pytest.approx(tokens, rel=2e-3)
+    assert scale == pytest.approx(lr_scale, abs=1e-4) and weight_decay == pytest.approx(wd, rel=1e-2)
+    flops = train.horizon(cfg, 32, -1, train.Optim(total_batch_size=-1, target_flops=1e18))[0]
+    assert flops == round(1e18 / (nc.estimate_flops(cfg) * batch))
+    # --num-iterations wins
+    assert train.horizon(cfg, 32, 7, train.Optim(total_batch_size=-1, target_flops=1e18))[0] == 7
+
+
+# --------------------------------------------------------------------------------------------------
+# The step
+
+def test_step_never_recompiles(tiny_params):
+    """train.jit_train_step itself: after its first call, new steps (so new schedule values) compile
+    nothing. Its (2, 2, 16) batch is the next two tests' too, which then compile no step of their
+    own."""
+    s = dict(num_iterations=10, warmup_steps=2, warmdown_ratio=0.5, final_lr_frac=0.0,
+             momentum_start=0.85,
+             momentum=0.95, momentum_end=0.9, momentum_warmup=3, weight_decay=0.1)
+    lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
+    params = jax.tree.map(jnp.copy, tiny_params)  # the step donates them
+    opt = init_opt(params)
+    # 2 micro-batches of 2 x 16
+    x = jax.random.randint(jax.random.key(8), (2, 2, 16), 0, TINY.vocab_size)
+    y = jnp.roll(x, -1, axis=2)
+    losses, compiles = [], []
+    listen = lambda event, *_, **__: compiles.append(event) if event == LOWERED else None
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for i in range(4):
+            params, opt, m = train.jit_train_step(params, opt, (x, y), i, s, lrs, cfg=TINY)
+            losses.append(float(m["loss"]))
+            assert bool(m["finite"])
+            if i == 0:  # compiled (or found compiled): from here on nothing may compile
+                compiles.clear()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+    assert losses[-1] < losses[0]  # the same batch: loss must fall
+
+
+@pytest.mark.slow  # two train steps compiled for batch shapes of their own
+def test_grad_accumulation_equals_big_batch(tiny_params):
+    x = jax.random.randint(jax.random.key(9), (4, 16), 0, TINY.vocab_size)
+    y = jnp.roll(x, -1, axis=1)
+    s = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0,
+             momentum_start=0.95,
+             momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
+    lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
+    p = perturbed(tiny_params, jax.random.key(10))
+    one, _, m1 = train.jit_train_step(p, init_opt(p), (x[None], y[None]), 0, s, lrs, cfg=TINY)
+    p = perturbed(tiny_params, jax.random.key(10))
+    two, _, m2 = train.jit_train_step(p, init_opt(p), (x.reshape(2, 2, 16), y.reshape(2, 2, 16)), 0,
+                                      s, lrs,
+                                      cfg=TINY)
+    np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
+    chex.assert_trees_all_close(one, two, atol=2e-5)
+
+
+def test_step_donates_params_and_opt_state(tiny_params):
+    p = jax.tree.map(jnp.copy, tiny_params)
+    opt = jax.device_put(init_opt(p))  # host zeros on the device, as train.py puts them
+    s = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0,
+             momentum_start=0.95,
+             momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
+    lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
+    x = jnp.zeros((2, 2, 16), jnp.int32)  # the shape the step was compiled for above
+    train.jit_train_step(p, opt, (x, x), 0, s, lrs, cfg=TINY)
+    # updated in place: no second copy in memory
+    assert all(a.is_deleted() for a in jax.tree.leaves((p, opt)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Runs: exact resume, --debug, a loss that is not finite, Ctrl-C, remat
+
+@pytest.fixture(scope="session")
+def train_root(tmp_path_factory):
+    """A checkpoint root holding a tokenizer trained once for every training test."""
+    root = tmp_path_factory.mktemp("train")
+    data.tokenizer_for(str(root), vocab_size=300)
+    return root
+
+
+def fresh_root(train_root, tmp_path):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "tokenizer.json").write_bytes((train_root / "tokenizer.json").read_bytes())
+    return str(tmp_path)
+
+
+def run_base(root, iterations, seed=0, model=None, optim=None, evals=None, device_batch_size=4,
+             **kwargs):
+    """train.run_stage on a fresh tiny base model, wired as train.main wires TRAIN_ARGS, through the
+    values API: (params, cfg, losses, info). kwargs: train.Run's (resume, save_every, debug, ...).
+    """
+    tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
+    cfg = train.model_config(tok.n_vocab, **{**TINY_MODEL, **(model or {})})
+    stage = train.base_stage(cfg, data.corpus(None, "train", seed=seed), jax.random.key(seed),
+                             iterations)
+    evals = {"eval_every": 0, "sample_every": 0, **(evals or {})}
+    run = train.Run(out=root, device_batch_size=device_batch_size, **kwargs)
+    return train.run_stage(stage, tok, run, train.Optim(**{**TINY_OPTIM, **(optim or {})}), evals)
+
+
+def test_resume_is_bit_identical(train_root, tmp_path):
+    full_root, cut_root = fresh_root(train_root, tmp_path / "a"), fresh_root(train_root, tmp_path / "b")
+    _, _, full, _ = run_base(full_root, 6)
+    _, _, first, _ = run_base(cut_root, 6, save_every=3)
+    assert first == full  # same seed, same machine: the same trajectory, bit for bit
+    shutil.rmtree(os.path.join(cut_root, "base", "step_000006"))
+    params, _, rest, _ = run_base(cut_root, 6, resume=True)
+    assert rest == full[3:]
+    a = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(full_root))[0]
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, a, jax.device_get(params))))
+    with pytest.raises(ValueError,
+                       match=r"step_000006 holds Config\(.*n_layer=2.*but these flags make .*n_layer=3"):
+        run_base(cut_root, 6, model=dict(depth=3), resume=True)  # the weights would not fit
+    # the tokenizer inside the atomic write
+    files = ["meta.json", "opt.msgpack", "params.msgpack", "tokenizer.json"]
+    assert sorted(os.listdir(checkpoint.latest_checkpoint(full_root))) == files
+    assert full[-1] < full[0]
+
+
+@pytest.mark.slow  # a whole step op by op: some 600 compiles, half a minute on 2 cores
+def test_debug_runs_the_same_step_unjitted(train_root, tmp_path, monkeypatch):
+    _, _, jitted, _ = run_base(fresh_root(train_root, tmp_path / "a"), 1)
+    monkeypatch.setattr(train, "jit_train_step", lambda *a,
+                        **k: pytest.fail("--debug took the jitted step"))
+    eager_step, jit_off = train.train_step, []
+    monkeypatch.setattr(train, "train_step", lambda *a,
+                        **k: jit_off.append(jax.config.jax_disable_jit)
+                        or eager_step(*a, **k))
+    _, _, eager, _ = run_base(fresh_root(train_root, tmp_path / "b"), 1, debug=True)
+    assert jit_off == [True]
+    np.testing.assert_allclose(eager, jitted, rtol=1e-5)
+    # a NaN inside the model stops at the op that made it, not at the end of the step
+    loss_fn = nc.loss_fn
+    monkeypatch.setattr(nc, "loss_fn", lambda p, *a,
+                        **k: loss_fn({**p, "wte": p["wte"] * jnp.nan}, *a, **k))
+    with pytest.raises(FloatingPointError, match="nan"):
+        run_base(fresh_root(train_root, tmp_path / "c"), 1, debug=True)
+
+
+def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch):
+    real, handler = train.jit_train_step, signal.getsignal(signal.SIGINT)
+    _, _, full, _ = run_base(fresh_root(train_root, tmp_path / "full"), 6)
+
+    def failing(*a, **k):
+        params, opt, m = real(*a, **k)
+        return params, opt, {**m, "finite": m["finite"] & (a[3] < 3)}  # step 3 "diverges"
+
+    monkeypatch.setattr(train, "jit_train_step", failing)
+    with pytest.raises(FloatingPointError,
+                       match="step 3: .*not finite; the last good checkpoint is .*step_000002"):
+        run_base(fresh_root(train_root, tmp_path / "nan"), 6, save_every=2)
+    with pytest.raises(FloatingPointError,
+                       match="step 3: .*not finite; no checkpoint was saved yet .*--save-every N"):
+        run_base(fresh_root(train_root, tmp_path / "nan0"), 6)
+
+    # Ctrl-C the moment a step's update is done, before the loop has counted the step
+    def ctrl_c(*a, **k):
+        out = real(*a, **k)
+        for _ in range(presses.get(a[3], 0)):
+            # handled before it returns (os.kill may land on an XLA thread)
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    root = fresh_root(train_root, tmp_path / "cut")
+    monkeypatch.setattr(train, "jit_train_step", ctrl_c)
+    presses = {1: 2}  # step -> Ctrl-Cs; twice: the second aborts at once, saving nothing
+    with pytest.raises(KeyboardInterrupt):
+        run_base(root, 6)
+    assert checkpoint.latest_checkpoint(root) is None and signal.getsignal(signal.SIGINT) is handler
+    # once: the run stops where params, step and data position agree, and saves there
+    presses = {3: 1}
+    with pytest.raises(KeyboardInterrupt,
+                       match="interrupted: saved .*step_000004; continue with --resume"):
+        run_base(root, 6)
+    assert checkpoint.latest_checkpoint(root).endswith("step_000004") and signal.getsignal(signal.SIGINT) is handler
+    monkeypatch.setattr(train, "jit_train_step", real)
+    _, _, rest, _ = run_base(root, 6, resume=True)
+    assert rest == full[4:]  # no batch trained twice or skipped
+
+
+def test_remat_leaves_the_losses(train_root, tmp_path):
+    _, _, plain, _ = run_base(fresh_root(train_root, tmp_path / "plain"), 3)
+    _, _, remat, _ = run_base(fresh_root(train_root, tmp_path / "remat"), 3, remat=True)
+    np.testing.assert_allclose(remat, plain, rtol=1e-6)
+
+
+@pytest.mark.slow  # two compiles of a step 50x the tiny one's activations, 20 s
+def test_remat_lowers_the_step_temp_bytes():
+    """jax.checkpoint around each block lowers XLA's temp bytes of the train step. CPU XLA's
+    default scheduler orders for concurrency and keeps every activation either way, so the step is
+    compiled with its memory-optimized scheduler, as a memory-bound accelerator's would order it."""
+    cfg = train.model_config(300, depth=3, aspect_ratio=32, head_dim=32, max_seq_len=128)
+    params = nc.param_shapes(cfg)
+    opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
+    x = jax.ShapeDtypeStruct((1, 8, 128), jnp.int32)
+    temp = {}
+    for remat in (False, True):
+        lowered = train.jit_train_step.lower(params, opt, (x, x), 0, train.base_schedule(10, 0.0),
+                                             train.learning_rates(), cfg=cfg,
+                                             layout=train.Layout(remat=remat))
+        compiled = lowered.compile({"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"})
+        temp[remat] = compiled.memory_analysis().temp_size_in_bytes
+    assert temp[True] < 0.95 * temp[False], temp
+
+
+# --------------------------------------------------------------------------------------------------
+# Stages after base: SFT and RL
+
+RL_TINY = dict(prompts=2, samples=2, max_tokens=8, eval_n=0, iterations=4)
+
+
+def run_stage(root, name, iterations=None, resume=False, **stage_kwargs):
+    """A tiny base (T 128), SFT or RL stage through train.run_stage, as train.main wires it.
+    stage_kwargs: the stage's (rl.rl_stage's for RL, on top of RL_TINY)."""
+    tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
+    if name == "base":
+        cfg = train.model_config(tok.n_vocab, **{**TINY_MODEL, "max_seq_len": 128})
+        stage = train.base_stage(cfg, data.corpus(None, "train"), jax.random.key(0), iterations)
+    elif name == "sft":
+        stage = train.sft_stage(root, tok, data.corpus(None, "train"), iterations=iterations)
+    else:
+        given = {} if iterations is None else {"iterations": iterations}
+        stage = train.Stage(**rl.rl_stage(root, tok, **{**RL_TINY, **given, **stage_kwargs}))
+    optim = train.Optim(**{**TINY_OPTIM, "total_batch_size": 512})
+    run = train.Run(out=root, device_batch_size=4, resume=resume)
+    return train.run_stage(stage, tok, run, optim, {"eval_every": 0, "sample_every": 0})
+
+
+@pytest.mark.slow  # base, SFT and RL stages: the pipeline
+def test_rl_stage_resumes_exactly_and_saves_on_ctrl_c(train_root, tmp_path, monkeypatch):
+    root = fresh_root(train_root, tmp_path / "full")
+    with pytest.raises(FileNotFoundError,
+                       match="no sft checkpoint under .*: run `python train.py --stage sft` first"):
+        run_stage(root, "rl")
+    with pytest.raises(SystemExit):  # argparse names the tasks there are
+        train.parse_args(["--rl-tasks", "poetry"])
+    run_stage(root, "base", 2)
+    run_stage(root, "sft", 2)
+    cut = shutil.copytree(root, tmp_path / "cut")
+    params, _, full, _ = run_stage(root, "rl")
+    assert len(full) == 4 and np.isfinite(full).all()
+    _, _, meta = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root), optimizer=False)
+    assert meta["stage"] == "rl" and meta["step"] == 4 and meta["schedule"]["warmdown_ratio"] == 1.0
+    real, calls = rl.rollout, []
+
+    def ctrl_c(*a, **k):  # Ctrl-C in the middle of step 3's sampling (one batch a step)
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(rl, "rollout", ctrl_c)
+    with pytest.raises(KeyboardInterrupt,
+                       match="interrupted: saved .*rl.step_000003; continue with --resume"):
+        run_stage(str(cut), "rl")  # the step in flight finishes, then the run saves and stops
+    monkeypatch.setattr(rl, "rollout", real)
+    resumed, _, rest, _ = run_stage(str(cut), "rl", resume=True)
+    assert rest == full[3:]  # the same prompts and samples: the key is threaded from (seed, step)
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(resumed),
+                                            jax.device_get(params))))
+
+
+@pytest.mark.slow  # base, SFT and RL stages: the pipeline
+def test_rl_on_gsm8k_takes_nanochat_settings(train_root, tmp_path):
+    """--rl-tasks gsm8k: nanochat's chat_rl settings unless a flag says otherwise, GSM8K's train
+    split walked in order and rewarded by its '####' answer; a checkpoint of another tokenizer is
+    refused in one line."""
+    args = train.parse_args(["--rl-tasks", "gsm8k"])
+    assert (args.rl_prompts, args.rl_samples, args.rl_max_tokens, args.rl_lr_frac,
+            args.rl_iterations, args.rl_eval,
+            args.rl_eval_every) == (16, 16, 256, 0.05, -1, 400, 60)
+    assert train.parse_args(["--rl-tasks", "gsm8k", "--rl-prompts", "2"]).rl_prompts == 2
+    assert train.parse_args([]).rl_prompts == 8 and train.parse_args([]).rl_eval_every == 0
+    write_chat_data(tmp_path / "chat")
+    root = fresh_root(train_root, tmp_path / "run")
+    run_stage(root, "base", 2)
+    run_stage(root, "sft", 2)
+    gsm = dict(task_names=["gsm8k"], chat_data=str(tmp_path / "chat"), eval_n=2, eval_every=1,
+               iterations=-1,
+               lr_frac=0.05)  # --rl-tasks gsm8k's defaults, as the flags' check above found them
+    tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
+    cfg = nc.Config(**json.load(open(os.path.join(checkpoint.latest_checkpoint(root, ("sft",)), "meta.json")))["config"])
+    fits = lambda messages: len(data.render_for_completion(tok, messages)) < cfg.sequence_len - 1
+    found = tasks.rl_tasks(["gsm8k"], 0, str(tmp_path / "chat"), fits)
+    train_rows = [json.loads(l) for l in open(tmp_path / "chat/gsm8k/main/train-00000-of-00001.jsonl")]
+    order = np.random.default_rng(42).permutation(4)
+    # in order, then round again
+    steps = [[c for c, _ in rl.rl_prompts(found, step, 2)] for step in range(3)]
+    assert [c[0]["content"] for s in steps for c in s] == [train_rows[i]["question"] for i in [*order, *order[:2]]]
+    reward = found["gsm8k"][2]
+    assert reward(steps[0][0], f"#### {tasks.gsm8k_answer(train_rows[order[0]]['answer'])}") is True
+    assert reward(steps[0][0], "#### 1000") is False
+    _, _, losses, info = run_stage(root, "rl", **gsm)
+    assert len(losses) == 2 and np.isfinite(losses).all()  # one epoch: 4 questions / 2 a step
+    assert set(info) >= {"pass@k before", "pass@k 1", "pass@k"} and set(info["pass@k"]["gsm8k"]) == {"pass@1", "pass@2"}
+    other = data.train_tokenizer(["a different corpus for another tokenizer"] * 50, 280)
+    other.save(os.path.join(root, "tokenizer.json"))
+    with pytest.raises(ValueError,
+                       match="was trained with another tokenizer than .*tokenizer.json"):
+        run_stage(root, "rl", **gsm)
+
+
+# --------------------------------------------------------------------------------------------------
+# Devices and processes: data parallel, --shard, two processes
+
+def run_cli(root, *extra, env=None):
+    cmd = [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS,
+           "--num-iterations", "3", *extra]
+    r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
+                       timeout=300,
+                       env={**os.environ, **(env or {})})
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(os.path.join(root, "base", "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f if '"loss"' in line], r.stdout
+
+
+@pytest.mark.slow  # three train.py processes
+def test_four_devices_equal_one(train_root, tmp_path, capsys):
+    """Data parallel on a 4-device mesh trains to the losses of one device, through the CPU route
+    and through TPU's splash-attention route (interpreted here, run per device by shard_map); the
+    startup line names the route. The val loss and the sample at the last step run on one device
+    of the four (outside the step's mesh) and agree between the routes."""
+    args = ("--max-seq-len", "128", "--device-batch-size", "2", "--total-batch-size", "1024",
+            "--eval-every", "3", "--eval-steps", "1", "--sample-every", "3")
+    _, _, one, _ = run_base(fresh_root(train_root, tmp_path / "one"), 3,
+                            model={"max_seq_len": 128}, optim={"total_batch_size": 1024},
+                            device_batch_size=2)
+    # one device accumulates 4 micro-batches of 2 rows; four devices take 2 rows each of one
+    # micro-batch of 8
+    assert "(4 x 2 x 128), 1 devices, attention cpu," in capsys.readouterr().out
+    val = {}
+    for route in ("cpu", "splash"):
+        four, out4 = run_cli(fresh_root(train_root, tmp_path / route), *args, "--attention", route,
+                             env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+        assert f"(1 x 8 x 128), 4 devices, attention {route}," in out4 and "sample:" in out4
+        np.testing.assert_allclose(four, one, rtol=1e-5)
+        val[route] = float(re.search(r"^step +3 \| val bpb (\S+)$", out4, re.M)[1])
+    assert val["cpu"] == pytest.approx(val["splash"], rel=1e-4)
+
+
+SHARD_CHILD = """
+import json, os, shutil, sys
+import test_nanochat as t
+root, out = sys.argv[1], {}
+for name, model in t.SHARD_MODELS.items():
+    for mode in ("none", "optimizer", "full"):
+        d = t.fresh_root(t.pathlib.Path(root), t.pathlib.Path(root) / f"{name}-{mode}")
+        steps, save = (6, 3) if name == "d2" else (4, -1)
+        out[name, mode] = t.run_base(d, steps, model=model, device_batch_size=1, shard=mode,
+                                     save_every=save)[2]
+shutil.rmtree(os.path.join(root, "d2-full", "base", "step_000006"))  # cut at step 3
+print(json.dumps({" ".join(k): v for k, v in out.items()}))
+"""
+
+
+def emulated_devices(n, *cmd):
+    """(the last stdout line as JSON, stdout) of python cmd in a child with n emulated devices."""
+    r = subprocess.run([sys.executable, *cmd], cwd=pathlib.Path(__file__).parent, text=True,
+                       capture_output=True, timeout=600,
+                       env={**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.splitlines()[-1]), r.stdout
+
+
+@pytest.mark.slow  # two processes of 8 and 4 emulated devices
+def test_shard_modes_equal_one_device_and_resume_on_others(train_root, tmp_path):
+    """--shard none, optimizer and full on 8 devices train to the same losses (rtol 1e-5: the
+    gradient's sum is reduced in another order), and to one device's (rtol 3e-3), over 4 steps
+    of a model whose stacks divide 8 and 6 of one whose do not; the full run, cut at step 3, resumes under none on 1 device and under
+    optimizer on 4 with the losses of the uninterrupted run."""
+    one = {name: run_base(fresh_root(train_root, tmp_path / name), 4 if name == "d8" else 6,
+                          model=model)[2] for name, model in SHARD_MODELS.items()}
+    root = fresh_root(train_root, tmp_path / "eight")
+    eight, out = emulated_devices(8, "-c", SHARD_CHILD, root)
+    assert "--shard optimizer: per device" in out and "--shard full: per device" in out
+    for key, losses in eight.items():  # the modes agree with plain data parallel to fp32 noise
+        name = key.split()[0]
+        np.testing.assert_allclose(losses, eight[f"{name} none"], rtol=1e-5, err_msg=key)
+        # one device sums 2 micro-batches of 4 rows, 8 devices 8 rows at once: these tiny models'
+        # large lrs and Muon wd amplify that reordering to some 1e-3 in 4-6 steps (--shard none's
+        # gap as well: plain data parallel's, not the sharding's)
+        np.testing.assert_allclose(losses, one[name], rtol=3e-3, err_msg=key)
+    cut = os.path.join(root, "d2-full")
+    for n, mode in ((1, "none"), (4, "optimizer")):
+        shutil.copytree(cut, tmp_path / mode)
+        if n == 1:
+            rest = run_base(str(tmp_path / mode), 6, resume=True, shard=mode)[2]
+        else:
+            rest, out = emulated_devices(4, "-c", "import json, sys, test_nanochat as t; print(json."
+                                         "dumps(t.run_base(sys.argv[1], 6, device_batch_size=2, "
+                                         "resume=True, shard='optimizer')[2]))", str(tmp_path / mode))
+            assert "--shard optimizer: per device" in out
+        np.testing.assert_allclose(rest, eight["d2 full"][3:], rtol=3e-3, err_msg=mode)
+
+
+BAD_SHARD_CHILD = """
+import hashlib, json, os, pathlib, sys
+import jax, rl, train, test_nanochat as t
+root, errors = sys.argv[1], {}
+base = ["--stage", "base", "--out", root, *t.TRAIN_ARGS, "--num-iterations", "2",
+        "--total-batch-size", "512", "--shard", "full"]
+train.main(base)  # a checkpoint to resume
+
+
+def files():  # every file under root with its contents' hash
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(pathlib.Path(root).rglob("*")) if p.is_file()}
+before = files()
+for name, run in {
+        "model": lambda: train.main(base + ["--resume", "--depth", "3"]),
+        "batch": lambda: train.main(base + ["--total-batch-size", "256"]),
+        "samples": lambda: rl.rl_stage(root, None, samples=6)}.items():
+    try:
+        run()
+    except ValueError as e:
+        errors[name] = str(e)
+print(json.dumps({"errors": errors, "unchanged": files() == before}))
+"""
+
+
+@pytest.mark.slow  # a process of 4 emulated devices
+def test_bad_input_under_shard_on_four_devices(train_root, tmp_path):
+    """Under --shard full on 4 devices, each bad input is one line that says what to do, and no
+    file is written or changed: a checkpoint of another model to resume, a total batch that is not
+    a multiple of the rows the mesh takes at once, RL samples that do not split over the devices."""
+    out, _ = emulated_devices(4, "-c", BAD_SHARD_CHILD, fresh_root(train_root, tmp_path))
+    errors = out["errors"]
+    assert set(errors) == {"model", "batch", "samples"} and out["unchanged"]
+    assert "resume with the flags it was trained with, or train into another --out" in errors["model"]
+    assert errors["batch"].startswith("--total-batch-size 256 must be a multiple of 512 ")
+    assert errors["samples"].startswith("--rl-samples 6 must be a multiple of the 4 devices")
+    assert all("\n" not in e for e in errors.values())
+
+
+def two_process_cmd(root, iterations):
+    """train.py's command line for process i (append --process-id i) of a two-process run on a free
+    local port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS,
+            "--num-iterations",
+            str(iterations), "--device-batch-size", "4", "--coordinator", f"127.0.0.1:{port}",
+            "--num-processes", "2"]
+
+
+@pytest.mark.slow  # two train.py processes (jax.distributed)
+@pytest.mark.parametrize("shard", ["optimizer", "full"])
+def test_two_processes_equal_one(train_root, tmp_path, shard):
+    """Two processes of one device each train as one process does, in both sharded modes; the
+    val loss and the sample at the last step and the report card (which gather the params under
+    full: a collective every process must join) finish on both."""
+    # one process reading both shards, accumulating two micro-batches of 4 rows
+    _, _, one, _ = run_base(fresh_root(train_root, tmp_path / "one"), 3, data_shards=2)
+    root = fresh_root(train_root, tmp_path / "two")
+    cmd = two_process_cmd(root, 3) + ["--shard", shard, "--eval-every", "3", "--eval-steps", "1",
+                                      "--sample-every", "3"]
+    procs = [subprocess.Popen(cmd + ["--process-id", str(i)], cwd=pathlib.Path(__file__).parent,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert f"--shard {shard}: per device" in outs[0][0]
+    with open(os.path.join(root, "base", "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    two = [entry["loss"] for entry in lines if "loss" in entry]
+    assert len(two) == 3  # one line per step: only process 0 writes the log
+    np.testing.assert_allclose(two, one, rtol=1e-5)
+    assert [entry["step"] for entry in lines if "val_bpb" in entry] == [0, 3]
+    assert "sample:" in outs[0][0] and "sample:" in outs[1][0]
+
+
+@pytest.mark.slow  # three train.py processes
+def test_two_processes_agree_on_ctrl_c(train_root, tmp_path, capsys):
+    """Ctrl-C on one process of a two-process run stops both at the same step with one checkpoint
+    (unless they agree, it saves while the other steps, both stuck in mismatched collectives);
+    --resume trains the rest."""
+    root = fresh_root(train_root, tmp_path / "two")
+    cmd = two_process_cmd(root, 200)
+    # files, not pipes: none blocks when full
+    logs, procs = [tmp_path / f"process{i}.log" for i in range(2)], []
+    for i, log in enumerate(logs):
+        with log.open("w") as f:
+            procs.append(subprocess.Popen(cmd + ["--process-id", str(i)],
+                                          cwd=pathlib.Path(__file__).parent, stdout=f,
+                                          stderr=subprocess.STDOUT))
+    try:
+        deadline = time.time() + 300
+        # both processes are in the loop
+        while not re.search(r"^step +1/200", logs[0].read_text(), re.M):
+            assert procs[0].poll() is None and time.time() < deadline, logs[0].read_text()[-2000:]
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGINT)  # one process only
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    outs = [f.read_text() for f in logs]
+    saved = [re.search(r"^interrupted: saved (\S+); continue with --resume$", out, re.M) for out in outs]
+    assert codes == [1, 1] and all(saved), outs[0][-2000:] + outs[1][-2000:]
+    path = saved[0][1]
+    assert saved[1][1] == path and checkpoint.checkpoint_dirs(os.path.join(root, "base")) == [path]
+    _, _, meta = checkpoint.load_checkpoint(path)
+    assert path.endswith(f"step_{meta['step']:06d}") and 1 <= meta["step"] < 200 and len(meta["data_states"]) == 2
+    # one process, both shards
+    run_base(root, 200, device_batch_size=8, data_shards=2, resume=True)
+    assert f"resuming {path} at step {meta['step']}" in capsys.readouterr().out
+    with open(os.path.join(root, "base", "metrics.jsonl")) as f:
+        # no step twice, none skipped
+        assert [json.loads(line)["step"] for line in f] == list(range(1, 201))
+
+
+# --------------------------------------------------------------------------------------------------
+# The pipeline and the CLI
+
+@pytest.mark.slow  # the whole pipeline
+def test_default_pipeline(tmp_path):
+    """train.main at a tiny size: tokenizer -> base -> SFT -> RL -> evaluation (CORE, ChatCORE, our
+    tasks) and the report card; chat.py finds the RL model."""
+    root = str(tmp_path / "run")
+    write_chat_data(tmp_path / "chat")
+    argv = ["--out", root, "--eval-bundle", str(CORE_DIR / "eval_bundle"), "--chat-data",
+            str(tmp_path / "chat"),
+            "--eval-max", "4", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "16",
+            "--max-seq-len", "128",
+            "--device-batch-size", "2", "--total-batch-size", "512", "--vocab-size", "300",
+            "--tokenizer-max-chars",
+            "1e5", "--num-iterations", "3", "--sft-iterations", "2", "--warmup-steps", "1",
+            "--eval-every", "1000",
+            "--eval-steps", "1", "--sample-every", "0", "--eval-tasks", "1", "--compile-cache", "",
+            "--rl-prompts", "2",
+            "--rl-samples", "2", "--rl-max-tokens", "8", "--rl-eval", "1", "--rl-iterations", "2"]
+    results = train.main(argv)
+    # each chat stage is graded on the template split and the hand-written questions
+    for stage in ("sft", "rl"):
+        assert set(results[stage]["tasks"]) == set(tasks.TASKS)
+        assert set(results[stage]["questions"]) == {"arithmetic", "counting", "spelling",
+                                                    "identity"}
+        assert all(0 <= a <= 1 for a in [*results[stage]["tasks"].values(),
+                                         *results[stage]["questions"].values()])
+        assert results[stage]["recall_bpb"] > 0
+    # corpus bits/byte after each
+    assert all(results[stage]["val_bpb"] > 0 for stage in ("base", "sft", "rl"))
+    for stage, steps in (("base", 3), ("sft", 2), ("rl", 2)):
+        with open(os.path.join(root, stage, "metrics.jsonl")) as f:
+            losses = [json.loads(line)["loss"] for line in f if '"loss"' in line]
+        assert len(losses) == steps and np.isfinite(losses).all()
+    _, _, base = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("base",)),
+                                            optimizer=False)
+    _, _, sft = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("sft",)),
+                                           optimizer=False)
+    rl_params, _, rl = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("rl",)),
+                                                  optimizer=False)
+    # nanochat's chat_sft: 0.8 x the base lrs, no warmup, linear warmdown over the last half to 0,
+    # no weight decay, Muon momentum 0.85 -> 0.95 over 300 steps; chat_rl: a fraction of the base
+    # lrs decaying linearly to 0
+    assert sft["lrs"] == pytest.approx({k: 0.8 * v for k, v in base["lrs"].items()})
+    assert sft["schedule"] == {**base["schedule"], "num_iterations": 2, "warmup_steps": 0,
+                               "warmdown_ratio": 0.5,
+                               "final_lr_frac": 0.0, "momentum_start": 0.85, "momentum": 0.95,
+                               "momentum_end": 0.95,
+                               "momentum_warmup": 300, "weight_decay": 0.0}
+    frac = train.parse_args([]).rl_lr_frac
+    assert rl["lrs"] == pytest.approx({k: frac * v for k, v in base["lrs"].items()})
+    assert rl["schedule"]["warmdown_ratio"] == 1.0 and rl["schedule"]["final_lr_frac"] == 0.0
+    assert "pass@1" in results["rl"]["pass@k before"]["counting"] and "pass@2" in results["rl"]["pass@k"]["spelling"]
+    # chat.py's default: the newest checkpoint of the last stage
+    params, cfg, tok = checkpoint.load_model(root)
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(params), rl_params)))
+    assert cfg == nc.Config(**base["config"]) and tok.n_vocab == 300
+    assert set(results["base"]["core"]["results"]) == {"pydoc_qa", "opposites", "because_schema", "doc_lm", "doc_lm_qa"}
+    assert set(results["sft"]["chatcore"]["results"]) == set(tasks.CHAT_TASKS)
+    # the report card, from each stage's report.json
+    card = open(os.path.join(root, "report.md")).read()
+    for stage in ("base", "sft", "rl"):
+        r = json.load(open(os.path.join(root, stage, "report.json")))
+        assert r["tokens"] > 0 and r["train_time"] > 0 and r["machine"]["jax"] == jax.__version__
+        flops = nc.estimate_flops(nc.Config(**r["config"]))
+        mfu = r["tokens"] * flops / (r["train_time"] * r["machine"]["peak_flops"] * r["machine"]["devices"])
+        core, chatcore = r.get("core", {}).get("core_metric"), r.get("chatcore", {}).get("chatcore")
+        row = (f"| {stage} | {nc.num_scaling_params(cfg)['total']:,} | {flops:,.0f} | {r['steps']} | {r['tokens']:,} | "
+               f"{r['train_time']:.0f} s | {100 * mfu:.1f}% | {r['val_bpb']:.4f} | "
+               f"{'' if core is None else f'{core:.4f}'} | {'' if chatcore is None else f'{chatcore:.4f}'} |")
+        assert row in card and f"\n## {stage}\n" in card
+        assert all(f"- `{p!r}` -> `{c!r}`" in card for p, c in r["samples"].items())
+    assert f"| {platform.python_version()}, jax {jax.__version__} (cpu) | 1 x cpu |" in card
+    assert f"CORE on `{CORE_DIR / 'eval_bundle'}`:\n\n| task | accuracy | centred |" in card
+    assert f"ChatCORE tasks on `{tmp_path / 'chat'}`:\n\n| task | accuracy |" in card
+    assert "| hand-written questions | arithmetic | counting | spelling | identity |" in card
+    assert f"| opposites | {results['base']['core']['results']['opposites']:.4f} |" in card
+    # a stage run alone rewrites the card from every stage's part
+    os.remove(os.path.join(root, "report.md"))
+    train.main(argv + ["--stage", "rl", "--eval-tasks", "0"])
+    again = open(os.path.join(root, "report.md")).read()
+    assert all(f"\n## {stage}\n" in again for stage in ("base", "sft", "rl")) and "--stage rl --eval-tasks 0" in again
+
+
+def test_train_cli_error_is_one_line_and_help_shows_defaults(tmp_path, capsys):
+    cmd = [sys.executable, "train.py", "--stage", "tokenizer", "--data", "no/such.txt", "--out",
+           str(tmp_path),
+           "--compile-cache", ""]
+    r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith("error: no/such.txt: no such file") and r.stderr.count("\n") == 1
+    r = subprocess.run(cmd[:2] + ["--rl-tasks", "poetry"], cwd=pathlib.Path(__file__).parent,
+                       capture_output=True,
+                       text=True, timeout=120)  # a bad flag: one line too, naming the choices
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error: argument --rl-tasks: invalid choice: 'poetry' (choose from 'identity', ")
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--matrix-lr MATRIX_LR Muon lr of the transformer's matrices (default: 0.02)" in out
+    assert "--target-flops TARGET_FLOPS base training FLOPs (-1: the ratio) (default: -1.0)" in out
+
+
+# --------------------------------------------------------------------------------------------------
+# chat.py: terminal and web
+
+# <= 16 tokens, as HI
+HELLO = [{"role": "system", "content": "Hi."}, {"role": "user", "content": "hello"}]
 
 
 def greedy_reply(model, prompt, max_tokens=32):
@@ -3889,6 +4251,7 @@ def test_server_line_full_is_503_and_an_engine_failure_500(chat_model, monkeypat
         srv.shutdown()
         srv.server_close()
 
+
 @pytest.mark.slow  # a server soak: 50 connections, a timeout waited out
 def test_stalled_clients_cannot_hold_the_server(chat_model, capfd):
     """Clients that send half a request and stall: at most max_connections hold a thread (the next
@@ -4097,8 +4460,7 @@ def test_browser_holds_a_conversation(server, monkeypatch, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# scaling_fits.py: fits on synthetic data with known exponents, SVG plots; scaling.py: resumable
-# sweeps
+# scaling_fits.py: fits on synthetic data with known exponents, SVG plots
 
 E0, A0, B0, ALPHA0, BETA0 = 1.7, 400.0, 410.0, 0.34, 0.28  # Chinchilla-like truth
 SVG = "{http://www.w3.org/2000/svg}"
@@ -4210,16 +4572,6 @@ def test_fits_are_deterministic():
     assert f() == f()
 
 
-@pytest.mark.parametrize("flags", [["--depths", "0"], ["--budgets", "-1"],
-                                   ["--sweep", "scale_d", "--tokens", "0"],
-                                   ["--adaptive", "--width", "2"], ["--jobs", "-1"],
-                                   ["--repeat", "-1"]])
-def test_sweep_bad_sizes_are_refused(flags, tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        scaling.main([*flags, "--out", str(tmp_path)])
-    assert "must be 1 or more" in capsys.readouterr().err and not list(tmp_path.iterdir())
-
-
 def test_svg_is_well_formed(tmp_path):
     path = scaling_fits.svg_plot(str(tmp_path / "p.svg"), [
         {"x": [1e5, 1e6, 1e7], "y": [3.0, 2.5, 2.7], "label": "C = 1e12"},
@@ -4233,6 +4585,19 @@ def test_svg_is_well_formed(tmp_path):
     texts = [t.text for t in root.findall(SVG + "text")]
     # decade ticks, escaped legend
     assert "1e6" in texts and "C = <2e12> & more" in texts and "title" in texts
+
+
+# --------------------------------------------------------------------------------------------------
+# scaling.py: sweeps that resume, adaptive grids, seeds trained together, the corpora
+
+@pytest.mark.parametrize("flags", [["--depths", "0"], ["--budgets", "-1"],
+                                   ["--sweep", "scale_d", "--tokens", "0"],
+                                   ["--adaptive", "--width", "2"], ["--jobs", "-1"],
+                                   ["--repeat", "-1"]])
+def test_sweep_bad_sizes_are_refused(flags, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        scaling.main([*flags, "--out", str(tmp_path)])
+    assert "must be 1 or more" in capsys.readouterr().err and not list(tmp_path.iterdir())
 
 
 @pytest.mark.slow  # a real sweep's runs: four trainings
@@ -4488,435 +4853,124 @@ def test_tiny_real_sweep(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# Evaluations: CORE, ChatCORE, the sandbox, the report card
+# bench.py: memory per device, step and decode timings, nanochat's infer_bench schema
 
-CORE_DIR = TESTDATA / "core_eval"
-
-
-@pytest.fixture(scope="session")
-def nanochat_d2():
-    return checkpoint.load_nanochat(str(TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"))
-
-
-def test_core_equals_nanochat(nanochat_d2):
-    """nanochat's own CORE code on its checkpoint (testdata/core_eval/README.md): every example's
-    decision equal, mean losses within 1e-4, token rows, spans and prompts (few-shot included)
-    exact, the accuracies and CORE equal."""
-    params, cfg, tok = nanochat_d2
-    expected = json.loads((CORE_DIR / "expected.json").read_text())
-    found = evaluate.load_bundle(str(CORE_DIR / "eval_bundle"))
-    # several batches a task
-    out = evaluate.evaluate_core(params, cfg, tok, found, batch_tokens=512, details=True)
-    assert [t["label"] for t in found] == list(expected["results"])
-    for task in found:
-        want, got = expected["tasks"][task["label"]], out["per_example"][task["label"]]
-        lines = [l for _, l in data.json_lines(CORE_DIR / "eval_bundle" / "eval_data" / want["dataset_uri"], "")]
-        assert task["data"] == [lines[i] for i in want["shuffled_lines"]]  # Random(1337)'s shuffle
-        assert got["correct"] == [bool(c) for c in want["correct"]]
-        for ex, losses in zip(want["examples"], got["mean_losses"]):
-            np.testing.assert_allclose(losses, ex.get("mean_losses", [ex.get("mean_loss")]),
-                                       atol=1e-4)
-            if "detail" in ex:
-                fewshot = [task["data"][i] for i in ex["fewshot_idx"]]
-                item = task["data"][ex["idx"]]
-                assert evaluate.core_prompts(item, task["type"], task["delimiter"], fewshot) == ex["detail"]["prompts"]
-                assert evaluate.core_example(tok, task, ex["idx"]) == (
-                    ex["detail"]["tokens"][-1:] if task["type"] == "language_modeling" else ex["detail"]["tokens"],
-                    ex["start_idxs"], ex["end_idxs"])
-    assert out["results"] == expected["results"] and out["centered_results"] == expected["centered_results"]
-    assert out["core_metric"] == pytest.approx(expected["core_metric"], abs=1e-12)
+MEMORY_CFG = nc.Config(sequence_len=16, vocab_size=256, n_layer=8, n_head=4, n_kv_head=2,
+                       n_embd=256)  # wide and short: the weights outweigh the activations
+MEMORY_CHILD = """
+import json, bench, test_nanochat as t
+out = {mode: bench.step_memory(t.MEMORY_CFG, 4, 1, mode, attention="plain")
+       for mode in ("none", "optimizer", "full")}
+one, two = (bench.step_memory(t.MEMORY_CFG, 4, b, "full", attention="plain")["total_bytes"]
+            for b in (1, 2))
+bench.bench_memory(t.MEMORY_CFG, 4, 1, "full", False, "plain", fit=(one / 2e9, one / 1e9, two / 1e9))
+print(json.dumps(out))
+"""
 
 
-@pytest.mark.slow  # five evaluate.py processes
-def test_core_cli_on_four_devices_and_its_errors(tmp_path):
-    """evaluate.py on a 4-device mesh (each batch's rows split over the devices) gives nanochat's
-    CORE; bad bundles and checkpoints are one-line errors."""
-    cmd = [sys.executable, "evaluate.py", "--nanochat-checkpoint",
-           str(TESTDATA / "nanochat_checkpoint")]
-    four = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    run = lambda *a: subprocess.run(cmd + list(a), cwd=pathlib.Path(__file__).parent,
-                                    capture_output=True, text=True,
-                                    timeout=300, env=four)
-    r = run("--eval-bundle", str(CORE_DIR / "eval_bundle"))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "4 devices" in r.stdout
-    expected = json.loads((CORE_DIR / "expected.json").read_text())
-    assert json.loads(r.stdout.splitlines()[-1])["core"]["core_metric"] == pytest.approx(expected["core_metric"])
-    bad = tmp_path / "bundle"
-    shutil.copytree(CORE_DIR / "eval_bundle", bad)
-    (bad / "eval_data" / "opposites.jsonl").write_text('{"query": "up", "gold": 0}\n')
-    for args, message in [(["--eval-bundle", str(tmp_path / "nowhere")],
-                           "no core.yaml here, not an eval_bundle"),
-                          (["--eval-bundle", str(bad)],
-                           "opposites.jsonl: example 0 lacks one of ('query', 'choices'"),
-                          (["--chat-data", str(tmp_path)], "none of the ChatCORE datasets"),
-                          ([], "give --eval-bundle DIR (CORE) and/or --chat-data DIR (ChatCORE)")]:
-        r = run(*args)
-        assert r.returncode in (1, 2) and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr[-2000:]
+@pytest.mark.slow  # a child of 4 emulated devices, 8 compiles
+def test_bench_memory():
+    """bench.py memory's numbers on 4 emulated devices: the state bytes are sharding.memory's,
+    the arguments alias the params and optimizer state (donated), the total adds XLA's parts;
+    from none to optimizer to full the total falls, and full's temporaries are at most 0.7 of
+    none's (0.49 measured; with whole stacks gathered for each layer, 0.91). --fit doubles the
+    batch while it fits and names the largest power of two for each budget; the README's
+    command parses."""
+    out, stdout = emulated_devices(4, "-c", MEMORY_CHILD)
+    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"bench"')]
+    params = nc.param_shapes(MEMORY_CFG)
+    opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
+    for mode, r in out.items():
+        state = sharding.memory(params, opt, 4, mode)
+        assert [r["params_bytes"], r["grads_bytes"], r["optimizer_bytes"]] == \
+            [state["params"], state["grads"], state["optimizer"]], mode
+        assert r["aliased_bytes"] == state["params"] + state["optimizer"], mode
+        assert r["arguments_bytes"] >= r["aliased_bytes"] + 2 * 4 * 16 * 4 // 4  # + the rows
+        assert r["total_bytes"] == (r["arguments_bytes"] + r["outputs_bytes"]
+                                    - r["aliased_bytes"] + r["temporaries_bytes"])
+    assert out["none"]["total_bytes"] > out["optimizer"]["total_bytes"] > out["full"]["total_bytes"]
+    assert out["full"]["temporaries_bytes"] < 0.7 * out["none"]["temporaries_bytes"]
+    *measured, summary = lines
+    totals = {r["device_batch_size"]: r["total_bytes"] for r in measured}
+    assert list(totals) == [1, 2, 4] and totals[1] == out["full"]["total_bytes"]
+    assert totals[1] < totals[2] < totals[4]  # it stopped past the largest budget
+    assert list(summary["fits"].values()) == [0, 1, 2] and summary["shard"] == "full"
+    import bench
+    args = bench.parse_args(["memory", "--depth", "26", "--shard", "full", "--remat", "--fit",
+                             "16", "32", "80"])
+    assert (args.depth, args.devices, args.max_seq_len, args.fit) == (26, 8, 2048, [16, 32, 80])
 
 
-def test_core_yaml_and_bad_bundles(tmp_path):
-    yaml = tmp_path / "core.yaml"
-    yaml.write_text("# a comment\nicl_tasks:\n- label: a  # inline comment\n  num_fewshot:\n  - 0\n  - 3\n"
-                    "  continuation_delimiter: \"#### \\n\"\n-\n  label: 'it''s'\n  num_fewshot: [10, 5]\n"
-                    "  has_categories: true\neval_gauntlet:\n  weighting: EQUAL\n")
-    assert evaluate.read_icl_tasks(str(yaml)) == [
-        {"label": "a", "num_fewshot": [0, 3], "continuation_delimiter": "#### \n"},
-        {"label": "it's", "num_fewshot": [10, 5], "has_categories": True}]
-    bundle = tmp_path / "b"
-    shutil.copytree(CORE_DIR / "eval_bundle", bundle)
-    with pytest.raises(ValueError,
-                       match="task 'opposites' takes 3-shot examples from the others of its 3"):
-        evaluate.load_bundle(str(bundle), max_per_task=3)
-    (bundle / "eval_meta_data.csv").write_text("Eval Task,Random baseline\npydoc_qa,25\n")
-    with pytest.raises(ValueError, match="no 'Random baseline' for task 'opposites'"):
-        evaluate.load_bundle(str(bundle))
-    (bundle / "core.yaml").write_text("icl_tasks:\n- label: x\n  what is this\n")
-    with pytest.raises(ValueError, match=r"core.yaml:3: cannot read 'what is this'"):
-        evaluate.load_bundle(str(bundle))
+@pytest.mark.slow  # a bench.py process, then a step and an engine compiled for the benchmark alone
+def test_bench_json_lines():
+    """bench.py: `accel` says in one JSON line that it needs an accelerator and exits 0; the timing
+    helpers it and `decode` / `train` print from give their fields."""
+    r = subprocess.run([sys.executable, "bench.py", "accel"], cwd=pathlib.Path(__file__).parent,
+                       capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1]) == {
+        "bench": "accel",
+        "skipped": "no GPU or TPU here; run it where one is (CPU: bench.py train)"}
+    import bench
+    g = bench.generate_timing(random_params(TINY, 0), TINY, 2, prompt_len=5, new=4, repeats=1)
+    assert g["batch"] == 2 and g["new_tokens"] == 4 and g["decode_tok_per_s"] > 0 and g["prefill_ms"] > 0
+    t = bench.train_step_timing(TINY, 2, steps=1, warmup=1)
+    assert np.isfinite(t["loss"]) and 0 < t["step_s"] and t["first_call_s"] > 0
 
 
-def test_core_task_types_by_hand(btok):
-    """The three task types' prompts and scored spans, worked out by hand with the byte tokenizer.
-    """
-    mc = dict(label="mc", type="multiple_choice", num_fewshot=1, delimiter=" ",
-              data=[{"query": "Pets:", "choices": ["cat", "car"], "gold": 0},
-                    {"query": "Q", "choices": ["a"], "gold": 0}])
-    rows, starts, ends = evaluate.core_example(btok, mc, 0)
-    assert [btok.decode(r[1:]) for r in rows] == ["Q a\n\nPets: cat", "Q a\n\nPets: car"]
-    # the shared prefix is not scored
-    assert starts == [len("Q a\n\nPets: ca") + 1] * 2 and ends == [len(rows[0])] * 2
-    schema = dict(label="s", type="schema", num_fewshot=0, delimiter=" ",
-                  data=[{"context_options": ["It rained", "It was sunny"],
-                         "continuation": "so it is wet.", "gold": 0}])
-    rows, starts, ends = evaluate.core_example(btok, schema, 0)
-    # the shared suffix
-    assert [btok.decode(r[s:e]) for r, s, e in zip(rows, starts, ends)] == [" so it is wet."] * 2
-    lm = dict(label="lm", type="language_modeling", num_fewshot=0, delimiter="\nAnswer: ",
-              data=[{"context": "  Capital of France? ", "continuation": "Paris"}])
-    (row,), (s,), (e,) = evaluate.core_example(btok, lm, 0)
-    assert btok.decode(row[1:s]) == "Capital of France?\nAnswer:" and btok.decode(row[s:e]) == " Paris"
+# nanochat's scripts/infer_bench.py writes these keys (commit 92d63d4): ours must too
+INFER_BENCH_KEYS = {
+    "source", "step", "model_config", "gpu", "peak_bandwidth_bytes_per_sec", "total_vram_bytes",
+    "num_params", "param_dtypes", "weight_bytes", "kv_bytes_per_token", "kv_read_bytes_per_step",
+    "context_mid", "peak_flops_per_sec", "decode_flops_per_token", "ceiling_bs1_tok_per_sec",
+    "max_full_context_rows", "prompt_tokens", "decode_tokens", "temperature", "sweep", "prefill"}
+INFER_BENCH_SWEEP_KEYS = {"batch_size", "ttft_sec", "tpot_sec", "tok_per_sec", "mbu_percent",
+                          "mfu_percent", "peak_vram_bytes", "decode_steps"}
 
 
-def write_chat_data(root):
-    """Small ChatCORE datasets in the public layouts: ARC-Easy as Hugging Face parquet,
-    ARC-Challenge as AI2's own .jsonl, the others as Hugging Face .jsonl; returns {task: rows as
-    written}."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    arc = [{"id": f"q{i}", "question": f"Which is number {i}?", "answerKey": "ABCD"[i % 4],
-            "choices": {"text": [f"number {j}" for j in range(4)], "label": list("ABCD")}} for i in range(6)]
-    ai2 = [{"id": "c1", "answerKey": "2", "question": {"stem": "Pick two.", "choices": [
-        {"text": "one", "label": "1"}, {"text": "two", "label": "2"},
-        {"text": "three", "label": "3"}]}}]
-    mmlu = [{"question": f"{i} + 1 =", "subject": "math", "choices": [str(i + d) for d in range(4)],
-             "answer": 1}
-            for i in range(5)]
-    gsm = [{"question": f"Tom has {i} apples and buys 2 more. How many?",
-            "answer": f"He has {i}+2=<<{i}+2={i + 2}>>{i + 2} apples.\n#### {i + 2}"} for i in range(4)]
-    he = [{"task_id": "HumanEval/0",
-           "prompt": "import math\n\ndef root(x):\n    \"\"\"Square root.\"\"\"\n",
-           "canonical_solution": "    return math.sqrt(x)\n", "entry_point": "root",
-           "test": "def check(f):\n    assert f(9) == 3\n"}]
-    folders = {"ai2_arc/ARC-Easy": None, "ai2_arc/ARC-Challenge": ai2, "mmlu/all": mmlu,
-               "gsm8k/main": gsm,
-               "openai_humaneval/openai_humaneval": he}
-    for folder, rows in folders.items():
-        (root / folder).mkdir(parents=True)
-        if rows is not None:
-            (root / folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    pq.write_table(pa.Table.from_pylist(arc), root / "ai2_arc/ARC-Easy/test-00000-of-00001.parquet")
-    (root / "gsm8k/main/train-00000-of-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gsm[::-1]))
-    return {"ARC-Easy": arc, "ARC-Challenge": ai2, "MMLU": mmlu, "GSM8K": gsm, "HumanEval": he}
-
-
-@pytest.mark.slow  # a model of its own, scored by hand row by row on three tasks
-def test_chatcore_categorical_is_the_letters_argmax(tmp_path, btok):
-    rows = write_chat_data(tmp_path)
-    found = tasks.load_chat_tasks(str(tmp_path))
-    order = np.random.default_rng(42).permutation(6)  # nanochat's Dataset.shuffle(seed=42)
-    answers = [c["messages"][-1]["content"] for c in found["ARC-Easy"]]
-    assert answers == [rows["ARC-Easy"][i]["answerKey"] for i in order]
-    assert found["ARC-Challenge"][0]["messages"] == [
-        {"role": "user",
-         "content": "Multiple Choice question: Pick two.\n- one=1\n- two=2\n- three=3\n\n"
-                                    "Respond only with the letter of the correct answer."},
-        {"role": "assistant", "content": "2"}]
-    cfg = nc.Config(sequence_len=256, vocab_size=btok.n_vocab, n_layer=2, n_head=2, n_kv_head=2,
-                    n_embd=32)
-    params = nc.init_params(cfg, jax.random.key(3))
-    # not the zero init
-    params["lm_head"] = jax.random.normal(jax.random.key(4), params["lm_head"].shape)
-    want = {}
-    # by hand: one row at a time, the full forward's last logits
-    for name in ("ARC-Easy", "ARC-Challenge", "MMLU"):
-        hits = []
-        for c in found[name]:
-            ids = data.render_for_completion(btok, c["messages"])
-            # causal: the pads change no logit before
-            padded = np.zeros((1, cfg.sequence_len), np.int32)
-            # them, and one shape compiles once, not once a prompt length
-            padded[0, :len(ids)] = ids
-            z = np.asarray(forward(params, padded, cfg))[0, len(ids) - 1]
-            hits.append(c["letters"][int(np.argmax(z[[btok.encode(l)[0] for l in c["letters"]]]))] ==
-                        c["messages"][-1]["content"])
-        want[name] = np.mean(hits)
-    categorical = {n: found[n] for n in want}
-    for batch_tokens in (256, 1 << 14):  # one row per batch, or all rows in one
-        assert evaluate.evaluate_chat(params, cfg, btok, categorical, batch_tokens=batch_tokens)["results"] == want
-    bad = tmp_path / "bad"
-    shutil.copytree(tmp_path / "mmlu", bad / "mmlu")
-    (bad / "mmlu/all/test.jsonl").write_text('{"question": "q", "choices": ["a", "b"], "answer": 7}\n')
-    with pytest.raises(ValueError,
-                       match="mmlu/all: row 0: .*want the layout of Hugging Face's cais/mmlu"):
-        tasks.load_chat_tasks(str(bad))
-
-
-@pytest.mark.slow  # a model of its own through ChatCORE three times, programs in the sandbox
-def test_gsm8k_humaneval_and_chatcore(tmp_path, btok, monkeypatch):
-    assert tasks.gsm8k_answer("so 3 + 4 = 7\n#### 1,234.5 dollars") == "1234.5"
-    assert tasks.gsm8k_answer("#### -12") == "-12" and tasks.gsm8k_answer("the answer is 12") is None
-    assert tasks.gsm8k_parts("It is 12/60=<<12/60=0.2>>0.2 a minute.\n#### 0.2") == [
-        {"type": "text", "text": "It is 12/60="}, {"type": "python", "text": "12/60"},
-        {"type": "python_output", "text": "0.2"}, {"type": "text",
-                                                   "text": "0.2 a minute.\n#### 0.2"}]
-    write_chat_data(tmp_path)
-    found = tasks.load_chat_tasks(str(tmp_path))
-    he = found["HumanEval"][0]
-    program = tasks.humaneval_program(he,
-                                      "Here:\n```python\ndef root(x):\n    return math.sqrt(x)\n```\nDone.")
-    assert program.startswith("import math\n\ndef root(x):\n") and program.endswith("check(root)")
-    cfg = nc.Config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=2, n_kv_head=2,
-                    n_embd=32)
-    params = nc.init_params(cfg, jax.random.key(0))
-
-    def answer(right):  # the engine's completion replaced by the reference answer (or a wrong one)
-        refs = {}
-        for c in found["GSM8K"] + found["HumanEval"]:
-            ref = c["messages"][-1]["content"]
-            text = f"#### {tasks.gsm8k_answer(ref[-1]['text'])}" if isinstance(ref, list) else ref
-            refs[tuple(data.render_for_completion(btok, c["messages"]))] = text if right else text[:-3] + "1"
-        return lambda p, cfg, tok, prompts, n, *a: [[btok.encode(refs[tuple(prompt)])] * n
-                                                    for prompt in prompts]
-
-    for right in (True, False):
-        monkeypatch.setattr(evaluate, "complete", answer(right))
-        generative = {n: found[n] for n in ("GSM8K", "HumanEval")}
-        assert evaluate.evaluate_chat(params, cfg, btok, generative)["results"] == {"GSM8K": right, "HumanEval": right}
-    out = evaluate.evaluate_chat(params, cfg, btok, found)
-    centred = [(out["results"][n] - b) / (1 - b) for n, b in (("ARC-Easy", .25), ("ARC-Challenge", .25), ("MMLU", .25),
-                                                             ("GSM8K", 0), ("HumanEval", 0))]
-    assert out["chatcore"] == pytest.approx(np.mean(centred))
-    del found["MMLU"]
-    # ChatCORE needs all five
-    assert evaluate.evaluate_chat(params, cfg, btok, found)["chatcore"] is None
-
-
-GOOD_PROGRAM = "def add(a, b):\n    return a + b\n\ndef check(f):\n    assert f(2, 3) == 5\n\ncheck(add)\n"
-
-
-def tree_snapshot(d):
-    # every path under d with its content (None for a directory), to show that nothing outside
-    # changed
-    return {p: None if os.path.isdir(p) else open(p, "rb").read()
-            for root, dirs, files in os.walk(d) for p in [os.path.join(root, n) for n in dirs + files]}
-
-
-def test_sandbox_correct_program_passes():
-    assert execution.run_program(GOOD_PROGRAM)[:2] == (True, None)
-
-
-def test_sandbox_failing_assert_fails():
-    passed, error, _ = execution.run_program(GOOD_PROGRAM.replace("== 5", "== 6"))
-    assert not passed and "AssertionError" in error
-
-
-def test_sandbox_exit_status():
-    assert execution.run_program("import sys; sys.exit(3)")[:2] == (False, "exit status 3")
-    assert execution.run_program("import os; os.abort()")[:2] == (False, "killed by signal 6")
-
-
-def test_sandbox_infinite_loop_times_out():
-    t = time.time()
-    passed, error, _ = execution.run_program("while True:\n    pass\n", timeout=1)
-    assert not passed and error == "timed out after 1 s"
-    assert time.time() - t < 3
-
-
-@pytest.mark.parametrize("code", ["x = []\nwhile True:\n    x.append(b'x' * 10**7)\n",
-                                  "bytearray(10**10)"])
-def test_sandbox_unbounded_allocation_fails(code):
-    t = time.time()
-    passed, error, _ = execution.run_program(code, timeout=5)
-    assert not passed and "MemoryError" in error
-    assert time.time() - t < 3  # the memory limit stops it, not the timeout
-
-
-def test_sandbox_output_flood_is_cut():
-    t = time.time()
-    passed, error, stdout = execution.run_program("while True:\n    print('x' * 10**6)\n",
-                                                  timeout=5)
-    assert not passed and "File too large" in error
-    assert len(stdout) <= 10_000 and time.time() - t < 5
-
-
-@pytest.mark.parametrize("code", ["import socket\nsocket.socket()\n",
-                                  "import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)\n",
-                                  "import urllib.request\nurllib.request.urlopen('http://127.0.0.1:80', timeout=1)\n"])
-def test_sandbox_network_fails(code):
-    passed, error, _ = execution.run_program(code, timeout=2)
-    assert not passed and "sandbox: socket." in error
-
-
-def test_sandbox_network_fails_without_namespaces(monkeypatch):
-    # where unshare is refused (containers, unprivileged users), the audit hook alone must still
-    # stop sockets
-    code = "import os\nprint(os.getuid())\nimport socket\nsocket.socket()\n"
-    passed, error, stdout = execution.run_program(code, timeout=2, network_namespace=False)
-    assert not passed and "sandbox: socket.__new__" in error and stdout == f"{os.getuid()}\n"
-    assert execution.run_program(GOOD_PROGRAM)[:2] == (True, None)
-
-
-@pytest.mark.parametrize("code", [
-    "open({target!r}, 'w').write('pwned')",
-    "import os\nos.close(os.open({target!r}, os.O_WRONLY | os.O_CREAT))",
-    "import pathlib\npathlib.Path({target!r}).write_text('pwned')",
-    # symlinks are followed
-    "import os\nos.symlink({target!r}, 'link')\nopen('link', 'w').write('pwned')",
-    "import os\nos.mkdir({target!r})",
-    "import shutil\nshutil.copy('program.py', {target!r})",
-])
-def test_sandbox_write_outside_fails(tmp_path, code):
-    target = str(tmp_path / "new.txt")
-    before = tree_snapshot(tmp_path)
-    passed, error, _ = execution.run_program(code.format(target=target))
-    assert not passed and "PermissionError: sandbox:" in error
-    assert not os.path.exists(target) and tree_snapshot(tmp_path) == before
-
-
-@pytest.mark.parametrize("code", [
-    "import os\nos.remove({victim!r})",
-    "import os\nos.rename({victim!r}, 'stolen.txt')",
-    "import os\nos.replace('program.py', {victim!r})",
-    "import shutil\nshutil.move({victim!r}, 'stolen.txt')",
-    "import shutil\nshutil.rmtree({folder!r})",
-    "import os\nos.chmod({victim!r}, 0)",
-    "import os\nos.truncate({victim!r}, 0)",
-    "open({victim!r}, 'a').write('more')",
-    # a hard link would share the inode
-    "import os\nos.link({victim!r}, 'hard')\nopen('hard', 'a').write('more')",
-    # fds are checked by the file they are on
-    "import os\nfd = os.open({victim!r}, os.O_RDONLY)\nos.chmod(fd, 0)",
-    "import os\nd = os.open({folder!r}, os.O_RDONLY)\nos.remove('victim.txt', dir_fd=d)",
-])
-def test_sandbox_change_outside_fails(tmp_path, code):
-    folder = tmp_path / "folder"
-    folder.mkdir()
-    victim = folder / "victim.txt"
-    victim.write_text("precious")
-    os.chmod(victim, 0o644)
-    before = tree_snapshot(tmp_path)
-    passed, error, _ = execution.run_program(code.format(victim=str(victim), folder=str(folder)))
-    assert not passed and "PermissionError: sandbox:" in error
-    assert victim.read_text() == "precious" and os.stat(victim).st_mode & 0o777 == 0o644
-    assert tree_snapshot(tmp_path) == before
-
-
-@pytest.mark.parametrize("code", [
-    "import os\nassert os.system('touch {target}') == 0",
-    "import subprocess\nsubprocess.run(['touch', {target!r}])",
-    "import os\nos.execv('/usr/bin/touch', ['touch', {target!r}])",
-    "import os\nif os.fork() == 0:\n    open({target!r}, 'w')",
-    "import multiprocessing as mp\nif __name__ == '__main__':\n"
-    "    p = mp.get_context('spawn').Process(target=print)\n    p.start()\n    p.join()",
-    "import ctypes\nctypes.CDLL(None).system(b'touch {target}')",
-    "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",  # the parent (pytest) must survive
-])
-def test_sandbox_process_creation_and_ctypes_fail(tmp_path, code):
-    target = str(tmp_path / "touched")
-    passed, error, _ = execution.run_program(code.format(target=target))
-    assert not passed and "sandbox:" in error
-    assert not os.path.exists(target)
-
-
-def test_sandbox_own_temp_dir_is_writable_and_removed():
-    code = ("import os, shutil, tempfile\n"
-            "open('data.txt', 'w').write('hello')\n"
-            "assert open('data.txt').read() == 'hello'\n"
-            "os.makedirs('a/b')\nos.rename('data.txt', 'a/b/data.txt')\nshutil.rmtree('a')\n"
-            "with tempfile.TemporaryFile() as f:\n    f.write(b'x')\n"
-            "print(os.getcwd())\n")
-    passed, error, stdout = execution.run_program(code)
-    assert (passed, error) == (True, None)
-    cwd = stdout.strip()
-    assert cwd.startswith("/") and not os.path.exists(cwd)
-
-
-def test_sandbox_ordinary_imports_work():
-    code = ("import math, itertools, collections, re, json, functools, heapq, string, typing, fractions, decimal\n"
-            "import random, hashlib, bisect, statistics, datetime, copy, operator, sys\n"
-            "assert hashlib.sha256(b'x').hexdigest().startswith('2d711642')\n"
-            "assert json.loads(json.dumps({'a': [1, 2]})) == {'a': [1, 2]}\n"
-            "sys.setrecursionlimit(10_000)\n"
-            "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
-            "assert depth(5_000) == 5_000\n")
-    assert execution.run_program(code)[:2] == (True, None)
-
-
-def test_sandbox_run_goes_on(tmp_path):
-    # after every kind of failure in a row, the parent is fine and a normal program still passes
-    bad = ["while True: pass", "bytearray(10**10)", "import socket; socket.socket()",
-           "import ctypes",
-           f"open({str(tmp_path / 'x')!r}, 'w')", "import os; os.system('true')",
-           "raise SystemExit(7)"]
-    for code in bad:
-        assert execution.run_program(code, timeout=1)[0] is False
-    assert execution.run_program(GOOD_PROGRAM)[:2] == (True, None)
-    assert os.listdir(tmp_path) == []
-
-
-@pytest.mark.slow  # base, SFT and RL stages: the pipeline
-def test_rl_on_gsm8k_takes_nanochat_settings(train_root, tmp_path):
-    """--rl-tasks gsm8k: nanochat's chat_rl settings unless a flag says otherwise, GSM8K's train
-    split walked in order and rewarded by its '####' answer; a checkpoint of another tokenizer is
-    refused in one line."""
-    args = train.parse_args(["--rl-tasks", "gsm8k"])
-    assert (args.rl_prompts, args.rl_samples, args.rl_max_tokens, args.rl_lr_frac,
-            args.rl_iterations, args.rl_eval,
-            args.rl_eval_every) == (16, 16, 256, 0.05, -1, 400, 60)
-    assert train.parse_args(["--rl-tasks", "gsm8k", "--rl-prompts", "2"]).rl_prompts == 2
-    assert train.parse_args([]).rl_prompts == 8 and train.parse_args([]).rl_eval_every == 0
-    write_chat_data(tmp_path / "chat")
-    root = fresh_root(train_root, tmp_path / "run")
-    run_stage(root, "base", 2)
-    run_stage(root, "sft", 2)
-    gsm = dict(task_names=["gsm8k"], chat_data=str(tmp_path / "chat"), eval_n=2, eval_every=1,
-               iterations=-1,
-               lr_frac=0.05)  # --rl-tasks gsm8k's defaults, as the flags' check above found them
-    tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
-    cfg = nc.Config(**json.load(open(os.path.join(checkpoint.latest_checkpoint(root, ("sft",)), "meta.json")))["config"])
-    fits = lambda messages: len(data.render_for_completion(tok, messages)) < cfg.sequence_len - 1
-    found = tasks.rl_tasks(["gsm8k"], 0, str(tmp_path / "chat"), fits)
-    train_rows = [json.loads(l) for l in open(tmp_path / "chat/gsm8k/main/train-00000-of-00001.jsonl")]
-    order = np.random.default_rng(42).permutation(4)
-    # in order, then round again
-    steps = [[c for c, _ in rl.rl_prompts(found, step, 2)] for step in range(3)]
-    assert [c[0]["content"] for s in steps for c in s] == [train_rows[i]["question"] for i in [*order, *order[:2]]]
-    reward = found["gsm8k"][2]
-    assert reward(steps[0][0], f"#### {tasks.gsm8k_answer(train_rows[order[0]]['answer'])}") is True
-    assert reward(steps[0][0], "#### 1000") is False
-    _, _, losses, info = run_stage(root, "rl", **gsm)
-    assert len(losses) == 2 and np.isfinite(losses).all()  # one epoch: 4 questions / 2 a step
-    assert set(info) >= {"pass@k before", "pass@k 1", "pass@k"} and set(info["pass@k"]["gsm8k"]) == {"pass@1", "pass@2"}
-    other = data.train_tokenizer(["a different corpus for another tokenizer"] * 50, 280)
-    other.save(os.path.join(root, "tokenizer.json"))
-    with pytest.raises(ValueError,
-                       match="was trained with another tokenizer than .*tokenizer.json"):
-        run_stage(root, "rl", **gsm)
+@pytest.mark.slow  # engines of their own for a tiny model
+def test_bench_serve_and_infer_bench(monkeypatch, capsys):
+    """bench.py serve: streams through the engine report their tokens and latencies; its
+    --infer-bench ends with one JSON document of nanochat's infer_bench schema, whose MBU and MFU
+    follow nanochat's formulas from the document's own numbers."""
+    import bench
+    eng = engine.Engine(random_params(TINY, 0), TINY, slots=4, kmax=4)
+    r = bench.serve_streams(eng, [[1, 2, 3], [4, 5]], 10)
+    assert r["streams"] == 2 and r["tokens"] == 20 and 0 < r["ttft_ms_p50"] <= r["ttft_ms_p95"]
+    assert r["device_calls_per_token"] < 0.5 and r["host_hops_per_token"] == 0
+    monkeypatch.setitem(bench.CONFIGS, "tiny", TINY)
+    bench.bench_infer("tiny", batch_sizes=(1, 2), decode_tokens=8, kmax=4)
+    doc = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert set(doc) == INFER_BENCH_KEYS and doc["prompt_tokens"] == 56
+    assert [set(row) for row in doc["sweep"]] == [INFER_BENCH_SWEEP_KEYS] * 2
+    assert set(doc["prefill"]) == {"tok_per_sec", "mfu_percent", "time_sec"}
+    # TINY: 3 layers, K*D = 16 channels of k and of v, fp32; every window past context 60
+    assert doc["kv_bytes_per_token"] == 3 * 2 * 16 * 4
+    assert doc["kv_read_bytes_per_step"] == 2 * 16 * 4 * (60 + 60 + 60)
+    for row in doc["sweep"]:
+        moved = doc["weight_bytes"] + row["batch_size"] * doc["kv_read_bytes_per_step"]
+        # the document holds tpot to the microsecond and MBU to a hundredth: bound both roundings
+        slowest, fastest = (100 * moved / (row["tpot_sec"] + d) / doc["peak_bandwidth_bytes_per_sec"]
+                            for d in (5e-7, -5e-7))
+        assert slowest - 0.005 <= row["mbu_percent"] <= fastest + 0.005
+        assert row["decode_steps"] == 7
 
 
 # --------------------------------------------------------------------------------------------------
-# The documented commands: every `python <script>.py ...` of README.md and docs/*.md runs or parses
+# The documented commands: docs/pieces.md's snippets, and every `python <script>.py ...` of
+# README.md and docs/*.md runs or parses
+
+@pytest.mark.slow  # the snippets run op by op: some 300 compiles (each piece has a quick test too)
+def test_readme_snippets_run():
+    """docs/pieces.md: block, attention, Muon on another model, the train step and CORE, each
+    alone."""
+    section = (pathlib.Path(__file__).parent / "docs" / "pieces.md").read_text()
+    snippets = re.findall(r"```python\n(.*?)```", section, re.S)
+    # each checks its own result
+    assert len(snippets) == 5 and all("assert " in s for s in snippets)
+    for code in snippets:
+        exec(compile(code, "docs/pieces.md", "exec"), {})
+
 
 DOCS = [pathlib.Path(__file__).parent / "README.md",
         *sorted((pathlib.Path(__file__).parent / "docs").glob("*.md"))]
