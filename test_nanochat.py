@@ -86,13 +86,23 @@ def shared_compile_cache(tmp_path_factory):
 # --------------------------------------------------------------------------------------------------
 # Shared by the sections below: the configs, random params, the golden file
 
-GOLDEN_CFG = nc.Config(sequence_len=512, vocab_size=300, n_layer=4, n_head=2, n_kv_head=1,
-                       n_embd=64,
-                       window_pattern="SL")
 TINY = nc.Config(sequence_len=64, vocab_size=100, n_layer=3, n_head=4, n_kv_head=2, n_embd=32,
                  window_pattern="SL")
-CHAT_CFG = nc.Config(sequence_len=256, vocab_size=265, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
-                     window_pattern="L")  # the byte tokenizer's vocab
+
+
+def config(**changes):
+    """A tiny model's config: TINY with these fields changed (the way every test makes one)."""
+    return dataclasses.replace(TINY, **changes)
+
+
+# testdata's golden model (testdata/README.md), the byte tokenizer's chat model and testdata's
+# real nanochat checkpoint (a d2 trained by nanochat, in NANOCHAT_D2)
+GOLDEN_CFG = config(sequence_len=512, vocab_size=300, n_layer=4, n_head=2, n_kv_head=1, n_embd=64)
+CHAT_CFG = config(sequence_len=256, vocab_size=265, n_layer=2, n_head=2, n_kv_head=1,
+                  window_pattern="L")
+NANOCHAT_D2_CFG = config(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=1,
+                         n_embd=64, window_pattern="L")
+NANOCHAT_D2 = TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"
 TRAIN_ARGS = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "16", "--max-seq-len", "32",
               "--device-batch-size", "4", "--total-batch-size", "256", "--vocab-size", "300",
               "--warmup-steps", "2",
@@ -137,21 +147,28 @@ def assert_matches_golden(params, golden, prefix, atol):
 # --------------------------------------------------------------------------------------------------
 # The product files: their imports form a DAG, in the order of the sections below
 
-IMPORTS = {  # each module of ours: the modules of ours it imports (nanochat.py and muon.py: none)
-    "nanochat": set(), "muon": set(), "data": set(), "execution": set(), "kernels": {"nanochat"},
+# each module of ours: the modules of ours it imports, in the order of the sections below
+IMPORTS = {
+    "nanochat": set(),
+    "kernels": {"nanochat"},
+    "muon": set(),
+    "data": set(),
+    "execution": set(),
+    "tasks": {"data", "execution"},
+    "torch_files": set(),
+    "checkpoint": {"data", "nanochat", "torch_files"},
     "engine": {"nanochat"},
-    "tasks": {"data", "execution"}, "checkpoint": {"data", "nanochat", "torch_files"}, "torch_files": set(),
+    "sharding": {"data"},
     "evaluate": {"checkpoint", "data", "engine", "kernels", "nanochat", "sharding", "tasks"},
     "report": {"data", "evaluate", "nanochat"},
     "rl": {"checkpoint", "data", "engine", "evaluate", "tasks"},
-    "sharding": {"data"},
     "train": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "report", "rl",
               "sharding", "tasks"},
     "chat": {"checkpoint", "data", "engine", "kernels"},
-    "bench": {"data", "engine", "kernels", "muon", "nanochat", "report", "sharding", "train"},
     "scaling_fits": set(),
     "scaling": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "scaling_fits",
                 "sharding", "train"},
+    "bench": {"data", "engine", "kernels", "muon", "nanochat", "report", "sharding", "train"},
 }
 
 
@@ -225,7 +242,7 @@ def test_golden_structure(golden):
 @pytest.mark.slow  # the golden model compiled once more, in bfloat16
 def test_bf16_close_to_fp32(golden):
     params = golden_tree(golden, "param")
-    bf16 = nc.Config(**{**GOLDEN_CFG.__dict__, "compute_dtype": "bfloat16"})
+    bf16 = dataclasses.replace(GOLDEN_CFG, compute_dtype="bfloat16")
     logits = forward(params, golden["tokens"], bf16)
     assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
     # logits reach 1.85; fp32 is off by 1e-6
@@ -290,13 +307,8 @@ def test_config_errors(kwargs, match):
 # --------------------------------------------------------------------------------------------------
 # Model invariants
 
-@pytest.fixture(scope="session")
-def tiny_params():
-    return nc.init_params(TINY, jax.random.key(0))
-
-
-def test_init_follows_nanochat(tiny_params):
-    p, C = tiny_params, TINY.n_embd
+def test_init_follows_nanochat():
+    p, C = nc.init_params(TINY, jax.random.key(0)), TINY.n_embd
     s = 3**0.5 / C**0.5
     assert abs(float(p["wte"].std()) - 0.8) < 0.03 and abs(float(p["wte"].mean())) < 0.05
     assert abs(float(p["lm_head"].std()) - 0.001) < 1e-4
@@ -320,21 +332,12 @@ def test_init_follows_nanochat(tiny_params):
     # it composes: e.g. out_shardings
     nested = jax.jit(nc.init_params, static_argnames="cfg")(TINY, jax.random.key(0))
     for same in (again, fast, nested):
-        assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, tiny_params, same)))
-    assert not jnp.array_equal(tiny_params["wte"], other["wte"])
+        assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, p, same)))
+    assert not jnp.array_equal(p["wte"], other["wte"])
 
 
-@jax.jit  # one compile, not three a leaf shape
-def perturbed(params, key):
-    """Params with every path alive (nanochat's init zeroes the projections and the smear)."""
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(key, len(leaves))
-    return jax.tree.unflatten(treedef,
-                              [w + 0.1 * jax.random.normal(k, w.shape) for w, k in zip(leaves, keys)])
-
-
-def test_causality(tiny_params):
-    params = perturbed(tiny_params, jax.random.key(1))
+def test_causality():
+    params = random_params(TINY, 1)
     tokens = jax.random.randint(jax.random.key(2), (2, 48), 0, TINY.vocab_size)
     changed = tokens.at[:, 30:].set((tokens[:, 30:] + 7) % TINY.vocab_size)
     a, b = forward(params, tokens, TINY), forward(params, changed, TINY)
@@ -343,8 +346,7 @@ def test_causality(tiny_params):
 
 
 def test_sliding_window_limits_context():
-    cfg = nc.Config(sequence_len=512, vocab_size=100, n_layer=1, n_head=2, n_kv_head=2, n_embd=32,
-                    window_pattern="S")
+    cfg = config(sequence_len=512, n_layer=1, n_head=2, window_pattern="S")
     assert nc.window_sizes(cfg) == [512]  # a single layer is the last layer: always full context
     mask = nc.attention_mask(jnp.arange(300), jnp.arange(300), 128)
     assert int(mask.sum(1)[-1]) == 129 and int(mask.sum(1)[5]) == 6 and not mask[10, 11]
@@ -443,7 +445,7 @@ def test_model_names_no_backend():
     for name in ("cpu", "gpu", "tpu", "cudnn", "splash", "pallas", "mesh", "shard_map",
                  "default_backend"):
         assert not re.search(rf"\b{name}\b", source), name
-    params = perturbed(nc.init_params(TINY, jax.random.key(0)), jax.random.key(5))
+    params = random_params(TINY, 5)
     tokens = jax.random.randint(jax.random.key(6), (2, 64), 0, TINY.vocab_size)
     fast = jax.jit(nc.forward, static_argnames=("cfg", "attn"))(params, tokens, TINY, kernels.attention())
     # the same model
@@ -530,15 +532,16 @@ def test_golden_optimizer_cautious_weight_decay(golden):
 
 
 @pytest.mark.slow  # the optimizer update compiled alone, outside the train step
-def test_schedules_do_not_recompile(tiny_params):
+def test_schedules_do_not_recompile():
     @jax.jit
     @chex.assert_max_traces(n=1)
     def step(grads, state, params, lr_mult, momentum, weight_decay):
         return nanochat_update(grads, state, params, lr_mult=lr_mult, momentum=momentum,
                                weight_decay=weight_decay)
 
-    params, state = tiny_params, init_opt(tiny_params)
-    grads = perturbed(jax.tree.map(jnp.zeros_like, tiny_params), jax.random.key(5))
+    params = random_params(TINY, 0)
+    state = init_opt(params)
+    grads = random_params(TINY, 5)
     for i in range(3):
         params, state = step(grads, state, params, 1.0 - 0.1 * i, 0.85 + 0.05 * i, 0.1 * i)
     chex.assert_tree_all_finite(params)
@@ -602,24 +605,25 @@ def test_muon_stacks_do_not_mix():
         np.testing.assert_allclose(together[j], jnp.concatenate([a[j] for a in alone]), atol=1e-6)
 
 
-def test_muon_update_padded_for_devices_is_the_same(tiny_params):
+def test_muon_update_padded_for_devices_is_the_same():
     """update's shards pad each Muon stack with zero matrices to a multiple of the devices (the
     stacks of 2 layers to 8) and hand it to place: the same step, the padding gone."""
-    labels, groups = nc.param_groups(tiny_params)
-    grads = jax.tree.map(lambda w: jnp.cos(w * 3.0 + 1.0), tiny_params)
-    state = muon.init(tiny_params, labels, groups)
+    params = random_params(TINY, 0)
+    labels, groups = nc.param_groups(params)
+    grads = jax.tree.map(lambda w: jnp.cos(w * 3.0 + 1.0), params)
+    state = muon.init(params, labels, groups)
     placed = []
 
     def place(stack):
         placed.append(stack.shape)
         return stack
-    plain = muon.update(grads, state, tiny_params, labels, groups)
-    padded = muon.update(grads, state, tiny_params, labels, groups, 8, place)
+    plain = muon.update(grads, state, params, labels, groups)
+    padded = muon.update(grads, state, params, labels, groups, 8, place)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(padded)):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert placed and all(shape[0] % 8 == 0 for shape in placed)
-    assert any(shape[0] > 2 * tiny_params["h"]["mlp"]["c_fc"].shape[0] for shape in placed)
+    assert any(shape[0] > 2 * params["h"]["mlp"]["c_fc"].shape[0] for shape in placed)
 
 
 def test_adamw_matches_numpy():
@@ -639,13 +643,14 @@ def test_adamw_matches_numpy():
     np.testing.assert_allclose(jp, p, rtol=0, atol=1e-6)
 
 
-def test_optimizer_groups_follow_nanochat(tiny_params, monkeypatch):
-    state = init_opt(tiny_params)
+def test_optimizer_groups_follow_nanochat(monkeypatch):
+    params = random_params(TINY, 0)
+    state = init_opt(params)
     calls, step = [], muon.muon_step
     monkeypatch.setattr(muon, "muon_step",
                         lambda p, *a, **hp: calls.append(p.shape) or step(p, *a, **hp))
-    jax.eval_shape(nanochat_update, tiny_params, state, tiny_params)
-    shapes = {w.shape[1:] for w in jax.tree.leaves(tiny_params["h"])}
+    jax.eval_shape(nanochat_update, params, state, params)
+    shapes = {w.shape[1:] for w in jax.tree.leaves(params["h"])}
     # one batched Polar Express per shape, nanochat's shape groups
     assert len(calls) == len(shapes) == 5
     # (K, in, out)
@@ -658,8 +663,8 @@ def test_optimizer_groups_follow_nanochat(tiny_params, monkeypatch):
     # Muon even for the tiny (12, 2) ve_gate
     assert state["var"]["h"]["attn"]["ve_gate"].shape == (2, 12, 1)
     # AdamW, though 3-D
-    assert state["var"]["value_embeds"].shape == tiny_params["value_embeds"].shape
-    labels, groups = nc.param_groups(tiny_params, embedding_lr=0.3, scalar_lr=0.4, lr_mult=0.5)
+    assert state["var"]["value_embeds"].shape == params["value_embeds"].shape
+    labels, groups = nc.param_groups(params, embedding_lr=0.3, scalar_lr=0.4, lr_mult=0.5)
     assert labels["h"]["mlp"]["c_fc"] == "h" and labels["backout_lambda"] == labels["smear_gate"] == "smear"
     scale = (32 / 768) ** -0.5
     assert groups["value_embeds"]["lr"] == pytest.approx(0.3 * scale * 0.5 * 0.5)
@@ -1807,14 +1812,13 @@ def test_malicious_pickles_are_refused(tmp_path):
 def test_damaged_torch_checkpoints_are_one_line_errors(tmp_path):
     """Each way a nanochat .pt can be broken, built here from the real one: a ValueError naming the
     file (chat.py prints it as one line), never a traceback or a half-read model."""
-    real = TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"
-    with zipfile.ZipFile(real / "model_000100.pt") as z:
+    with zipfile.ZipFile(NANOCHAT_D2 / "model_000100.pt") as z:
         files = {n: z.read(n) for n in z.namelist()}
 
     def broken(name, change=None, drop=None, raw=None):
         d = tmp_path / name
         d.mkdir()
-        shutil.copy(real / "meta_000100.json", d)
+        shutil.copy(NANOCHAT_D2 / "meta_000100.json", d)
         if raw is not None:
             (d / "model_000100.pt").write_bytes(raw)
         else:
@@ -1862,18 +1866,19 @@ def test_damaged_torch_checkpoints_are_one_line_errors(tmp_path):
 # --------------------------------------------------------------------------------------------------
 # checkpoint.py: nanochat's state_dict, our checkpoints, real nanochat checkpoints, export
 
-def test_state_dict_round_trip(tiny_params):
-    sd = checkpoint.to_nanochat_state_dict(tiny_params, TINY)
+def test_state_dict_round_trip():
+    params = random_params(TINY, 0)
+    sd = checkpoint.to_nanochat_state_dict(params, TINY)
     assert sd["transformer.h.0.attn.c_k.weight"].shape == (16, 32)  # (out, in)
     assert sd["lm_head.weight"].shape == (128, 32) and "value_embeds.1.weight" not in sd
     back = checkpoint.from_nanochat_state_dict({"_orig_mod." + k: v for k, v in sd.items()}, TINY)
-    assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, back, tiny_params)))
+    assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, back, params)))
     again = checkpoint.to_nanochat_state_dict(back, TINY)
     assert all(np.array_equal(again[k], sd[k]) for k in sd)
 
 
-def test_state_dict_errors(tiny_params):
-    sd = checkpoint.to_nanochat_state_dict(tiny_params, TINY)
+def test_state_dict_errors():
+    sd = checkpoint.to_nanochat_state_dict(random_params(TINY, 0), TINY)
     with pytest.raises(ValueError, match="missing .*lm_head"):
         checkpoint.from_nanochat_state_dict({k: v for k, v in sd.items() if k != "lm_head.weight"},
                                             TINY)
@@ -1882,14 +1887,15 @@ def test_state_dict_errors(tiny_params):
                                             TINY)
 
 
-def test_checkpoint_round_trip_and_atomic(tmp_path, tiny_params):
-    opt = init_opt(tiny_params)
+def test_checkpoint_round_trip_and_atomic(tmp_path):
+    tiny = random_params(TINY, 0)
+    opt = init_opt(tiny)
     for step in (1, 2, 3, 4):
-        path = checkpoint.save_checkpoint(str(tmp_path), step, tiny_params, opt, {"step": step},
+        path = checkpoint.save_checkpoint(str(tmp_path), step, tiny, opt, {"step": step},
                                           keep=2)
     assert [os.path.basename(d) for d in checkpoint.checkpoint_dirs(str(tmp_path))] == ["step_000003", "step_000004"]
     params, opt2, meta = checkpoint.load_checkpoint(path)
-    assert meta == {"step": 4} and all(jax.tree.leaves(jax.tree.map(np.array_equal, params, tiny_params)))
+    assert meta == {"step": 4} and all(jax.tree.leaves(jax.tree.map(np.array_equal, params, tiny)))
     assert int(opt2["step"]) == 0 and all(jax.tree.leaves(jax.tree.map(np.array_equal, opt2, opt)))
     # a write that dies midway leaves the previous checkpoint intact
     with pytest.raises(TypeError):
@@ -1899,7 +1905,7 @@ def test_checkpoint_round_trip_and_atomic(tmp_path, tiny_params):
     unwritable = lambda p: open(os.path.join(p, "no_such_dir", "tokenizer.json"), "w")
     # nor when an extra file (train.py's tokenizer.json) fails
     with pytest.raises(FileNotFoundError):
-        checkpoint.save_checkpoint(str(tmp_path), 5, tiny_params, None, {},
+        checkpoint.save_checkpoint(str(tmp_path), 5, tiny, None, {},
                                    files={"tokenizer.json": unwritable})
     assert sorted(os.listdir(tmp_path)) == ["step_000003", "step_000004"]
     assert checkpoint.latest_checkpoint(str(tmp_path), ("",)) == path and checkpoint.load_checkpoint(path)[2] == {"step": 4}
@@ -1907,20 +1913,21 @@ def test_checkpoint_round_trip_and_atomic(tmp_path, tiny_params):
         checkpoint.load_checkpoint(str(tmp_path))
 
 
-def test_a_checkpoint_is_found_from_a_step_a_stage_or_a_root(tmp_path, tiny_params):
+def test_a_checkpoint_is_found_from_a_step_a_stage_or_a_root(tmp_path):
     """checkpoint.load_model (chat.py's and evaluate.py's --checkpoint) takes a step directory, a
     stage folder (its newest step) or a root (the newest step of its last stage: RL, then SFT, then
     base)."""
+    tiny = random_params(TINY, 0)
     tok, root = data.byte_tokenizer(), tmp_path / "checkpoints"
     meta = {"config": dataclasses.asdict(TINY), "tokenizer": "tokenizer.json"}
     for stage, step in (("base", 5), ("base", 9), ("sft", 3)):
-        scaled = jax.tree.map(lambda w: w * step, tiny_params)  # each step's weights tell it apart
+        scaled = jax.tree.map(lambda w: w * step, tiny)  # each step's weights tell it apart
         checkpoint.save_checkpoint(str(root / stage), step, scaled, None, meta,
                                    files={"tokenizer.json": tok.save})
     for where, step in ((root / "base" / "step_000005", 5), (root / "base", 9), (root, 3)):
         assert checkpoint.find_step(str(where)).endswith(f"step_{step:06d}")
         params, cfg, loaded = checkpoint.load_model(str(where))
-        np.testing.assert_array_equal(params["wte"], tiny_params["wte"] * step)
+        np.testing.assert_array_equal(params["wte"], tiny["wte"] * step)
         assert cfg == TINY and loaded.tokens == tok.tokens
     with pytest.raises(FileNotFoundError,
                        match=r"no checkpoint in .*empty/: pass a step directory, a stage folder"):
@@ -1928,13 +1935,14 @@ def test_a_checkpoint_is_found_from_a_step_a_stage_or_a_root(tmp_path, tiny_para
 
 
 @pytest.mark.slow  # five saving processes, each killed after a wait
-def test_damaged_checkpoint_is_skipped_by_resume_and_kill9_never_leaves_half_a_step(tmp_path, tiny_params):
+def test_damaged_checkpoint_is_skipped_by_resume_and_kill9_never_leaves_half_a_step(tmp_path):
     """A damaged params.msgpack or meta.json is a one-line error, and --resume's loader falls back
     to the previous step; a process killed at random moments while saving (kill -9) leaves every
     step_* complete or absent."""
+    tiny = random_params(TINY, 0)
     root = str(tmp_path / "ck")
     for step in (1, 2):
-        checkpoint.save_checkpoint(root, step, tiny_params, None, {"step": step})
+        checkpoint.save_checkpoint(root, step, tiny, None, {"step": step})
     newest = os.path.join(root, "step_000002")
     raw = open(os.path.join(newest, "params.msgpack"), "rb").read()
     # truncated; a byte msgpack never uses
@@ -1972,7 +1980,7 @@ def test_damaged_checkpoint_is_skipped_by_resume_and_kill9_never_leaves_half_a_s
             assert params["w"].shape == (4_000_000,) and float(params["w"][-1]) == 3_999_999 and opt is not None
     assert checkpoint.checkpoint_dirs(root)  # some saves completed
     # the next save sweeps what the killed ones left
-    checkpoint.save_checkpoint(root, 99, tiny_params, None, {})
+    checkpoint.save_checkpoint(root, 99, tiny, None, {})
     assert all(re.fullmatch(r"step_\d{6}", n) for n in os.listdir(root))
 
 
@@ -1984,13 +1992,11 @@ def test_nanochat_checkpoint_import():
     e = np.load(root / "expected.npz")
     # the NANOCHAT_BASE_DIR: finds base_checkpoints/d2
     params, cfg, tk = checkpoint.load_nanochat(str(root))
-    assert cfg == nc.Config(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=1,
-                            n_embd=64,
-                            window_pattern="L")
+    assert cfg == NANOCHAT_D2_CFG
     assert [tk.bos] + tk.encode("Return the") == e["prompt_ids"][0].tolist() and tk.bos == 503
     # causal: pads are harmless
     batch = np.concatenate([e["text_ids"], np.pad(e["prompt_ids"], ((0, 0), (0, 59)))])
-    logits = np.asarray(full_forward(params, batch, cfg))
+    logits = np.asarray(forward(params, batch, cfg))
     np.testing.assert_allclose(logits[1:, :5], e["logits"], rtol=0, atol=5e-5)
     np.testing.assert_allclose(logits[:1], e["text_logits"], rtol=0, atol=5e-5)
     lse = np.log(np.exp(logits[0, :-1].astype(np.float64)).sum(-1))
@@ -2000,18 +2006,15 @@ def test_nanochat_checkpoint_import():
     assert tokens[:, 0].tolist() == e["greedy_ids"].tolist() == e["naive_greedy_ids"].tolist()
     assert tk.decode(e["prompt_ids"][0].tolist() + tokens[:, 0].tolist()) == \
         "<|bos|>Return the string obtained by replacing the leftmost\nnon"
-    model_dir = root / "base_checkpoints" / "d2"  # the model directory itself works too
-    again, _, _ = checkpoint.load_nanochat(str(model_dir))
+    # the model directory itself works too
+    again, _, _ = checkpoint.load_nanochat(str(NANOCHAT_D2))
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, again, params)))
-    sd = torch_files.read_torch_state_dict(model_dir / "model_000100.pt")
+    sd = torch_files.read_torch_state_dict(NANOCHAT_D2 / "model_000100.pt")
     assert sd["transformer.wte.weight"].dtype.name == "bfloat16" and sd["lm_head.weight"].dtype == np.float32
 
 
 # --------------------------------------------------------------------------------------------------
 # Export to nanochat: python checkpoint.py export SOURCE DEST (docs/export.md)
-
-NANOCHAT_D2 = TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"
-
 
 def pickle_globals(raw):
     """The (module, name) of each GLOBAL and STACK_GLOBAL in a pickle (STACK_GLOBAL's from the
@@ -2033,8 +2036,7 @@ def test_export_round_trips_our_checkpoint(tmp_path, bpe_golden):
     export` does, reads back with load_nanochat bit for bit: weights, tokenizer, logits, greedy
     reply; the meta holds nanochat's GPTConfig and what its scripts read. --embeddings bfloat16
     rounds only wte and value_embeds, and says so."""
-    cfg = nc.Config(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=1, n_embd=64,
-                    window_pattern="L")
+    cfg = NANOCHAT_D2_CFG
     tok = data.train_tokenizer([bpe_golden["text"], MULTILINGUAL], cfg.vocab_size)
     params = random_params(cfg, 11)
     flags = {"device_batch_size": 4, "total_batch_size": -1, "embedding_lr": 0.3}
@@ -2053,11 +2055,11 @@ def test_export_round_trips_our_checkpoint(tmp_path, bpe_golden):
         (tok.tokens, tok.pat_str, tok.special)
     assert any(t[0] >= 0x80 for t in tok.tokens[256:])  # merges of UTF-8 bytes, as bytes
     written = json.loads((dest / "chatsft_checkpoints" / "d2" / "meta_000007.json").read_text())
-    config = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "compute_dtype"}
-    assert written == {"step": 7, "val_bpb": 1.25, "model_config": config, "user_config": flags,
+    gpt_config = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "compute_dtype"}
+    assert written == {"step": 7, "val_bpb": 1.25, "model_config": gpt_config, "user_config": flags,
                        "device_batch_size": 4, "max_seq_len": 128}  # no -1 batch: unknown
     ids = np.array([[tok.bos, *tok.encode("Réponse courte, 東京 " * 9)][:64]] * 2)
-    np.testing.assert_array_equal(full_forward(got, ids, cfg), full_forward(params, ids, cfg))
+    np.testing.assert_array_equal(forward(got, ids, cfg), forward(params, ids, cfg))
     prompt = [tok.bos, *tok.encode("Return the string")][:5]  # 5 tokens, as the import test's
     reply = generated(got, cfg, prompt, max_tokens=20)[0][:, 0].tolist()
     assert reply == generated(params, cfg, prompt, max_tokens=20)[0][:, 0].tolist()
@@ -2214,13 +2216,8 @@ def test_export_cli(tmp_path):
 # engine.py: the reference generate (a KV cache, sampling, tools) against nanochat's Engine
 # and the full forward
 
-GEN_CFG = nc.Config(sequence_len=512, vocab_size=300, n_layer=4, n_head=2, n_kv_head=1, n_embd=64,
-                    window_pattern="SL")
-WINDOW_CFG = nc.Config(sequence_len=256, vocab_size=100, n_layer=2, n_head=2, n_kv_head=1,
-                       n_embd=32,
-                       # windows [128, 256]: a 160-token generation crosses the short one
-                       window_pattern="SL")
-full_forward = jax.jit(nc.forward, static_argnames="cfg")
+# windows [128, 256]: a 160-token generation crosses the short one
+WINDOW_CFG = config(sequence_len=256, n_layer=2, n_head=2, n_kv_head=1)
 GREEDY = (0.0, 0, 1.0)  # engine.prefill's and decode's settings: temperature, top_k, top_p
 
 
@@ -2233,11 +2230,10 @@ def generated(params, cfg, prompt, num_samples=1, tool=None, **sampling):
     return np.array([c for c, _ in steps]), np.array([m for _, m in steps])
 
 
-@pytest.fixture(scope="module")
-def gen_golden():
-    g = np.load(TESTDATA / "nanochat_golden.npz")
-    params = checkpoint.from_nanochat_state_dict({k[6:]: g[k] for k in g.files if k.startswith("param/")}, GEN_CFG)
-    return params, np.load(TESTDATA / "nanochat_generate.npz")
+@pytest.fixture(scope="session")
+def golden_generate(golden):
+    """The golden params and what nanochat's Engine generated with them (nanochat_generate.npz)."""
+    return golden_tree(golden, "param"), np.load(TESTDATA / "nanochat_generate.npz")
 
 
 def stepped(params, cfg, prompt, bucket, max_len, feed):
@@ -2254,13 +2250,13 @@ def stepped(params, cfg, prompt, bucket, max_len, feed):
     return np.array(out), cache
 
 
-def test_golden_generate_equals_nanochat_engine(gen_golden):
-    params, g = gen_golden
+def test_golden_generate_equals_nanochat_engine(golden_generate):
+    params, g = golden_generate
     # 17 + 24 tokens: prefill bucket 32, cache 64
-    tokens, masks = generated(params, GEN_CFG, g["prompt"])
+    tokens, masks = generated(params, GOLDEN_CFG, g["prompt"])
     assert tokens[:, 0].tolist() == g["engine_tokens"].tolist() == g["naive_tokens"].tolist()
     assert masks.all()
-    logits, cache = stepped(params, GEN_CFG, g["prompt"], 32, 64, g["engine_tokens"])
+    logits, cache = stepped(params, GOLDEN_CFG, g["prompt"], 32, 64, g["engine_tokens"])
     np.testing.assert_allclose(logits[0], g["prefill_last_logits"], rtol=0, atol=2e-5)
     # the step after the last too
     np.testing.assert_allclose(logits[1:], g["decode_logits"], rtol=0, atol=2e-5)
@@ -2282,15 +2278,15 @@ def test_kv_decode_equals_full_forward_with_sliding_window(window_model):
     tokens, _ = generated(params, WINDOW_CFG, prompt[:100], max_tokens=60)
     # 160 tokens: layer 0's 128-token window binds
     seq = np.concatenate([prompt[:100], tokens[:, 0]])[None]
-    full = np.asarray(full_forward(params, seq, WINDOW_CFG))[0]
+    full = np.asarray(forward(params, seq, WINDOW_CFG))[0]
     # greedy with the cache = naive greedy
     assert full[99:159].argmax(-1).tolist() == tokens[:, 0].tolist()
     logits, _ = stepped(params, WINDOW_CFG, prompt[:100], 128, 256, tokens[:-1, 0])
     np.testing.assert_allclose(logits, full[99:159], rtol=0, atol=2e-5)
     # the window matters: full attention gives other logits past 128 tokens, so the cache really
     # honoured it
-    unwindowed = nc.Config(**{**WINDOW_CFG.__dict__, "window_pattern": "L"})
-    other = np.asarray(full_forward(params, seq, unwindowed))[0]
+    unwindowed = dataclasses.replace(WINDOW_CFG, window_pattern="L")
+    other = np.asarray(forward(params, seq, unwindowed))[0]
     np.testing.assert_allclose(other[:129], full[:129], rtol=0, atol=1e-5)
     assert np.abs(other[140:] - full[140:]).max() > 1e-3
 
@@ -2437,12 +2433,12 @@ def greedy(max_tokens, **kwargs):
     return engine.Sampling(max_tokens=max_tokens, temperature=0.0, **kwargs)
 
 
-def test_engine_golden_prompt_among_others(gen_golden):
+def test_engine_golden_prompt_among_others(golden_generate):
     """nanochat's golden prompt, admitted into a slot while the other slots decode other prompts,
     gives nanochat's Engine tokens exactly and its logits (as log-probabilities) within the golden
     tolerance."""
-    params, g = gen_golden
-    eng = engine.Engine(params, GEN_CFG, slots=4, kmax=4)
+    params, g = golden_generate
+    eng = engine.Engine(params, GOLDEN_CFG, slots=4, kmax=4)
     rng = np.random.default_rng(5)
     others = [eng.submit(rng.integers(0, 300, n).tolist(), greedy(40)) for n in (9, 30)]
     eng.step()
@@ -2682,8 +2678,8 @@ def test_sharded_state_bytes_per_device():
 # --------------------------------------------------------------------------------------------------
 # evaluate.py: bits per byte, our tasks, CORE and ChatCORE against nanochat
 
-def test_bits_per_byte(tiny_params):
-    params = perturbed(tiny_params, jax.random.key(11))
+def test_bits_per_byte():
+    params = random_params(TINY, 11)
     x = np.asarray(jax.random.randint(jax.random.key(12), (2, 16), 0, TINY.vocab_size))
     y = np.roll(x, -1, axis=1)
     y[0, 3] = -1
@@ -2698,8 +2694,7 @@ def test_bits_per_byte(tiny_params):
 
 def test_task_evaluation_scores_exact_matches(monkeypatch):
     btok = data.byte_tokenizer()
-    cfg = nc.Config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=1, n_kv_head=1,
-                    n_embd=32)
+    cfg = config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=1, n_kv_head=1)
     # a stand-in model that knows every reference answer of two tasks and none of the others
     answers = {}
 
@@ -2723,7 +2718,7 @@ CORE_DIR = TESTDATA / "core_eval"
 
 @pytest.fixture(scope="session")
 def nanochat_d2():
-    return checkpoint.load_nanochat(str(TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"))
+    return checkpoint.load_nanochat(str(NANOCHAT_D2))
 
 
 def test_core_equals_nanochat(nanochat_d2):
@@ -2870,11 +2865,8 @@ def test_chatcore_categorical_is_the_letters_argmax(tmp_path, btok):
          "content": "Multiple Choice question: Pick two.\n- one=1\n- two=2\n- three=3\n\n"
                                     "Respond only with the letter of the correct answer."},
         {"role": "assistant", "content": "2"}]
-    cfg = nc.Config(sequence_len=256, vocab_size=btok.n_vocab, n_layer=2, n_head=2, n_kv_head=2,
-                    n_embd=32)
-    params = nc.init_params(cfg, jax.random.key(3))
-    # not the zero init
-    params["lm_head"] = jax.random.normal(jax.random.key(4), params["lm_head"].shape)
+    cfg = config(sequence_len=256, vocab_size=btok.n_vocab, n_layer=2, n_head=2)
+    params = random_params(cfg, 3)
     want = {}
     # by hand: one row at a time, the full forward's last logits
     for name in ("ARC-Easy", "ARC-Challenge", "MMLU"):
@@ -2914,9 +2906,8 @@ def test_gsm8k_humaneval_and_chatcore(tmp_path, btok, monkeypatch):
     program = tasks.humaneval_program(he,
                                       "Here:\n```python\ndef root(x):\n    return math.sqrt(x)\n```\nDone.")
     assert program.startswith("import math\n\ndef root(x):\n") and program.endswith("check(root)")
-    cfg = nc.Config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=2, n_kv_head=2,
-                    n_embd=32)
-    params = nc.init_params(cfg, jax.random.key(0))
+    cfg = config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=2)
+    params = random_params(cfg, 0)
 
     def answer(right):  # the engine's completion replaced by the reference answer (or a wrong one)
         refs = {}
@@ -2947,14 +2938,15 @@ def test_gsm8k_humaneval_and_chatcore(tmp_path, btok, monkeypatch):
 # --------------------------------------------------------------------------------------------------
 # rl.py: RL's batch and loss by hand, and a reward that RL raises
 
-CONST = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0,
-             momentum_start=0.95,
-             momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
+# a flat schedule (no warmup, warmdown or weight decay, a constant momentum) and nanochat's lrs
+FLAT = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0,
+            momentum_start=0.95, momentum=0.95, momentum_end=0.95, momentum_warmup=1,
+            weight_decay=0.0)
 LRS = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
 
 
 @pytest.mark.slow  # RL's loss, its gradient and a step compiled for RL's weighted batch alone
-def test_rl_loss_and_advantages_by_hand(tiny_params):
+def test_rl_loss_and_advantages_by_hand():
     # prompt 5 6; 7 8 and 9 sampled
     groups = [([[5, 6, 7, 8], [5, 6, 9]], [[0, 0, 1, 1], [0, 0, 1]], [1.0, 0.0]),
               # 2 at index 2: tool output
@@ -2966,7 +2958,7 @@ def test_rl_loss_and_advantages_by_hand(tiny_params):
     np.testing.assert_array_equal(x[0], [[5, 6, 7, 0, 0], [5, 6, 0, 0, 0]])
     np.testing.assert_array_equal(y[0], [[-1, 7, 8, -1, -1], [-1, 9, -1, -1, -1]])
     np.testing.assert_array_equal(y[1], [[4, -1, 2, -1, -1], [4, 1, 0, -1, -1]])
-    params = perturbed(tiny_params, jax.random.key(3))
+    params = random_params(TINY, 3)
     # jitted: op by op, the backward pass alone compiled some 400 XLA programs (half a minute on 2
     # cores)
     loss_and_grads = jax.jit(jax.value_and_grad(train.weighted_loss), static_argnames="cfg")
@@ -2980,7 +2972,7 @@ def test_rl_loss_and_advantages_by_hand(tiny_params):
     # all rewards equal: no signal, no NaN
     assert all((np.asarray(g) == 0).all() for g in jax.tree.leaves(grads))
     p = jax.tree.map(jnp.copy, params)
-    new, _, m = train.jit_train_step(p, init_opt(p), (x[1:], y[1:], w[1:]), 0, CONST, LRS, cfg=TINY)
+    new, _, m = train.jit_train_step(p, init_opt(p), (x[1:], y[1:], w[1:]), 0, FLAT, LRS, cfg=TINY)
     assert bool(m["finite"]) and float(m["loss"]) == 0.0
     # Muon (no weight decay here) moves nothing; AdamW only
     chex.assert_trees_all_equal(new["h"], params["h"])
@@ -2995,8 +2987,7 @@ def test_rl_loss_and_advantages_by_hand(tiny_params):
 def test_rl_raises_the_reward_of_a_tiny_task(btok):
     """SFT teaches "yes" and "no" equally to one question; RL rewarding "yes" makes the model say
     it."""
-    cfg = nc.Config(sequence_len=32, vocab_size=btok.n_vocab, n_layer=1, n_head=2, n_kv_head=2,
-                    n_embd=32)
+    cfg = config(sequence_len=32, vocab_size=btok.n_vocab, n_layer=1, n_head=2)
     ask = lambda answer: [{"role": "user", "content": "yes?"},
                           {"role": "assistant", "content": answer}]
     # SFT in RL's shapes, (1, 16, 32) and weights, all 1 (the plain mean loss): one step compiles
@@ -3009,7 +3000,7 @@ def test_rl_raises_the_reward_of_a_tiny_task(btok):
     opt = init_opt(params)
     for i in range(60):
         params, opt, _ = train.jit_train_step(params, opt, (x, y, np.ones(x.shape, np.float32)), i,
-                                              CONST, LRS,
+                                              FLAT, LRS,
                                               cfg=cfg)
 
     # over 64 samples, 16 at a time as the steps below draw them: one engine's programs
@@ -3024,7 +3015,7 @@ def test_rl_raises_the_reward_of_a_tiny_task(btok):
     for i in range(10):
         groups = rl.rollout(params, cfg, btok, [(ask("yes"), tasks.check)], i, 16, 8)
         batch = rl.rl_batch(groups, cfg.sequence_len)
-        params, opt, m = train.jit_train_step(params, opt, batch, i, CONST,
+        params, opt, m = train.jit_train_step(params, opt, batch, i, FLAT,
                                               {k: v * 0.3 for k, v in LRS.items()},
                                               cfg=cfg)
     assert reward(params, 100) > before + 0.3
@@ -3072,7 +3063,7 @@ def test_horizon_follows_nanochat(depth, tokens, batch, iters, lr_scale, wd):
 # --------------------------------------------------------------------------------------------------
 # The step
 
-def test_step_never_recompiles(tiny_params):
+def test_step_never_recompiles():
     """train.jit_train_step itself: after its first call, new steps (so new schedule values) compile
     nothing. Its (2, 2, 16) batch is the next two tests' too, which then compile no step of their
     own."""
@@ -3080,7 +3071,7 @@ def test_step_never_recompiles(tiny_params):
              momentum_start=0.85,
              momentum=0.95, momentum_end=0.9, momentum_warmup=3, weight_decay=0.1)
     lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
-    params = jax.tree.map(jnp.copy, tiny_params)  # the step donates them
+    params = random_params(TINY, 0)
     opt = init_opt(params)
     # 2 micro-batches of 2 x 16
     x = jax.random.randint(jax.random.key(8), (2, 2, 16), 0, TINY.vocab_size)
@@ -3102,32 +3093,23 @@ def test_step_never_recompiles(tiny_params):
 
 
 @pytest.mark.slow  # two train steps compiled for batch shapes of their own
-def test_grad_accumulation_equals_big_batch(tiny_params):
+def test_grad_accumulation_equals_big_batch():
     x = jax.random.randint(jax.random.key(9), (4, 16), 0, TINY.vocab_size)
     y = jnp.roll(x, -1, axis=1)
-    s = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0,
-             momentum_start=0.95,
-             momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
-    lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
-    p = perturbed(tiny_params, jax.random.key(10))
-    one, _, m1 = train.jit_train_step(p, init_opt(p), (x[None], y[None]), 0, s, lrs, cfg=TINY)
-    p = perturbed(tiny_params, jax.random.key(10))
-    two, _, m2 = train.jit_train_step(p, init_opt(p), (x.reshape(2, 2, 16), y.reshape(2, 2, 16)), 0,
-                                      s, lrs,
-                                      cfg=TINY)
+    p = random_params(TINY, 10)  # again: the step donates them
+    one, _, m1 = train.jit_train_step(p, init_opt(p), (x[None], y[None]), 0, FLAT, LRS, cfg=TINY)
+    p = random_params(TINY, 10)  # again: the step donates them
+    two, _, m2 = train.jit_train_step(p, init_opt(p), (x.reshape(2, 2, 16), y.reshape(2, 2, 16)),
+                                      0, FLAT, LRS, cfg=TINY)
     np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
     chex.assert_trees_all_close(one, two, atol=2e-5)
 
 
-def test_step_donates_params_and_opt_state(tiny_params):
-    p = jax.tree.map(jnp.copy, tiny_params)
+def test_step_donates_params_and_opt_state():
+    p = random_params(TINY, 0)
     opt = jax.device_put(init_opt(p))  # host zeros on the device, as train.py puts them
-    s = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0,
-             momentum_start=0.95,
-             momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
-    lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
     x = jnp.zeros((2, 2, 16), jnp.int32)  # the shape the step was compiled for above
-    train.jit_train_step(p, opt, (x, x), 0, s, lrs, cfg=TINY)
+    train.jit_train_step(p, opt, (x, x), 0, FLAT, LRS, cfg=TINY)
     # updated in place: no second copy in memory
     assert all(a.is_deleted() for a in jax.tree.leaves((p, opt)))
 
@@ -3907,12 +3889,7 @@ def chat_server(model, slots=4, **kwargs):
 
 @pytest.fixture(scope="module")
 def server(chat_model):
-    params, cfg, bt, _ = chat_model
-    eng = chat.chat_engine(params, cfg, bt, slots=4)
-    srv = chat.make_server(eng, bt, "127.0.0.1", 0, max_tokens=32, temperature=0.0)
-    eng.start()
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
+    srv = chat_server(chat_model, max_tokens=32, temperature=0.0)
     yield srv
     srv.shutdown()
     srv.server_close()
@@ -3997,7 +3974,7 @@ def test_api_choices_stop_top_p_and_logprobs(server, chat_model):
         assert [t["logprob"] for t in e["top_logprobs"]] == sorted((t["logprob"] for t in e["top_logprobs"]),
                                                                    reverse=True)
         assert len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["bytes"] == e["bytes"] and e["logprob"] < 0
-    first = jax.nn.log_softmax(full_forward(params, np.array([chat_prompt(bt, HELLO)]), cfg)[0, -1])
+    first = jax.nn.log_softmax(forward(params, np.array([chat_prompt(bt, HELLO)]), cfg)[0, -1])
     assert lp[0]["bytes"] == list(bt.enc.decode_single_token_bytes(int(first.argmax())))
     assert lp[0]["logprob"] == pytest.approx(float(first.max()), abs=1e-4)
     chunks = events(request(server, "POST", "/v1/chat/completions",
@@ -4855,8 +4832,8 @@ def test_tiny_real_sweep(tmp_path):
 # --------------------------------------------------------------------------------------------------
 # bench.py: memory per device, step and decode timings, nanochat's infer_bench schema
 
-MEMORY_CFG = nc.Config(sequence_len=16, vocab_size=256, n_layer=8, n_head=4, n_kv_head=2,
-                       n_embd=256)  # wide and short: the weights outweigh the activations
+# wide and short: the weights outweigh the activations
+MEMORY_CFG = config(sequence_len=16, vocab_size=256, n_layer=8, n_embd=256)
 MEMORY_CHILD = """
 import json, bench, test_nanochat as t
 out = {mode: bench.step_memory(t.MEMORY_CFG, 4, 1, mode, attention="plain")
@@ -5035,13 +5012,13 @@ def test_documented_commands_parse():
 
 
 @pytest.mark.slow  # a chat.py, two evaluate.py and a checkpoint.py process
-def test_documented_commands_run(tmp_path):
+def test_documented_commands_run(tmp_path, nanochat_d2):
     """The cheap documented commands run as written: a chat reply, nanochat's CORE of its
     checkpoint, read from its .pt and from a stage folder of ours (evaluate.py --checkpoint
     checkpoints/base), and that folder exported to nanochat's format."""
     import shlex
     documented = [argv for _, argv in documented_commands()]
-    params, cfg, tok = checkpoint.load_nanochat(str(TESTDATA / "nanochat_checkpoint"))
+    params, cfg, tok = nanochat_d2
     meta = {"stage": "base", "step": 100, "config": dataclasses.asdict(cfg),
             "tokenizer": "tokenizer.json"}
     tok.save(os.path.join(checkpoint.save_checkpoint(str(tmp_path / "checkpoints/base"), 100, params, None, meta),
