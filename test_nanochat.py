@@ -118,7 +118,11 @@ def random_params(cfg, seed):
     """Random params with every path alive, drawn in numpy (no init compile): matrices N(0,
     1/fan_in)."""
     rng = np.random.default_rng(seed)
-    draw = lambda s: rng.normal(0, s.shape[-2] ** -0.5 if len(s.shape) > 1 else 0.3, s.shape).astype(np.float32)
+
+    def draw(leaf):  # a jax.ShapeDtypeStruct
+        scale = leaf.shape[-2] ** -0.5 if len(leaf.shape) > 1 else 0.3
+        return rng.normal(0, scale, leaf.shape).astype(np.float32)
+
     params = jax.tree.map(draw, nc.param_shapes(cfg))
     params["resid_lambdas"] += 1.0
     return jax.tree.map(jnp.asarray, params)
@@ -132,8 +136,8 @@ def golden():
 def golden_tree(golden, prefix):
     """A golden state_dict (params, grads, ...) under `prefix/` converted to our params layout."""
     n = len(prefix) + 1
-    return checkpoint.from_nanochat_state_dict({k[n:]: golden[k] for k in golden.files if k.startswith(prefix + "/")},
-                                       GOLDEN_CFG)
+    sd = {k[n:]: golden[k] for k in golden.files if k.startswith(prefix + "/")}
+    return checkpoint.from_nanochat_state_dict(sd, GOLDEN_CFG)
 
 
 def assert_matches_golden(params, golden, prefix, atol):
@@ -183,13 +187,17 @@ def test_imports_form_a_dag_without_private_names():
         aliases = {}  # the local name -> the module of ours it is
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
-                aliases.update({a.asname or a.name: a.name for a in node.names if a.name in IMPORTS})
-            assert not (isinstance(node, ast.ImportFrom) and node.module in IMPORTS), (name, node.module)
+                aliases.update({a.asname or a.name: a.name for a in node.names
+                                if a.name in IMPORTS})
+            from_ours = isinstance(node, ast.ImportFrom) and node.module in IMPORTS
+            assert not from_ours, (name, node.module)
         assert set(aliases.values()) == want, name
-        private = [f"{aliases[n.value.id]}.{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
-                   and isinstance(n.value, ast.Name) and n.value.id in aliases and n.attr.startswith("_")]
+        private = [f"{aliases[n.value.id]}.{n.attr}" for n in ast.walk(tree)
+                   if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                   and n.value.id in aliases and n.attr.startswith("_")]
         assert not private, (name, private)
-    data_imports = [a.name for n in ast.walk(ast.parse((root / "data.py").read_text())) if isinstance(n, ast.Import)
+    data_tree = ast.parse((root / "data.py").read_text())
+    data_imports = [a.name for n in ast.walk(data_tree) if isinstance(n, ast.Import)
                     for a in n.names]
     assert data_imports and not [m for m in data_imports if m.split(".")[0] in ("jax", "jaxlib")]
     done = set()  # a topological order exists: no cycle
@@ -248,9 +256,11 @@ def test_bf16_close_to_fp32(golden):
     # logits reach 1.85; fp32 is off by 1e-6
     assert 1e-3 < float(jnp.abs(logits - golden["logits"]).max()) < 0.1
     # the matmuls really ran in bf16 (traced, not run: the dtype is the program's, not the numbers')
-    assert jax.eval_shape(lambda p, t: nc.hidden(p, t, bf16), params, golden["tokens"]).dtype == jnp.bfloat16
+    traced = jax.eval_shape(lambda p, t: nc.hidden(p, t, bf16), params, golden["tokens"])
+    assert traced.dtype == jnp.bfloat16
     x = jax.random.normal(jax.random.key(0), (4, 64)).astype(jnp.bfloat16) * 100
-    ref = np.asarray(x, np.float64) / np.sqrt((np.asarray(x, np.float64) ** 2).mean(-1, keepdims=True))
+    x64 = np.asarray(x, np.float64)
+    ref = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True))
     # fp32 statistics
     np.testing.assert_allclose(np.asarray(nc.rms_norm(x), np.float64), ref, rtol=2**-8)
     loss, grads = value_and_grad(params, golden["tokens"], golden["targets"], bf16)
@@ -287,10 +297,13 @@ def test_presets():
     d6 = nc.config_for_depth(6, vocab_size=8192, head_dim=64, sequence_len=512, window_pattern="L")
     assert (d6.n_embd, d6.n_head) == (384, 6)  # runs/runcpu.sh's model
     default = train.model_config(384)  # train.py's default model: d3, 96 wide, 3 heads
-    assert (default.n_layer, default.n_embd, default.n_head, default.sequence_len) == (3, 96, 3, 256)
+    shape = (default.n_layer, default.n_embd, default.n_head, default.sequence_len)
+    assert shape == (3, 96, 3, 256)
     assert nc.num_scaling_params(default)["total"] == 479_336
+    # nc.Config's own default window pattern, SSSL; lower case works too
     assert nc.window_sizes(nc.Config(sequence_len=2048, n_layer=8)) == [512, 512, 512, 2048] * 2
-    assert nc.window_sizes(nc.Config(sequence_len=1024, n_layer=3, window_pattern="sl")) == [256, 1024, 1024]
+    sl = nc.Config(sequence_len=1024, n_layer=3, window_pattern="sl")
+    assert nc.window_sizes(sl) == [256, 1024, 1024]
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -315,7 +328,8 @@ def test_init_follows_nanochat():
 
     # U(lo, hi): inside the bounds and reaching near both (a wrong scale fails)
     def uniform(w, lo, hi):
-        return lo <= float(w.min()) < lo + 0.25 * (hi - lo) and hi - 0.25 * (hi - lo) < float(w.max()) <= hi
+        margin = 0.25 * (hi - lo)
+        return lo <= float(w.min()) < lo + margin and hi - margin < float(w.max()) <= hi
 
     for w in (p["h"]["attn"]["c_q"], p["h"]["attn"]["c_k"], p["h"]["attn"]["c_v"],
               p["value_embeds"]):
@@ -366,7 +380,8 @@ def test_fast_attention_equals_plain(T, window, dtype):
     """kernels.attend_cpu (no max pass) and its query blocks (fully masked key blocks skipped)
     against the plain attend, and the model's plain causal_attention too."""
     keys = jax.random.split(jax.random.key(12), 3)
-    q, k = (nc.rms_norm(jax.random.normal(key, (2, T, h, 16))) * nc.QK_SCALE for key, h in zip(keys, (4, 2)))
+    q, k = (nc.rms_norm(jax.random.normal(key, (2, T, h, 16))) * nc.QK_SCALE
+            for key, h in zip(keys, (4, 2)))
     q, k, v = (a.astype(dtype) for a in (q, k, jax.random.normal(keys[2], (2, T, 2, 16))))
 
     @jax.jit  # one program (op by op, each shape's hundred ops compiled one at a time: 3x slower)
@@ -447,16 +462,22 @@ def test_model_names_no_backend():
         assert not re.search(rf"\b{name}\b", source), name
     params = random_params(TINY, 5)
     tokens = jax.random.randint(jax.random.key(6), (2, 64), 0, TINY.vocab_size)
-    fast = jax.jit(nc.forward, static_argnames=("cfg", "attn"))(params, tokens, TINY, kernels.attention())
+    forward_with = jax.jit(nc.forward, static_argnames=("cfg", "attn"))
+    fast = forward_with(params, tokens, TINY, kernels.attention())
     # the same model
     np.testing.assert_allclose(fast, forward(params, tokens, TINY), rtol=0, atol=2e-5)
 
 
 def test_attention_route_is_picked_by_backend_and_shape():
-    route = lambda impl, backend, dtype, T=2048, D=128: kernels.route(impl, backend, jnp.dtype(dtype), T, D)
-    assert route("auto", "gpu", "bfloat16") == "cudnn" and route("auto", "gpu", "float32") == "plain"
-    assert route("auto", "tpu", "bfloat16") == "splash" and route("auto", "tpu", "bfloat16", T=100) == "plain"
-    assert route("auto", "tpu", "bfloat16", D=64) == "plain" and route("auto", "cpu", "float32") == "cpu"
+    def route(impl, backend, dtype, T=2048, D=128):
+        return kernels.route(impl, backend, jnp.dtype(dtype), T, D)
+
+    assert route("auto", "gpu", "bfloat16") == "cudnn"
+    assert route("auto", "gpu", "float32") == "plain"
+    assert route("auto", "tpu", "bfloat16") == "splash"
+    assert route("auto", "tpu", "bfloat16", T=100) == "plain"
+    assert route("auto", "tpu", "bfloat16", D=64) == "plain"
+    assert route("auto", "cpu", "float32") == "cpu"
     assert route("xla", "gpu", "bfloat16") == "xla"  # forced
     with pytest.raises(ValueError, match="attention route 'flash' must be one of"):
         kernels.attention("flash")
@@ -469,7 +490,8 @@ def test_tune_process_turns_on_the_compile_cache():
     saved = {k: getattr(jax.config, k) for k in keys}
     try:
         kernels.tune_process(train.parse_args([]).compile_cache)
-        assert jax.config.jax_compilation_cache_dir == os.path.expanduser("~/.cache/nanochat_jax/xla")
+        default = os.path.expanduser("~/.cache/nanochat_jax/xla")
+        assert jax.config.jax_compilation_cache_dir == default
         assert jax.config.jax_persistent_cache_min_compile_time_secs == 0  # every compile is cached
     finally:
         for k, v in saved.items():
@@ -480,13 +502,14 @@ def test_tune_process_restarts_a_script_onto_huge_pages():
     """Where the kernel offers transparent huge pages and glibc reads the hugetlb tunable (2.35+), a
     script's tune_process starts it over once with the tunable set, and malloc's large blocks then
     lie on huge pages."""
-    code = ("import os, numpy as np, kernels; print('start', os.getpid()); kernels.tune_process('', restart=True); "
+    code = ("import os, numpy as np, kernels; print('start', os.getpid()); "
+            "kernels.tune_process('', restart=True); "
             "x = np.ones(2**25, np.float32); "  # 128 MiB: one block that malloc maps
-            "huge = [int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')]; "
+            "huge = [int(l.split()[1]) for l in open('/proc/self/smaps_rollup') "
+            "if l.startswith('AnonHugePages')]; "
             "print('tunables', os.environ.get('GLIBC_TUNABLES'), 'huge_kb', huge[0])")
     r = subprocess.run([sys.executable, "-c", code], cwd=pathlib.Path(__file__).parent,
-                       capture_output=True,
-                       text=True, check=True,
+                       capture_output=True, text=True, check=True,
                        env={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"})
     lines = r.stdout.splitlines()
     if kernels.huge_pages_offered():
@@ -587,7 +610,8 @@ def test_polar_express_orthogonalizes():
         assert 0.7 < float(s.min()) and float(s.max()) < 1.25, m.shape
         # and it is the polar factor: aligned with U V^T of the SVD
         uu, _, vt = np.linalg.svd(np.asarray(m, np.float64), full_matrices=False)
-        cos = np.sum(u * (uu @ vt), axis=(-2, -1)) / (np.linalg.norm(u, axis=(-2, -1)) * min(m.shape[1:]) ** 0.5)
+        norms = np.linalg.norm(u, axis=(-2, -1)) * min(m.shape[1:]) ** 0.5
+        cos = np.sum(u * (uu @ vt), axis=(-2, -1)) / norms
         assert float(cos.min()) > 0.99
     np.testing.assert_allclose(polar(x.mT), polar(x).mT, atol=1e-5)
 
@@ -665,17 +689,20 @@ def test_optimizer_groups_follow_nanochat(monkeypatch):
     # AdamW, though 3-D
     assert state["var"]["value_embeds"].shape == params["value_embeds"].shape
     labels, groups = nc.param_groups(params, embedding_lr=0.3, scalar_lr=0.4, lr_mult=0.5)
-    assert labels["h"]["mlp"]["c_fc"] == "h" and labels["backout_lambda"] == labels["smear_gate"] == "smear"
+    assert labels["h"]["mlp"]["c_fc"] == "h"
+    assert labels["backout_lambda"] == labels["smear_gate"] == "smear"
     scale = (32 / 768) ** -0.5
     assert groups["value_embeds"]["lr"] == pytest.approx(0.3 * scale * 0.5 * 0.5)
     assert groups["resid_lambdas"]["lr"] == pytest.approx(0.4 * 0.01 * 0.5)
-    assert groups["smear"]["lr"] == pytest.approx(0.2 * 0.5) and groups["h"]["lr"] == pytest.approx(0.02 * 0.5)
+    assert groups["smear"]["lr"] == pytest.approx(0.2 * 0.5)
+    assert groups["h"]["lr"] == pytest.approx(0.02 * 0.5)
 
 
 # --------------------------------------------------------------------------------------------------
 # data.py: tokenizer, corpora, packing, chat format, calculator
 
-MULTILINGUAL = "Réponse courte, s'il vous plaît — 東京 et 東京都 🙂 👍🏽 naïve café. " * 30
+MULTILINGUAL = ("Réponse courte, s'il vous plaît — "
+                "東京 et 東京都 🙂 👍🏽 naïve café. ") * 30
 
 
 @pytest.fixture(scope="module")
@@ -715,7 +742,8 @@ def test_bpe_merges_equal_nanochat(bpe_golden):
     for i, (left, right) in enumerate(bpe_golden["merges_hex"]):
         merged = bytes.fromhex(left) + bytes.fromhex(right)
         assert ranks[merged] == 256 + i, i
-        assert [ranks[bytes.fromhex(left)], ranks[bytes.fromhex(right)]] == bpe_golden["merges_ids"][i]
+        pair = [ranks[bytes.fromhex(left)], ranks[bytes.fromhex(right)]]
+        assert pair == bpe_golden["merges_ids"][i]
     assert [t.encode(s) for s in bpe_golden["test_strings"]] == bpe_golden["test_ids"]
     assert t.special == bpe_golden["special_tokens"]
     assert data.SPLIT_PATTERN == bpe_golden["split_pattern"]
@@ -731,7 +759,8 @@ def test_vocab_size_counts_specials_and_token_bytes(bpe_golden, render_golden):
     assert tb.shape == (465,) and tb.dtype == np.int32
     assert tb[456:].tolist() == [0] * 9
     assert tb[:456].tolist() == [len(x) for x in t.tokens]
-    assert tb[:256].tolist() == [1] * 256 and tb[256] == len(bytes.fromhex(bpe_golden["merged_token_hex"][0]))
+    assert tb[:256].tolist() == [1] * 256
+    assert tb[256] == len(bytes.fromhex(bpe_golden["merged_token_hex"][0]))
     ids = t.encode(bpe_golden["text"])
     # bytes-per-token denominator
     assert max(ids) < 456 and tb[ids].sum() == len(bpe_golden["text"].encode())
@@ -746,8 +775,10 @@ ROUND_TRIP = [
     "",
     "hello world",
     "It's 2024: we'll ship 12345 items, they've said.\r\n\tIndented\t\tline   with   runs\n\n\n",
-    "réponse à l'été — naïve café; 東京 und Straße, Ελληνικά, русский, עברית, हिन्दी",
-    "🙂👍🏽 family: 👨‍👩‍👧‍👦 flag: 🏳️‍🌈 keycap: 1️⃣ combining: e\u0301",
+    "réponse à l'été — naïve café; 東京 und Straße, "
+    "Ελληνικά, русский, עברית, हिन्दी",
+    "🙂👍🏽 family: 👨‍👩‍👧‍👦 "
+    "flag: 🏳️‍🌈 keycap: 1️⃣ combining: e\u0301",
     "\x00\x01\x02\x07\x08\x0b\x0c\x1b[0m\x7f\x85\u2028\u2029\ufeff end",
     MULTILINGUAL,
 ]
@@ -771,7 +802,8 @@ def test_round_trip(tok, btok, s):
 def test_invalid_bytes_and_partial_characters(tok, btok):
     # Some trained tokens are partial UTF-8 (merges inside a CJK or emoji character); each decodes
     # with U+FFFD
-    partial = [i for i, x in enumerate(tok.tokens) if x.decode("utf-8", "replace") != x.decode("utf-8", "ignore")]
+    partial = [i for i, x in enumerate(tok.tokens)
+               if x.decode("utf-8", "replace") != x.decode("utf-8", "ignore")]
     assert len([i for i in partial if i >= 256]) > 0
     for i, x in enumerate(tok.tokens):
         assert tok.decode([i]) == x.decode("utf-8", "replace")
@@ -918,9 +950,11 @@ def test_user_corpora(tmp_path):
     (tmp_path / "d" / "sub").mkdir(parents=True)
     (tmp_path / "a.txt").write_text("  Small file.\n\nTwo short paragraphs stay one document.\n\n")
     lines = [json.dumps({"text": t, "id": i}) for i, t in enumerate(texts[:40])]
-    (tmp_path / "d" / "b.jsonl").write_text("\n".join(lines[:20]) + "\n\n" + json.dumps({"text": "  "}) + "\n"
+    blank = json.dumps({"text": "  "})
+    (tmp_path / "d" / "b.jsonl").write_text("\n".join(lines[:20]) + "\n\n" + blank + "\n"
                                             + "\n".join(lines[20:]) + "\n")
-    (tmp_path / "d" / "sub" / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[40:]))
+    rest = "".join(json.dumps({"text": t}) + "\n" for t in texts[40:])
+    (tmp_path / "d" / "sub" / "c.jsonl").write_text(rest)
     (tmp_path / "d" / "notes.md").write_text("ignored")
     (tmp_path / "d" / "a2.txt").write_text("Plain text in a directory.")
     small = "Small file.\n\nTwo short paragraphs stay one document."
@@ -934,7 +968,8 @@ def test_user_corpora(tmp_path):
     paragraphs = [f"Paragraph {i} " + "x" * (300 + 37 * i) + "." for i in range(30)]
     big = "\n\n".join(paragraphs) + "\n"
     (tmp_path / "big.txt").write_text(big)
-    docs = list(data.corpus(str(tmp_path / "big.txt"))(0)) + list(data.corpus(str(tmp_path / "big.txt"), "val")(0))
+    big_path = str(tmp_path / "big.txt")
+    docs = list(data.corpus(big_path)(0)) + list(data.corpus(big_path, "val")(0))
     docs.sort(key=big.index)
     assert "\n\n".join(docs) == big.strip()
     assert all(len(d) >= 1999 for d in docs[:-1]) and all(len(d) < 2000 + 1500 for d in docs)
@@ -943,7 +978,8 @@ def test_user_corpora(tmp_path):
 
 def test_corpus_streams(tmp_path):
     path = tmp_path / "a.jsonl"
-    path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(50)) + "{broken\n")
+    text = "".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(50))
+    path.write_text(text + "{broken\n")
     docs = data.corpus(str(path))
     gen = docs(0)
     assert inspect.isgenerator(gen)
@@ -961,7 +997,8 @@ def test_corpus_streams(tmp_path):
     docs = list(data.corpus(str(txt))(0))
     # cut at line ends past 20,000 chars, nothing lost
     assert len(docs) == 6 and max(map(len, docs)) < 20100
-    assert sorted(line for d in docs for line in d.split("\n")) == sorted(line[:-1] for line in lines)
+    got = sorted(line for d in docs for line in d.split("\n"))
+    assert got == sorted(line[:-1] for line in lines)
 
 
 def test_corpus_bad_inputs(tmp_path):
@@ -986,7 +1023,8 @@ def test_corpus_bad_inputs(tmp_path):
     raw = "ok\n".encode() + "bad \ufffd is text, ".encode() + b"\xff\xfe are not\n\nthen \xc3 cut\n"
     (tmp_path / "bad.txt").write_bytes(raw)
     with pytest.warns(UserWarning, match=r"bad.txt: replaced 3 invalid UTF-8 sequences"):
-        out = list(data.corpus(str(tmp_path / "bad.txt"))(0)) + list(data.corpus(str(tmp_path / "bad.txt"), "val")(0))
+        bad = str(tmp_path / "bad.txt")
+        out = list(data.corpus(bad)(0)) + list(data.corpus(bad, "val")(0))
     assert out == [raw.decode("utf-8", "replace").strip()] and out[0].count("\ufffd") == 4
     # malformed .jsonl lines name the file and the line
     (tmp_path / "b.jsonl").write_text('{"text": "fine"}\n\n{"text": 5}\n')
@@ -1091,7 +1129,8 @@ def nanochat_sft_bestfit(tok, conversations, B, T, n_batches, buffer_size):
             row, mask_row, padded = [], [], False
             while len(row) < row_capacity:
                 while len(conv_buffer) < buffer_size:
-                    conv_buffer.append(data.render_conversation(tok, next(dataset), max_tokens=row_capacity))
+                    conv_buffer.append(data.render_conversation(tok, next(dataset),
+                                                                max_tokens=row_capacity))
                 remaining = row_capacity - len(row)
                 best_idx, best_len = -1, 0
                 for i, (conv, _) in enumerate(conv_buffer):
@@ -1125,7 +1164,8 @@ def test_pretrain_packing_invariants(btok):
     B, T, n, buffer_size = 4, 64, 15, 16
     docs = make_docs(120, T, seed=1)
     documents = data.shuffled(docs, seed=5)
-    got = list(itertools.islice(data.pretrain_batches(btok, documents, B, T, buffer_size=buffer_size), n))
+    batches = data.pretrain_batches(btok, documents, B, T, buffer_size=buffer_size)
+    got = list(itertools.islice(batches, n))
     ref = nanochat_bestfit(btok, documents, B, T, n, buffer_size)
     encoded = {tuple([btok.bos] + btok.encode(d)) for d in docs}
     n_segments = 0
@@ -1162,7 +1202,8 @@ def test_pretrain_resume_is_exact(btok):
     B, T, n, buffer_size = 2, 32, 30, 8
     docs = make_docs(40, T, seed=2)  # small: the stream wraps into new epochs every few batches
     documents = data.shuffled(docs, seed=3)
-    full = list(itertools.islice(data.pretrain_batches(btok, documents, B, T, buffer_size=buffer_size), n))
+    batches = data.pretrain_batches(btok, documents, B, T, buffer_size=buffer_size)
+    full = list(itertools.islice(batches, n))
     assert full[-1][2]["epoch"] >= 2
     ref = nanochat_bestfit(btok, documents, B, T, n, buffer_size)
     for (x, y, st), (rx, ry, rdropped) in zip(full, ref):
@@ -1204,9 +1245,10 @@ def test_pretrain_crops_long_documents(btok):
     assert (x == [bos] + [ord("x")] * 15).all() and (y[:, -1] == ord("x")).all()
     assert state["dropped"] == 3 * (41 - cap)
     long_docs = ["y" * (20 + 7 * i) for i in range(10)]
-    got = list(itertools.islice(data.pretrain_batches(btok, data.shuffled(long_docs), 2, T, buffer_size=3), 6))
-    for (gx, gy, gs), (rx, ry, rd) in zip(got,
-                                          nanochat_bestfit(btok, data.shuffled(long_docs), 2, T, 6, 3)):
+    batches = data.pretrain_batches(btok, data.shuffled(long_docs), 2, T, buffer_size=3)
+    got = list(itertools.islice(batches, 6))
+    ref = nanochat_bestfit(btok, data.shuffled(long_docs), 2, T, 6, 3)
+    for (gx, gy, gs), (rx, ry, rd) in zip(got, ref):
         np.testing.assert_array_equal(gx, rx)
         assert gs["dropped"] == rd
         assert (gx[:, 0] == bos).all() and (gx[:, 1:] != bos).all()  # one cropped document per row
@@ -1214,7 +1256,8 @@ def test_pretrain_crops_long_documents(btok):
 
 def test_sft_packing_pads_and_masks(btok):
     B, T, n, buffer_size = 3, 160, 12, 10
-    convs = [m for task in tasks.TASKS[:4] for m in itertools.islice(tasks.task_conversations(task, "train", seed=4), 12)]
+    convs = [m for task in tasks.TASKS[:4]
+             for m in itertools.islice(tasks.task_conversations(task, "train", seed=4), 12)]
     convs.append([{"role": "user", "content": "long " * 10},
                   {"role": "assistant", "content": "ok " * 60}])
     conversations = data.shuffled(convs, seed=6)
@@ -1266,7 +1309,8 @@ def test_golden_render(btok, render_golden):
         assert len(ids) == len(mask) == ref["len"], name
         assert all(isinstance(i, int) for i in ids) and set(mask) <= {0, 1}
     a = convs["a_plain_two_turn"]
-    assert data.render_for_completion(btok, a["conversation"]["messages"]) == a["render_for_completion_ids"]
+    prompt = data.render_for_completion(btok, a["conversation"]["messages"])
+    assert prompt == a["render_for_completion_ids"]
     ids, mask = data.render_conversation(btok, a["conversation"]["messages"], max_tokens=40)
     assert ids == a["render_conversation_max_tokens_40"]["ids"] and len(ids) == 40
     assert mask == a["render_conversation_max_tokens_40"]["mask"]
@@ -1373,7 +1417,8 @@ def test_load_conversations(tmp_path):
     path.write_text(json.dumps(good[0]) + "\n\n" + json.dumps(good[1], ensure_ascii=False) + "\n")
     assert data.load_conversations(str(path)) == good
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps(good[0]) + "\n" + json.dumps(good[1]) + "\n" + '[{"role": "user", "content": "x"\n')
+    cut = '[{"role": "user", "content": "x"\n'
+    bad.write_text(json.dumps(good[0]) + "\n" + json.dumps(good[1]) + "\n" + cut)
     with pytest.raises(ValueError, match=re.escape(f"{bad}:3: invalid JSON")):
         data.load_conversations(str(bad))
     bad.write_text(json.dumps(good[0]) + "\n" + json.dumps({"messages": good[0]}) + "\n")
@@ -1439,7 +1484,8 @@ CALCULATOR = [
 
 
 @pytest.mark.parametrize("expr, value", CALCULATOR,
-                         ids=[e if len(e) <= 30 else f"{e[:8]}...{len(e)}chars" for e, _ in CALCULATOR])
+                         ids=[e if len(e) <= 30 else f"{e[:8]}...{len(e)}chars"
+                              for e, _ in CALCULATOR])
 def test_use_calculator(expr, value):
     out = data.use_calculator(expr)
     assert out == value and type(out) is type(value)
@@ -1449,7 +1495,11 @@ def test_calculator_tool_state_machine():
     bt = data.byte_tokenizer()
     sp = bt.special
     tool = data.calculator_tool(bt)
-    call = lambda row, expr: [tool(row, t) for t in [sp["<|python_start|>"], *bt.encode(expr), sp["<|python_end|>"]]]
+
+    def call(row, expr):
+        block = [sp["<|python_start|>"], *bt.encode(expr), sp["<|python_end|>"]]
+        return [tool(row, t) for t in block]
+
     # outside a block: nothing
     assert tool(0, bt.encode("a")[0]) == [] and tool(0, sp["<|python_end|>"]) == []
     *before, out = call(0, "12*34")
@@ -1471,14 +1521,16 @@ def test_calculator_tool_state_machine():
 # --------------------------------------------------------------------------------------------------
 # execution.py: the sandbox that runs generated programs
 
-GOOD_PROGRAM = "def add(a, b):\n    return a + b\n\ndef check(f):\n    assert f(2, 3) == 5\n\ncheck(add)\n"
+GOOD_PROGRAM = ("def add(a, b):\n    return a + b\n\n"
+                "def check(f):\n    assert f(2, 3) == 5\n\ncheck(add)\n")
 
 
 def tree_snapshot(d):
     # every path under d with its content (None for a directory), to show that nothing outside
     # changed
     return {p: None if os.path.isdir(p) else open(p, "rb").read()
-            for root, dirs, files in os.walk(d) for p in [os.path.join(root, n) for n in dirs + files]}
+            for root, dirs, files in os.walk(d)
+            for p in [os.path.join(root, n) for n in dirs + files]}
 
 
 def test_sandbox_correct_program_passes():
@@ -1519,9 +1571,11 @@ def test_sandbox_output_flood_is_cut():
     assert len(stdout) <= 10_000 and time.time() - t < 5
 
 
-@pytest.mark.parametrize("code", ["import socket\nsocket.socket()\n",
-                                  "import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)\n",
-                                  "import urllib.request\nurllib.request.urlopen('http://127.0.0.1:80', timeout=1)\n"])
+@pytest.mark.parametrize("code", [
+    "import socket\nsocket.socket()\n",
+    "import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)\n",
+    "import urllib.request\nurllib.request.urlopen('http://127.0.0.1:80', timeout=1)\n",
+])
 def test_sandbox_network_fails(code):
     passed, error, _ = execution.run_program(code, timeout=2)
     assert not passed and "sandbox: socket." in error
@@ -1612,7 +1666,8 @@ def test_sandbox_own_temp_dir_is_writable_and_removed():
 
 
 def test_sandbox_ordinary_imports_work():
-    code = ("import math, itertools, collections, re, json, functools, heapq, string, typing, fractions, decimal\n"
+    code = ("import math, itertools, collections, re, json, functools, heapq, string, typing\n"
+            "import fractions, decimal\n"
             "import random, hashlib, bisect, statistics, datetime, copy, operator, sys\n"
             "assert hashlib.sha256(b'x').hexdigest().startswith('2d711642')\n"
             "assert json.loads(json.dumps({'a': [1, 2]})) == {'a': [1, 2]}\n"
@@ -1661,7 +1716,9 @@ def reference_completion(btok, messages):
 
 @pytest.mark.parametrize("task", tasks.TASKS)
 def test_task_generator_and_checker(btok, task):
-    take = lambda split, seed, n: list(itertools.islice(tasks.task_conversations(task, split, seed), n))
+    def take(split, seed, n):
+        return list(itertools.islice(tasks.task_conversations(task, split, seed), n))
+
     train = take("train", 0, 300)
     assert train[:30] == take("train", 0, 30)  # deterministic per seed
     assert train[:30] != take("train", 1, 30)
@@ -1709,22 +1766,26 @@ def test_task_contents():
         assert [p["type"] for p in assistant["content"]] == ["python", "python_output", "text"]
         assert assistant["content"][1]["text"] == str(value)
         assert assistant["content"][2]["text"] == f"{a} {op} {b} = {shown}"
-        assert re.search(rf"(?<!\d){a}(?!\d)", user["content"]) and re.search(rf"(?<!\d){b}(?!\d)", user["content"])
+        assert re.search(rf"(?<!\d){a}(?!\d)", user["content"])
+        assert re.search(rf"(?<!\d){b}(?!\d)", user["content"])
         digits += [len(a), len(b)]
         phrasings.add(re.sub(r"\d+", "N", user["content"].lower()))
-    assert collections.Counter(digits).keys() == {1, 2, 3, 4} and np.mean(np.array(digits) <= 2) > 0.6
+    assert collections.Counter(digits).keys() == {1, 2, 3, 4}
+    assert np.mean(np.array(digits) <= 2) > 0.6
     assert len(phrasings) > 300  # hardly a phrasing twice in 400
     words = []
     for (user, assistant) in take("counting", 200):
         w, c = re.fullmatch(r"'([a-z]+)'\.count\('([a-z])'\)",
                             assistant["content"][0]["text"]).groups()
-        assert assistant["content"][1]["text"] == str(w.count(c)) == str(data.use_calculator(f"'{w}'.count('{c}')"))
+        by_calculator = data.use_calculator(f"'{w}'.count('{c}')")
+        assert assistant["content"][1]["text"] == str(w.count(c)) == str(by_calculator)
         assert re.findall(r"\d+", assistant["content"][2]["text"])[-1] == str(w.count(c))
         assert re.search(rf"\b{w}\b", user["content"]) and re.search(rf"\b{c}", user["content"])
         words.append(w)
     for (user, assistant) in take("spelling", 200):
         w = assistant["content"].replace("-", "")
-        assert assistant["content"] == "-".join(w) and w.isalpha() and w.islower() and 3 <= len(w) <= 10
+        assert assistant["content"] == "-".join(w)
+        assert w.isalpha() and w.islower() and 3 <= len(w) <= 10
         assert re.search(rf"\b{w}\b", user["content"])
         words.append(w)
     # broad, made-up words too
@@ -1734,15 +1795,18 @@ def test_task_contents():
     # reading: the answer is the paragraph's first sentence
     for (user, assistant) in take("docstring", 100):
         sentence = assistant["content"]
-        assert sentence in user["content"] and sentence[-1] in ".!?" and not re.search(r"[.!?]\s", sentence)
+        assert sentence in user["content"] and sentence[-1] in ".!?"
+        assert not re.search(r"[.!?]\s", sentence)
     for (user, assistant) in take("identity", 50):
         assert "nanochat" in assistant["content"]
 
 
 def test_sft_mixture_keeps_pretraining_text():
     docs = data.shuffled([f"document {i}" for i in range(5)])
-    items = list(itertools.islice(tasks.sft_mixture(3, extra=["mine"], documents=docs, text_every=4)(0), 1 + 40))
-    assert items[0] == "mine" and items[1:] == list(itertools.islice(tasks.sft_mixture(3, ["mine"], docs, 4)(0), 1, 41))
+    mixture = tasks.sft_mixture(3, extra=["mine"], documents=docs, text_every=4)
+    items = list(itertools.islice(mixture(0), 1 + 40))
+    positional = tasks.sft_mixture(3, ["mine"], docs, 4)
+    assert items[0] == "mine" and items[1:] == list(itertools.islice(positional(0), 1, 41))
     texts = [i for i, x in enumerate(items[1:]) if isinstance(x, str)]
     assert texts == [4, 9, 14, 19, 24, 29, 34, 39]  # a document after every 4 conversations
     # cycles through the corpus
@@ -1756,7 +1820,9 @@ def task_of(messages):
     answer = messages[1]["content"]
     if isinstance(answer, list):
         return "counting" if ".count(" in answer[0]["text"] else "arithmetic"
-    return "spelling" if re.fullmatch(r"[a-z](-[a-z])+", answer) else "identity" if "nanochat" in answer else "docstring"
+    if re.fullmatch(r"[a-z](-[a-z])+", answer):
+        return "spelling"
+    return "identity" if "nanochat" in answer else "docstring"
 
 
 def test_heldout_questions_and_grading(tmp_path):
@@ -1767,11 +1833,15 @@ def test_heldout_questions_and_grading(tmp_path):
     assert tasks.grade("arithmetic", "47",
                        "<|python_start|>12+35<|python_end|><|output_start|>47<|output_end|>"
                       "12 + 35 = 47<|assistant_end|>")
-    assert tasks.grade("arithmetic", "12", "84 / 7 = 12.0") and not tasks.grade("arithmetic", "12", "13")
+    assert tasks.grade("arithmetic", "12", "84 / 7 = 12.0")
+    assert not tasks.grade("arithmetic", "12", "13")
     assert not tasks.grade("arithmetic", "47", "<|output_start|>47<|output_end|>I don't know.")
-    assert tasks.grade("counting", "3", "'r' appears 3 time(s) in 'strawberry'.") and not tasks.grade("counting", "3", "")
-    assert tasks.grade("spelling", "coffee", "c-o-f-f-e-e") and not tasks.grade("spelling", "coffee", "c-o-f-e-e")
-    assert tasks.grade("identity", "nanochat", "I'm nanochat, ...") and not tasks.grade("identity", "nanochat", "A bot.")
+    assert tasks.grade("counting", "3", "'r' appears 3 time(s) in 'strawberry'.")
+    assert not tasks.grade("counting", "3", "")
+    assert tasks.grade("spelling", "coffee", "c-o-f-f-e-e")
+    assert not tasks.grade("spelling", "coffee", "c-o-f-e-e")
+    assert tasks.grade("identity", "nanochat", "I'm nanochat, ...")
+    assert not tasks.grade("identity", "nanochat", "A bot.")
     with pytest.raises(ValueError, match=r"README.md:1: invalid JSON"):
         tasks.load_questions(os.path.join(TESTDATA, "..", "README.md"))
     with pytest.raises(ValueError, match=r":1: want \{"):
@@ -1803,7 +1873,8 @@ def test_malicious_pickles_are_refused(tmp_path):
     (tmp_path / "tokenizer" / "tokenizer.pkl").write_bytes(pickle.dumps(_Evil(marker)))
     with pytest.raises(pickle.UnpicklingError, match="refusing"):
         checkpoint.load_nanochat_tokenizer(tmp_path / "tokenizer" / "tokenizer.pkl")
-    (tmp_path / "meta_000001.json").write_text(json.dumps({"model_config": dataclasses.asdict(CHAT_CFG)}))
+    meta = {"model_config": dataclasses.asdict(CHAT_CFG)}
+    (tmp_path / "meta_000001.json").write_text(json.dumps(meta))
     code, _, err = run_chat(["--nanochat-checkpoint", str(tmp_path)])
     assert code == 1 and "refusing to load posix.system" in err and len(err.splitlines()) == 1
     assert not marker.exists()  # nothing ran
@@ -1893,7 +1964,8 @@ def test_checkpoint_round_trip_and_atomic(tmp_path):
     for step in (1, 2, 3, 4):
         path = checkpoint.save_checkpoint(str(tmp_path), step, tiny, opt, {"step": step},
                                           keep=2)
-    assert [os.path.basename(d) for d in checkpoint.checkpoint_dirs(str(tmp_path))] == ["step_000003", "step_000004"]
+    kept = [os.path.basename(d) for d in checkpoint.checkpoint_dirs(str(tmp_path))]
+    assert kept == ["step_000003", "step_000004"]
     params, opt2, meta = checkpoint.load_checkpoint(path)
     assert meta == {"step": 4} and all(jax.tree.leaves(jax.tree.map(np.array_equal, params, tiny)))
     assert int(opt2["step"]) == 0 and all(jax.tree.leaves(jax.tree.map(np.array_equal, opt2, opt)))
@@ -1908,7 +1980,8 @@ def test_checkpoint_round_trip_and_atomic(tmp_path):
         checkpoint.save_checkpoint(str(tmp_path), 5, tiny, None, {},
                                    files={"tokenizer.json": unwritable})
     assert sorted(os.listdir(tmp_path)) == ["step_000003", "step_000004"]
-    assert checkpoint.latest_checkpoint(str(tmp_path), ("",)) == path and checkpoint.load_checkpoint(path)[2] == {"step": 4}
+    assert checkpoint.latest_checkpoint(str(tmp_path), ("",)) == path
+    assert checkpoint.load_checkpoint(path)[2] == {"step": 4}
     with pytest.raises(FileNotFoundError, match="not a checkpoint"):
         checkpoint.load_checkpoint(str(tmp_path))
 
@@ -1953,17 +2026,20 @@ def test_damaged_checkpoint_is_skipped_by_resume_and_kill9_never_leaves_half_a_s
             checkpoint.load_checkpoint(newest)
         said = []
         path, params, _, meta = checkpoint.load_newest(root, log=said.append)
-        assert path.endswith("step_000001") and meta == {"step": 1} and said[0].startswith(f"skipping {newest}")
+        assert path.endswith("step_000001") and meta == {"step": 1}
+        assert said[0].startswith(f"skipping {newest}")
     open(os.path.join(root, "step_000001", "meta.json"), "w").write('{"step": ')
     with pytest.raises(ValueError, match="meta.json: damaged"):
         checkpoint.load_checkpoint(os.path.join(root, "step_000001"))
     assert checkpoint.load_newest(root, log=lambda *_: None) is None
-    with pytest.raises(ValueError,
-                       match=r"meta.json: config fields \['n_expert'\] are unknown to this version"):
+    unknown = r"meta.json: config fields \['n_expert'\] are unknown to this version"
+    with pytest.raises(ValueError, match=unknown):
         checkpoint.config_from({**dataclasses.asdict(TINY), "n_expert": 8}, "ck/meta.json")
-    saver = (f"import checkpoint, numpy as np\nbig = {{'w': np.arange(4_000_000, dtype=np.float32)}}\n"
+    saver = (f"import checkpoint, numpy as np\n"
+             f"big = {{'w': np.arange(4_000_000, dtype=np.float32)}}\n"
              f"for step in range(10**6):\n"
-             f"    checkpoint.save_checkpoint({root!r}, step % 3 + 10, big, big, {{'step': step}})\n")
+             f"    checkpoint.save_checkpoint({root!r}, step % 3 + 10, big, big, "
+             f"{{'step': step}})\n")
     shutil.rmtree(root)
     for delay in (0.6, 0.9, 1.3, 1.7, 2.2, None):
         p = subprocess.Popen([sys.executable, "-c", saver], cwd=pathlib.Path(__file__).parent)
@@ -1977,7 +2053,8 @@ def test_damaged_checkpoint_is_skipped_by_resume_and_kill9_never_leaves_half_a_s
         p.wait()
         for step_dir in checkpoint.checkpoint_dirs(root):  # whatever is there is whole
             params, opt, meta = checkpoint.load_checkpoint(step_dir)
-            assert params["w"].shape == (4_000_000,) and float(params["w"][-1]) == 3_999_999 and opt is not None
+            assert params["w"].shape == (4_000_000,) and float(params["w"][-1]) == 3_999_999
+            assert opt is not None
     assert checkpoint.checkpoint_dirs(root)  # some saves completed
     # the next save sweeps what the killed ones left
     checkpoint.save_checkpoint(root, 99, tiny, None, {})
@@ -2010,7 +2087,8 @@ def test_nanochat_checkpoint_import():
     again, _, _ = checkpoint.load_nanochat(str(NANOCHAT_D2))
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, again, params)))
     sd = torch_files.read_torch_state_dict(NANOCHAT_D2 / "model_000100.pt")
-    assert sd["transformer.wte.weight"].dtype.name == "bfloat16" and sd["lm_head.weight"].dtype == np.float32
+    assert sd["transformer.wte.weight"].dtype.name == "bfloat16"
+    assert sd["lm_head.weight"].dtype == np.float32
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2297,14 +2375,16 @@ def test_prompt_buckets_do_not_change_results_or_recompile(window_model):
     # junk after the prompt
     padded = np.pad(prompt[None, :100], ((0, 0), (0, 28)), constant_values=7)
     _, bucketed, c2 = engine.prefill(p, padded, 100, key, GREEDY, cfg=WINDOW_CFG, max_len=256)
-    _, exact, c1 = engine.prefill(p, prompt[None, :100], 100, key, GREEDY, cfg=WINDOW_CFG, max_len=256)
+    _, exact, c1 = engine.prefill(p, prompt[None, :100], 100, key, GREEDY, cfg=WINDOW_CFG,
+                                  max_len=256)
     np.testing.assert_allclose(bucketed, exact, rtol=0, atol=1e-5)
     assert c1["pos"].tolist() == c2["pos"].tolist() == [100]
     np.testing.assert_array_equal(c1["prev"], c2["prev"])  # the smear carries the last real token
     for (k1, _), (k2, _) in zip(c1["layers"], c2["layers"]):  # (B, K, S, D)
         np.testing.assert_allclose(k1[:, :, :100], k2[:, :, :100], rtol=0, atol=1e-5)
-    _, after_exact, _ = engine.decode(p, np.array([5], np.int32), c1, key, GREEDY, cfg=WINDOW_CFG)
-    _, after_bucketed, _ = engine.decode(p, np.array([5], np.int32), c2, key, GREEDY, cfg=WINDOW_CFG)
+    five = np.array([5], np.int32)
+    _, after_exact, _ = engine.decode(p, five, c1, key, GREEDY, cfg=WINDOW_CFG)
+    _, after_bucketed, _ = engine.decode(p, five, c2, key, GREEDY, cfg=WINDOW_CFG)
     # the junk slot 100 is overwritten
     np.testing.assert_allclose(after_bucketed, after_exact, rtol=0, atol=1e-5)
     generated(params, WINDOW_CFG, prompt[:100], max_tokens=60)  # generate's own programs
@@ -2337,10 +2417,15 @@ def test_sample_top_k_and_top_p_are_traced():
     compiled sampler."""
     probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04] + [0.0] * 300)  # V 306 > TOP_K_MAX
     logits = jnp.log(jnp.asarray(probs, jnp.float32) + 1e-30)[None]
-    draw = jax.jit(jax.vmap(lambda key, t, k, p: engine.sample_next_token(logits, key[None], t, k, p)[0],
-                            (0, None, None, None)))
+    def draw_one(key, t, k, p):
+        return engine.sample_next_token(logits, key[None], t, k, p)[0]
+
+    draw = jax.jit(jax.vmap(draw_one, (0, None, None, None)))
     keys = jax.random.split(jax.random.key(0), 20000)
-    freq = lambda t, k, p: np.bincount(np.asarray(draw(keys, t, k, p)), minlength=306)[:8] / len(keys)
+
+    def freq(t, k, p):
+        return np.bincount(np.asarray(draw(keys, t, k, p)), minlength=306)[:8] / len(keys)
+
     for k, p, kept in ((0, 1.0, 6), (3, 1.0, 3), (0, 0.5, 2), (0, 0.8, 4), (4, 0.75, 3),
                        (4, 0.7, 2), (1, 1.0, 1), (300, 1.0, 6)):
         want = np.zeros(8)
@@ -2413,7 +2498,8 @@ def test_decode_donates_its_cache(chat_model):
     params, cfg, _, _ = chat_model
     key, p = jax.random.key(0), nc.unstack(params, cfg)
     # the shapes of the generate call above (prompt bucket 16, cache 64): nothing compiles again
-    _, _, cache = engine.prefill(p, np.zeros((1, 16), np.int32), 3, key, GREEDY, cfg=cfg, max_len=64)
+    prompt = np.zeros((1, 16), np.int32)
+    _, _, cache = engine.prefill(p, prompt, 3, key, GREEDY, cfg=cfg, max_len=64)
     _, _, new = engine.decode(p, np.array([5], np.int32), cache, key, GREEDY, cfg=cfg)
     # written in place: no second cache
     assert all(a.is_deleted() for a in jax.tree.leaves(cache["layers"]))
@@ -2481,7 +2567,8 @@ def test_engine_staggered_requests_equal_each_alone(window_model):
         assert request.finish == ["length"]
     # the two that crossed the window did so at different steps
     crossings = [128 - lengths[i] for i in (1, 3)]
-    assert crossings[0] != crossings[1] and all(0 < c < budgets[i] for c, i in zip(crossings, (1, 3)))
+    assert crossings[0] != crossings[1]
+    assert all(0 < c < budgets[i] for c, i in zip(crossings, (1, 3)))
 
 
 def block_tool(start, end, result):
@@ -2642,9 +2729,10 @@ def test_sharded_state_bytes_per_device():
         opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
         replicated = sharding.memory(params, opt, 8, "none")
         p_specs, o_specs = sharding.state_specs(params, opt, 8, "full")
-        kept = [sum(a.size * a.dtype.itemsize for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(
-            specs, is_leaf=sharding.is_spec)) if s == P())
-            for tree, specs in ((params, p_specs), (opt, o_specs))]  # the leaves left whole
+        kept = []  # the bytes of the leaves left whole, of the params and of the optimizer state
+        for tree, specs in ((params, p_specs), (opt, o_specs)):
+            leaves = zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=sharding.is_spec))
+            kept.append(sum(a.size * a.dtype.itemsize for a, s in leaves if s == P()))
         full, optimizer = (sharding.memory(params, opt, 8, m) for m in ("full", "optimizer"))
         assert full["params"] + full["optimizer"] <= \
             (replicated["params"] + replicated["optimizer"]) / 8 + sum(kept)
@@ -2706,7 +2794,8 @@ def test_task_evaluation_scores_exact_matches(monkeypatch):
             ids, mask = data.render_conversation(btok, c)
             prompt = data.render_for_completion(btok, c)
             if task in ("identity", "arithmetic"):
-                answers[tuple(prompt)] = [t for t, m in zip(ids[len(prompt):], mask[len(prompt):]) if m][:-1]
+                reply = zip(ids[len(prompt):], mask[len(prompt):])
+                answers[tuple(prompt)] = [t for t, m in reply if m][:-1]
     monkeypatch.setattr(evaluate, "complete", oracle)
     acc, _ = evaluate.evaluate_tasks(None, cfg, btok, n=5)
     assert acc == {"identity": 1.0, "arithmetic": 1.0, "counting": 0.0, "spelling": 0.0,
@@ -2733,7 +2822,8 @@ def test_core_equals_nanochat(nanochat_d2):
     assert [t["label"] for t in found] == list(expected["results"])
     for task in found:
         want, got = expected["tasks"][task["label"]], out["per_example"][task["label"]]
-        lines = [l for _, l in data.json_lines(CORE_DIR / "eval_bundle" / "eval_data" / want["dataset_uri"], "")]
+        dataset = CORE_DIR / "eval_bundle" / "eval_data" / want["dataset_uri"]
+        lines = [l for _, l in data.json_lines(dataset, "")]
         assert task["data"] == [lines[i] for i in want["shuffled_lines"]]  # Random(1337)'s shuffle
         assert got["correct"] == [bool(c) for c in want["correct"]]
         for ex, losses in zip(want["examples"], got["mean_losses"]):
@@ -2742,11 +2832,15 @@ def test_core_equals_nanochat(nanochat_d2):
             if "detail" in ex:
                 fewshot = [task["data"][i] for i in ex["fewshot_idx"]]
                 item = task["data"][ex["idx"]]
-                assert evaluate.core_prompts(item, task["type"], task["delimiter"], fewshot) == ex["detail"]["prompts"]
+                prompts = evaluate.core_prompts(item, task["type"], task["delimiter"], fewshot)
+                assert prompts == ex["detail"]["prompts"]
+                tokens = ex["detail"]["tokens"]
+                if task["type"] == "language_modeling":
+                    tokens = tokens[-1:]
                 assert evaluate.core_example(tok, task, ex["idx"]) == (
-                    ex["detail"]["tokens"][-1:] if task["type"] == "language_modeling" else ex["detail"]["tokens"],
-                    ex["start_idxs"], ex["end_idxs"])
-    assert out["results"] == expected["results"] and out["centered_results"] == expected["centered_results"]
+                    tokens, ex["start_idxs"], ex["end_idxs"])
+    assert out["results"] == expected["results"]
+    assert out["centered_results"] == expected["centered_results"]
     assert out["core_metric"] == pytest.approx(expected["core_metric"], abs=1e-12)
 
 
@@ -2764,7 +2858,8 @@ def test_core_cli_on_four_devices_and_its_errors(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "4 devices" in r.stdout
     expected = json.loads((CORE_DIR / "expected.json").read_text())
-    assert json.loads(r.stdout.splitlines()[-1])["core"]["core_metric"] == pytest.approx(expected["core_metric"])
+    core = json.loads(r.stdout.splitlines()[-1])["core"]
+    assert core["core_metric"] == pytest.approx(expected["core_metric"])
     bad = tmp_path / "bundle"
     shutil.copytree(CORE_DIR / "eval_bundle", bad)
     (bad / "eval_data" / "opposites.jsonl").write_text('{"query": "up", "gold": 0}\n')
@@ -2775,14 +2870,25 @@ def test_core_cli_on_four_devices_and_its_errors(tmp_path):
                           (["--chat-data", str(tmp_path)], "none of the ChatCORE datasets"),
                           ([], "give --eval-bundle DIR (CORE) and/or --chat-data DIR (ChatCORE)")]:
         r = run(*args)
-        assert r.returncode in (1, 2) and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr[-2000:]
+        assert r.returncode in (1, 2), r.stderr[-2000:]
+        assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr[-2000:]
 
 
 def test_core_yaml_and_bad_bundles(tmp_path):
     yaml = tmp_path / "core.yaml"
-    yaml.write_text("# a comment\nicl_tasks:\n- label: a  # inline comment\n  num_fewshot:\n  - 0\n  - 3\n"
-                    "  continuation_delimiter: \"#### \\n\"\n-\n  label: 'it''s'\n  num_fewshot: [10, 5]\n"
-                    "  has_categories: true\neval_gauntlet:\n  weighting: EQUAL\n")
+    yaml.write_text("# a comment\n"
+                    "icl_tasks:\n"
+                    "- label: a  # inline comment\n"
+                    "  num_fewshot:\n"
+                    "  - 0\n"
+                    "  - 3\n"
+                    "  continuation_delimiter: \"#### \\n\"\n"
+                    "-\n"
+                    "  label: 'it''s'\n"
+                    "  num_fewshot: [10, 5]\n"
+                    "  has_categories: true\n"
+                    "eval_gauntlet:\n"
+                    "  weighting: EQUAL\n")
     assert evaluate.read_icl_tasks(str(yaml)) == [
         {"label": "a", "num_fewshot": [0, 3], "continuation_delimiter": "#### \n"},
         {"label": "it's", "num_fewshot": [10, 5], "has_categories": True}]
@@ -2818,7 +2924,8 @@ def test_core_task_types_by_hand(btok):
     lm = dict(label="lm", type="language_modeling", num_fewshot=0, delimiter="\nAnswer: ",
               data=[{"context": "  Capital of France? ", "continuation": "Paris"}])
     (row,), (s,), (e,) = evaluate.core_example(btok, lm, 0)
-    assert btok.decode(row[1:s]) == "Capital of France?\nAnswer:" and btok.decode(row[s:e]) == " Paris"
+    assert btok.decode(row[1:s]) == "Capital of France?\nAnswer:"
+    assert btok.decode(row[s:e]) == " Paris"
 
 
 def write_chat_data(root):
@@ -2828,7 +2935,8 @@ def write_chat_data(root):
     import pyarrow as pa
     import pyarrow.parquet as pq
     arc = [{"id": f"q{i}", "question": f"Which is number {i}?", "answerKey": "ABCD"[i % 4],
-            "choices": {"text": [f"number {j}" for j in range(4)], "label": list("ABCD")}} for i in range(6)]
+            "choices": {"text": [f"number {j}" for j in range(4)], "label": list("ABCD")}}
+           for i in range(6)]
     ai2 = [{"id": "c1", "answerKey": "2", "question": {"stem": "Pick two.", "choices": [
         {"text": "one", "label": "1"}, {"text": "two", "label": "2"},
         {"text": "three", "label": "3"}]}}]
@@ -2836,7 +2944,8 @@ def write_chat_data(root):
              "answer": 1}
             for i in range(5)]
     gsm = [{"question": f"Tom has {i} apples and buys 2 more. How many?",
-            "answer": f"He has {i}+2=<<{i}+2={i + 2}>>{i + 2} apples.\n#### {i + 2}"} for i in range(4)]
+            "answer": f"He has {i}+2=<<{i}+2={i + 2}>>{i + 2} apples.\n#### {i + 2}"}
+           for i in range(4)]
     he = [{"task_id": "HumanEval/0",
            "prompt": "import math\n\ndef root(x):\n    \"\"\"Square root.\"\"\"\n",
            "canonical_solution": "    return math.sqrt(x)\n", "entry_point": "root",
@@ -2849,7 +2958,8 @@ def write_chat_data(root):
         if rows is not None:
             (root / folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     pq.write_table(pa.Table.from_pylist(arc), root / "ai2_arc/ARC-Easy/test-00000-of-00001.parquet")
-    (root / "gsm8k/main/train-00000-of-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gsm[::-1]))
+    train_split = "".join(json.dumps(r) + "\n" for r in gsm[::-1])
+    (root / "gsm8k/main/train-00000-of-00001.jsonl").write_text(train_split)
     return {"ARC-Easy": arc, "ARC-Challenge": ai2, "MMLU": mmlu, "GSM8K": gsm, "HumanEval": he}
 
 
@@ -2878,15 +2988,18 @@ def test_chatcore_categorical_is_the_letters_argmax(tmp_path, btok):
             # them, and one shape compiles once, not once a prompt length
             padded[0, :len(ids)] = ids
             z = np.asarray(forward(params, padded, cfg))[0, len(ids) - 1]
-            hits.append(c["letters"][int(np.argmax(z[[btok.encode(l)[0] for l in c["letters"]]]))] ==
-                        c["messages"][-1]["content"])
+            letter_ids = [btok.encode(l)[0] for l in c["letters"]]
+            best = c["letters"][int(np.argmax(z[letter_ids]))]
+            hits.append(best == c["messages"][-1]["content"])
         want[name] = np.mean(hits)
     categorical = {n: found[n] for n in want}
     for batch_tokens in (256, 1 << 14):  # one row per batch, or all rows in one
-        assert evaluate.evaluate_chat(params, cfg, btok, categorical, batch_tokens=batch_tokens)["results"] == want
+        out = evaluate.evaluate_chat(params, cfg, btok, categorical, batch_tokens=batch_tokens)
+        assert out["results"] == want
     bad = tmp_path / "bad"
     shutil.copytree(tmp_path / "mmlu", bad / "mmlu")
-    (bad / "mmlu/all/test.jsonl").write_text('{"question": "q", "choices": ["a", "b"], "answer": 7}\n')
+    row = '{"question": "q", "choices": ["a", "b"], "answer": 7}\n'
+    (bad / "mmlu/all/test.jsonl").write_text(row)
     with pytest.raises(ValueError,
                        match="mmlu/all: row 0: .*want the layout of Hugging Face's cais/mmlu"):
         tasks.load_chat_tasks(str(bad))
@@ -2895,7 +3008,8 @@ def test_chatcore_categorical_is_the_letters_argmax(tmp_path, btok):
 @pytest.mark.slow  # a model of its own through ChatCORE three times, programs in the sandbox
 def test_gsm8k_humaneval_and_chatcore(tmp_path, btok, monkeypatch):
     assert tasks.gsm8k_answer("so 3 + 4 = 7\n#### 1,234.5 dollars") == "1234.5"
-    assert tasks.gsm8k_answer("#### -12") == "-12" and tasks.gsm8k_answer("the answer is 12") is None
+    assert tasks.gsm8k_answer("#### -12") == "-12"
+    assert tasks.gsm8k_answer("the answer is 12") is None
     assert tasks.gsm8k_parts("It is 12/60=<<12/60=0.2>>0.2 a minute.\n#### 0.2") == [
         {"type": "text", "text": "It is 12/60="}, {"type": "python", "text": "12/60"},
         {"type": "python_output", "text": "0.2"}, {"type": "text",
@@ -2903,8 +3017,8 @@ def test_gsm8k_humaneval_and_chatcore(tmp_path, btok, monkeypatch):
     write_chat_data(tmp_path)
     found = tasks.load_chat_tasks(str(tmp_path))
     he = found["HumanEval"][0]
-    program = tasks.humaneval_program(he,
-                                      "Here:\n```python\ndef root(x):\n    return math.sqrt(x)\n```\nDone.")
+    reply = "Here:\n```python\ndef root(x):\n    return math.sqrt(x)\n```\nDone."
+    program = tasks.humaneval_program(he, reply)
     assert program.startswith("import math\n\ndef root(x):\n") and program.endswith("check(root)")
     cfg = config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=2)
     params = random_params(cfg, 0)
@@ -2914,17 +3028,20 @@ def test_gsm8k_humaneval_and_chatcore(tmp_path, btok, monkeypatch):
         for c in found["GSM8K"] + found["HumanEval"]:
             ref = c["messages"][-1]["content"]
             text = f"#### {tasks.gsm8k_answer(ref[-1]['text'])}" if isinstance(ref, list) else ref
-            refs[tuple(data.render_for_completion(btok, c["messages"]))] = text if right else text[:-3] + "1"
+            prompt = data.render_for_completion(btok, c["messages"])
+            refs[tuple(prompt)] = text if right else text[:-3] + "1"
         return lambda p, cfg, tok, prompts, n, *a: [[btok.encode(refs[tuple(prompt)])] * n
                                                     for prompt in prompts]
 
     for right in (True, False):
         monkeypatch.setattr(evaluate, "complete", answer(right))
         generative = {n: found[n] for n in ("GSM8K", "HumanEval")}
-        assert evaluate.evaluate_chat(params, cfg, btok, generative)["results"] == {"GSM8K": right, "HumanEval": right}
+        results = evaluate.evaluate_chat(params, cfg, btok, generative)["results"]
+        assert results == {"GSM8K": right, "HumanEval": right}
     out = evaluate.evaluate_chat(params, cfg, btok, found)
-    centred = [(out["results"][n] - b) / (1 - b) for n, b in (("ARC-Easy", .25), ("ARC-Challenge", .25), ("MMLU", .25),
-                                                             ("GSM8K", 0), ("HumanEval", 0))]
+    baselines = (("ARC-Easy", .25), ("ARC-Challenge", .25), ("MMLU", .25), ("GSM8K", 0),
+                 ("HumanEval", 0))
+    centred = [(out["results"][n] - b) / (1 - b) for n, b in baselines]
     assert out["chatcore"] == pytest.approx(np.mean(centred))
     del found["MMLU"]
     # ChatCORE needs all five
@@ -2995,7 +3112,8 @@ def test_rl_raises_the_reward_of_a_tiny_task(btok):
     rows = [data.render_conversation(btok, ask(a)) for a in ("yes", "no") * 8]
     pad = lambda ids, fill: ids + [fill] * (cfg.sequence_len - len(ids))
     x = np.array([pad(ids[:-1], 0) for ids, _ in rows], np.int32)[None]
-    y = np.array([pad([t if m else -1 for t, m in zip(ids[1:], mask[1:])], -1) for ids, mask in rows], np.int32)[None]
+    y = np.array([pad([t if m else -1 for t, m in zip(ids[1:], mask[1:])], -1)
+                  for ids, mask in rows], np.int32)[None]
     params = nc.init_params(cfg, jax.random.key(0))
     opt = init_opt(params)
     for i in range(60):
@@ -3052,8 +3170,10 @@ def test_horizon_follows_nanochat(depth, tokens, batch, iters, lr_scale, wd):
     cfg = nc.config_for_depth(depth, 32768)
     steps, b, scale, weight_decay = train.horizon(
         cfg, 32, -1, train.Optim(total_batch_size=-1, batch_lr_scale=-1))
-    assert (steps, b) == (iters, batch) and float(f"{steps * b:.4g}") == pytest.approx(tokens, rel=2e-3)
-    assert scale == pytest.approx(lr_scale, abs=1e-4) and weight_decay == pytest.approx(wd, rel=1e-2)
+    assert (steps, b) == (iters, batch)
+    assert float(f"{steps * b:.4g}") == pytest.approx(tokens, rel=2e-3)
+    assert scale == pytest.approx(lr_scale, abs=1e-4)
+    assert weight_decay == pytest.approx(wd, rel=1e-2)
     flops = train.horizon(cfg, 32, -1, train.Optim(total_batch_size=-1, target_flops=1e18))[0]
     assert flops == round(1e18 / (nc.estimate_flops(cfg) * batch))
     # --num-iterations wins
@@ -3146,7 +3266,8 @@ def run_base(root, iterations, seed=0, model=None, optim=None, evals=None, devic
 
 
 def test_resume_is_bit_identical(train_root, tmp_path):
-    full_root, cut_root = fresh_root(train_root, tmp_path / "a"), fresh_root(train_root, tmp_path / "b")
+    full_root = fresh_root(train_root, tmp_path / "a")
+    cut_root = fresh_root(train_root, tmp_path / "b")
     _, _, full, _ = run_base(full_root, 6)
     _, _, first, _ = run_base(cut_root, 6, save_every=3)
     assert first == full  # same seed, same machine: the same trajectory, bit for bit
@@ -3155,8 +3276,8 @@ def test_resume_is_bit_identical(train_root, tmp_path):
     assert rest == full[3:]
     a = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(full_root))[0]
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, a, jax.device_get(params))))
-    with pytest.raises(ValueError,
-                       match=r"step_000006 holds Config\(.*n_layer=2.*but these flags make .*n_layer=3"):
+    mismatch = r"step_000006 holds Config\(.*n_layer=2.*but these flags make .*n_layer=3"
+    with pytest.raises(ValueError, match=mismatch):
         run_base(cut_root, 6, model=dict(depth=3), resume=True)  # the weights would not fit
     # the tokenizer inside the atomic write
     files = ["meta.json", "opt.msgpack", "params.msgpack", "tokenizer.json"]
@@ -3219,7 +3340,8 @@ def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch
     with pytest.raises(KeyboardInterrupt,
                        match="interrupted: saved .*step_000004; continue with --resume"):
         run_base(root, 6)
-    assert checkpoint.latest_checkpoint(root).endswith("step_000004") and signal.getsignal(signal.SIGINT) is handler
+    assert checkpoint.latest_checkpoint(root).endswith("step_000004")
+    assert signal.getsignal(signal.SIGINT) is handler
     monkeypatch.setattr(train, "jit_train_step", real)
     _, _, rest, _ = run_base(root, 6, resume=True)
     assert rest == full[4:]  # no batch trained twice or skipped
@@ -3245,7 +3367,8 @@ def test_remat_lowers_the_step_temp_bytes():
         lowered = train.jit_train_step.lower(params, opt, (x, x), 0, train.base_schedule(10, 0.0),
                                              train.learning_rates(), cfg=cfg,
                                              layout=train.Layout(remat=remat))
-        compiled = lowered.compile({"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"})
+        memory_first = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+        compiled = lowered.compile(memory_first)
         temp[remat] = compiled.memory_analysis().temp_size_in_bytes
     assert temp[True] < 0.95 * temp[False], temp
 
@@ -3326,20 +3449,24 @@ def test_rl_on_gsm8k_takes_nanochat_settings(train_root, tmp_path):
                iterations=-1,
                lr_frac=0.05)  # --rl-tasks gsm8k's defaults, as the flags' check above found them
     tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
-    cfg = nc.Config(**json.load(open(os.path.join(checkpoint.latest_checkpoint(root, ("sft",)), "meta.json")))["config"])
+    sft_meta = os.path.join(checkpoint.latest_checkpoint(root, ("sft",)), "meta.json")
+    cfg = nc.Config(**json.load(open(sft_meta))["config"])
     fits = lambda messages: len(data.render_for_completion(tok, messages)) < cfg.sequence_len - 1
     found = tasks.rl_tasks(["gsm8k"], 0, str(tmp_path / "chat"), fits)
-    train_rows = [json.loads(l) for l in open(tmp_path / "chat/gsm8k/main/train-00000-of-00001.jsonl")]
+    train_split = tmp_path / "chat/gsm8k/main/train-00000-of-00001.jsonl"
+    train_rows = [json.loads(l) for l in open(train_split)]
     order = np.random.default_rng(42).permutation(4)
     # in order, then round again
     steps = [[c for c, _ in rl.rl_prompts(found, step, 2)] for step in range(3)]
-    assert [c[0]["content"] for s in steps for c in s] == [train_rows[i]["question"] for i in [*order, *order[:2]]]
+    asked = [c[0]["content"] for s in steps for c in s]
+    assert asked == [train_rows[i]["question"] for i in [*order, *order[:2]]]
     reward = found["gsm8k"][2]
     assert reward(steps[0][0], f"#### {tasks.gsm8k_answer(train_rows[order[0]]['answer'])}") is True
     assert reward(steps[0][0], "#### 1000") is False
     _, _, losses, info = run_stage(root, "rl", **gsm)
     assert len(losses) == 2 and np.isfinite(losses).all()  # one epoch: 4 questions / 2 a step
-    assert set(info) >= {"pass@k before", "pass@k 1", "pass@k"} and set(info["pass@k"]["gsm8k"]) == {"pass@1", "pass@2"}
+    assert set(info) >= {"pass@k before", "pass@k 1", "pass@k"}
+    assert set(info["pass@k"]["gsm8k"]) == {"pass@1", "pass@2"}
     other = data.train_tokenizer(["a different corpus for another tokenizer"] * 50, 280)
     other.save(os.path.join(root, "tokenizer.json"))
     with pytest.raises(ValueError,
@@ -3404,7 +3531,8 @@ def emulated_devices(n, *cmd):
     """(the last stdout line as JSON, stdout) of python cmd in a child with n emulated devices."""
     r = subprocess.run([sys.executable, *cmd], cwd=pathlib.Path(__file__).parent, text=True,
                        capture_output=True, timeout=600,
-                       env={**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
+                       env={**os.environ,
+                            "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.splitlines()[-1]), r.stdout
 
@@ -3413,8 +3541,9 @@ def emulated_devices(n, *cmd):
 def test_shard_modes_equal_one_device_and_resume_on_others(train_root, tmp_path):
     """--shard none, optimizer and full on 8 devices train to the same losses (rtol 1e-5: the
     gradient's sum is reduced in another order), and to one device's (rtol 3e-3), over 4 steps
-    of a model whose stacks divide 8 and 6 of one whose do not; the full run, cut at step 3, resumes under none on 1 device and under
-    optimizer on 4 with the losses of the uninterrupted run."""
+    of a model whose stacks divide 8 and 6 of one whose do not; the full run, cut at step 3,
+    resumes under none on 1 device and under optimizer on 4 with the losses of the uninterrupted
+    run."""
     one = {name: run_base(fresh_root(train_root, tmp_path / name), 4 if name == "d8" else 6,
                           model=model)[2] for name, model in SHARD_MODELS.items()}
     root = fresh_root(train_root, tmp_path / "eight")
@@ -3433,9 +3562,10 @@ def test_shard_modes_equal_one_device_and_resume_on_others(train_root, tmp_path)
         if n == 1:
             rest = run_base(str(tmp_path / mode), 6, resume=True, shard=mode)[2]
         else:
-            rest, out = emulated_devices(4, "-c", "import json, sys, test_nanochat as t; print(json."
-                                         "dumps(t.run_base(sys.argv[1], 6, device_batch_size=2, "
-                                         "resume=True, shard='optimizer')[2]))", str(tmp_path / mode))
+            child = ("import json, sys, test_nanochat as t; "
+                     "print(json.dumps(t.run_base(sys.argv[1], 6, device_batch_size=2, "
+                     "resume=True, shard='optimizer')[2]))")
+            rest, out = emulated_devices(4, "-c", child, str(tmp_path / mode))
             assert "--shard optimizer: per device" in out
         np.testing.assert_allclose(rest, eight["d2 full"][3:], rtol=3e-3, err_msg=mode)
 
@@ -3473,7 +3603,8 @@ def test_bad_input_under_shard_on_four_devices(train_root, tmp_path):
     out, _ = emulated_devices(4, "-c", BAD_SHARD_CHILD, fresh_root(train_root, tmp_path))
     errors = out["errors"]
     assert set(errors) == {"model", "batch", "samples"} and out["unchanged"]
-    assert "resume with the flags it was trained with, or train into another --out" in errors["model"]
+    advice = "resume with the flags it was trained with, or train into another --out"
+    assert advice in errors["model"]
     assert errors["batch"].startswith("--total-batch-size 256 must be a multiple of 512 ")
     assert errors["samples"].startswith("--rl-samples 6 must be a multiple of the 4 devices")
     assert all("\n" not in e for e in errors.values())
@@ -3543,12 +3674,14 @@ def test_two_processes_agree_on_ctrl_c(train_root, tmp_path, capsys):
         for p in procs:
             p.kill()
     outs = [f.read_text() for f in logs]
-    saved = [re.search(r"^interrupted: saved (\S+); continue with --resume$", out, re.M) for out in outs]
+    saved = [re.search(r"^interrupted: saved (\S+); continue with --resume$", out, re.M)
+             for out in outs]
     assert codes == [1, 1] and all(saved), outs[0][-2000:] + outs[1][-2000:]
     path = saved[0][1]
     assert saved[1][1] == path and checkpoint.checkpoint_dirs(os.path.join(root, "base")) == [path]
     _, _, meta = checkpoint.load_checkpoint(path)
-    assert path.endswith(f"step_{meta['step']:06d}") and 1 <= meta["step"] < 200 and len(meta["data_states"]) == 2
+    assert path.endswith(f"step_{meta['step']:06d}") and 1 <= meta["step"] < 200
+    assert len(meta["data_states"]) == 2
     # one process, both shards
     run_base(root, 200, device_batch_size=8, data_shards=2, resume=True)
     assert f"resuming {path} at step {meta['step']}" in capsys.readouterr().out
@@ -3610,12 +3743,14 @@ def test_default_pipeline(tmp_path):
     frac = train.parse_args([]).rl_lr_frac
     assert rl["lrs"] == pytest.approx({k: frac * v for k, v in base["lrs"].items()})
     assert rl["schedule"]["warmdown_ratio"] == 1.0 and rl["schedule"]["final_lr_frac"] == 0.0
-    assert "pass@1" in results["rl"]["pass@k before"]["counting"] and "pass@2" in results["rl"]["pass@k"]["spelling"]
+    assert "pass@1" in results["rl"]["pass@k before"]["counting"]
+    assert "pass@2" in results["rl"]["pass@k"]["spelling"]
     # chat.py's default: the newest checkpoint of the last stage
     params, cfg, tok = checkpoint.load_model(root)
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(params), rl_params)))
     assert cfg == nc.Config(**base["config"]) and tok.n_vocab == 300
-    assert set(results["base"]["core"]["results"]) == {"pydoc_qa", "opposites", "because_schema", "doc_lm", "doc_lm_qa"}
+    assert set(results["base"]["core"]["results"]) == {"pydoc_qa", "opposites", "because_schema",
+                                                       "doc_lm", "doc_lm_qa"}
     assert set(results["sft"]["chatcore"]["results"]) == set(tasks.CHAT_TASKS)
     # the report card, from each stage's report.json
     card = open(os.path.join(root, "report.md")).read()
@@ -3623,11 +3758,15 @@ def test_default_pipeline(tmp_path):
         r = json.load(open(os.path.join(root, stage, "report.json")))
         assert r["tokens"] > 0 and r["train_time"] > 0 and r["machine"]["jax"] == jax.__version__
         flops = nc.estimate_flops(nc.Config(**r["config"]))
-        mfu = r["tokens"] * flops / (r["train_time"] * r["machine"]["peak_flops"] * r["machine"]["devices"])
-        core, chatcore = r.get("core", {}).get("core_metric"), r.get("chatcore", {}).get("chatcore")
-        row = (f"| {stage} | {nc.num_scaling_params(cfg)['total']:,} | {flops:,.0f} | {r['steps']} | {r['tokens']:,} | "
+        peak = r["machine"]["peak_flops"] * r["machine"]["devices"]
+        mfu = r["tokens"] * flops / (r["train_time"] * peak)
+        core = r.get("core", {}).get("core_metric")
+        chatcore = r.get("chatcore", {}).get("chatcore")
+        params_total = nc.num_scaling_params(cfg)["total"]
+        row = (f"| {stage} | {params_total:,} | {flops:,.0f} | {r['steps']} | {r['tokens']:,} | "
                f"{r['train_time']:.0f} s | {100 * mfu:.1f}% | {r['val_bpb']:.4f} | "
-               f"{'' if core is None else f'{core:.4f}'} | {'' if chatcore is None else f'{chatcore:.4f}'} |")
+               f"{'' if core is None else f'{core:.4f}'} | "
+               f"{'' if chatcore is None else f'{chatcore:.4f}'} |")
         assert row in card and f"\n## {stage}\n" in card
         assert all(f"- `{p!r}` -> `{c!r}`" in card for p, c in r["samples"].items())
     assert f"| {platform.python_version()}, jax {jax.__version__} (cpu) | 1 x cpu |" in card
@@ -3639,21 +3778,23 @@ def test_default_pipeline(tmp_path):
     os.remove(os.path.join(root, "report.md"))
     train.main(argv + ["--stage", "rl", "--eval-tasks", "0"])
     again = open(os.path.join(root, "report.md")).read()
-    assert all(f"\n## {stage}\n" in again for stage in ("base", "sft", "rl")) and "--stage rl --eval-tasks 0" in again
+    assert all(f"\n## {stage}\n" in again for stage in ("base", "sft", "rl"))
+    assert "--stage rl --eval-tasks 0" in again
 
 
 def test_train_cli_error_is_one_line_and_help_shows_defaults(tmp_path, capsys):
     cmd = [sys.executable, "train.py", "--stage", "tokenizer", "--data", "no/such.txt", "--out",
-           str(tmp_path),
-           "--compile-cache", ""]
+           str(tmp_path), "--compile-cache", ""]
     r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
                        timeout=120)
-    assert r.returncode == 1 and r.stderr.startswith("error: no/such.txt: no such file") and r.stderr.count("\n") == 1
+    assert r.returncode == 1 and r.stderr.startswith("error: no/such.txt: no such file")
+    assert r.stderr.count("\n") == 1
     r = subprocess.run(cmd[:2] + ["--rl-tasks", "poetry"], cwd=pathlib.Path(__file__).parent,
-                       capture_output=True,
-                       text=True, timeout=120)  # a bad flag: one line too, naming the choices
+                       capture_output=True, text=True, timeout=120)
+    # a bad flag: one line too, naming the choices
     assert r.returncode == 2 and r.stderr.count("\n") == 1
-    assert r.stderr.startswith("error: argument --rl-tasks: invalid choice: 'poetry' (choose from 'identity', ")
+    assert r.stderr.startswith("error: argument --rl-tasks: invalid choice: 'poetry' "
+                               "(choose from 'identity', ")
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
     out = " ".join(capsys.readouterr().out.split())
@@ -3749,7 +3890,8 @@ def test_cli_errors_are_one_line(chat_model):
                             (["--serve", "--port", str(taken.getsockname()[1])],
                              "another --host or --port")]:
             code, _, err = run_chat(["--compile-cache", "", *args], cwd=chat_model[3].parent)
-            assert code == 1 and err.startswith("error: ") and match in err and len(err.splitlines()) == 1, err
+            assert code == 1 and err.startswith("error: ") and match in err, err
+            assert len(err.splitlines()) == 1, err
 
 
 class FakeEngine:
@@ -3794,7 +3936,8 @@ def test_replies_stop_and_call_the_calculator(monkeypatch, capsys, server):
     assert capsys.readouterr().out == "\nAssistant: ok\n"
     monkeypatch.setattr(server, "engine", fake)
     r = json.loads(request(server, "POST", "/v1/chat/completions", {"messages": HI})[2])
-    assert r["choices"][0]["message"]["content"] == "ok" and r["choices"][0]["finish_reason"] == "stop"
+    assert r["choices"][0]["message"]["content"] == "ok"
+    assert r["choices"][0]["finish_reason"] == "stop"
     assert r["usage"]["completion_tokens"] == 3
     assert [c["sampling"].stop_ids for c in fake.calls] == [(sp["<|assistant_end|>"], bt.bos)] * 2
     # a fresh calculator per reply: no state leaks between them
@@ -3822,7 +3965,8 @@ def test_replies_decode_utf8_incrementally(monkeypatch, server):
     chunks = events(request(server, "POST", "/v1/chat/completions", req)[2])
     # one device call's text in one event
     assert [c["choices"][0]["delta"].get("content") for c in chunks[1:-2]] == ["é\ufffd"]
-    assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
 
 
 CALCULATED = ("So ", "6*7", "42", " it is 42.")
@@ -3846,8 +3990,10 @@ def test_reply_parts_and_stop_strings():
     bt = data.byte_tokenizer()
     r, ids = chat.Reply(bt), calculated(bt)
     said = [r.add(t) for t in ids]
-    assert r.content == "So  it is 42." == "".join(text for text, _ in said) and r.finish == "stop" and r.ids == ids
-    assert r.parts == [{"type": t, "text": x} for t, x in zip(("text", "python", "python_output", "text"), CALCULATED)]
+    assert r.content == "So  it is 42." == "".join(text for text, _ in said)
+    assert r.finish == "stop" and r.ids == ids
+    kinds = ("text", "python", "python_output", "text")
+    assert r.parts == [{"type": t, "text": x} for t, x in zip(kinds, CALCULATED)]
     assert [p for _, p in said if p] == r.parts[1:3]  # each calculator part once, when it closes
     conversation = [{"role": "user", "content": "6 times 7?"},
                     {"role": "assistant", "content": r.parts}]
@@ -3858,13 +4004,15 @@ def test_reply_parts_and_stop_strings():
             said.append(r.add(t)[0])
     assert said == ["h", "e", "", "l", "", "", ""] and r.content == "hel" and r.finish == "stop"
     r = chat.Reply(bt, stop=["ab"])
-    assert [r.add(t)[0] for t in bt.encode("xa")] == ["x", ""] and r.end() == "a" and r.finish == "length"
+    assert [r.add(t)[0] for t in bt.encode("xa")] == ["x", ""]
+    assert r.end() == "a" and r.finish == "length"
 
 
 def test_api_sends_calculator_steps_as_parts(monkeypatch, server):
     bt = data.byte_tokenizer()
     monkeypatch.setattr(server, "engine", FakeEngine(calculated(bt)))
-    message = json.loads(request(server, "POST", "/v1/chat/completions", {"messages": HI})[2])["choices"][0]["message"]
+    body = request(server, "POST", "/v1/chat/completions", {"messages": HI})[2]
+    message = json.loads(body)["choices"][0]["message"]
     parts = [{"type": t, "text": x} for t, x in zip(("text", "python", "python_output", "text"),
                                                     CALCULATED)]
     # no special token in either
@@ -3920,18 +4068,21 @@ def test_api_completion_and_models(server, chat_model):
                                   {"model": "nanochat", "messages": HELLO})
     assert status == 200 and ctype == "application/json"
     r = json.loads(body)
-    assert r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-") and r["model"] == "nanochat"
-    assert r["choices"] == [{"index": 0,
-                             "message": {"role": "assistant", "content": reply, "parts": [
-        {"type": "text", "text": reply}]}, "finish_reason": "length" if n_out == 32 else "stop"}]
+    assert r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-")
+    assert r["model"] == "nanochat"
+    message = {"role": "assistant", "content": reply, "parts": [{"type": "text", "text": reply}]}
+    finish = "length" if n_out == 32 else "stop"
+    assert r["choices"] == [{"index": 0, "message": message, "finish_reason": finish}]
     assert r["usage"] == {"prompt_tokens": n_in, "completion_tokens": n_out,
                           "total_tokens": n_in + n_out}
     status, _, body = request(server, "GET", "/v1/models")
     assert status == 200 and json.loads(body)["data"][0]["id"] == "nanochat"
-    assert json.loads(body)["data"][0]["context_length"] == 256 and json.loads(body)["data"][0]["max_tokens"] == 32
+    model = json.loads(body)["data"][0]
+    assert model["context_length"] == 256 and model["max_tokens"] == 32
     assert json.loads(request(server, "GET", "/health")[2])["status"] == "ok"
     status, ctype, body = request(server, "GET", "/?q=hi")
-    assert status == 200 and ctype.startswith("text/html") and "<textarea" in body and "/v1/chat/completions" in body
+    assert status == 200 and ctype.startswith("text/html")
+    assert "<textarea" in body and "/v1/chat/completions" in body
 
 
 def test_api_streaming(server, chat_model):
@@ -3941,7 +4092,8 @@ def test_api_streaming(server, chat_model):
     status, ctype, body = request(server, "POST", "/v1/chat/completions", req)
     assert status == 200 and ctype.startswith("text/event-stream")
     chunks = events(body)
-    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-2]) == reply
     assert chunks[-2]["choices"][0] == {"index": 0, "delta": {},
@@ -3957,7 +4109,8 @@ def test_api_choices_stop_top_p_and_logprobs(server, chat_model):
                                            {"messages": HELLO, **kw})[2])
     # the server's default temperature here is 0: three copies of the greedy reply, from one batch
     r = post(n=3)
-    assert [(c["index"], c["message"]["content"]) for c in r["choices"]] == [(0, reply), (1, reply), (2, reply)]
+    choices = [(c["index"], c["message"]["content"]) for c in r["choices"]]
+    assert choices == [(0, reply), (1, reply), (2, reply)]
     assert r["usage"]["completion_tokens"] == 3 * n_out
     a, b = (post(n=4, temperature=1.0, seed=3)["choices"] for _ in range(2))
     # one seed, one batch; the rows differ
@@ -3969,11 +4122,13 @@ def test_api_choices_stop_top_p_and_logprobs(server, chat_model):
     assert post(temperature=2.0, top_p=1e-6, seed=1)["choices"][0]["message"]["content"] == reply
     r = post(logprobs=True, top_logprobs=3)["choices"][0]
     lp = r["logprobs"]["content"]
-    assert b"".join(bytes(e["bytes"]) for e in lp).decode(errors="replace") == reply == r["message"]["content"]
+    text = b"".join(bytes(e["bytes"]) for e in lp).decode(errors="replace")
+    assert text == reply == r["message"]["content"]
     for e in lp:  # greedy: each token is the likeliest
-        assert [t["logprob"] for t in e["top_logprobs"]] == sorted((t["logprob"] for t in e["top_logprobs"]),
-                                                                   reverse=True)
-        assert len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["bytes"] == e["bytes"] and e["logprob"] < 0
+        likeliest = [t["logprob"] for t in e["top_logprobs"]]
+        assert likeliest == sorted(likeliest, reverse=True)
+        assert len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["bytes"] == e["bytes"]
+        assert e["logprob"] < 0
     first = jax.nn.log_softmax(forward(params, np.array([chat_prompt(bt, HELLO)]), cfg)[0, -1])
     assert lp[0]["bytes"] == list(bt.enc.decode_single_token_bytes(int(first.argmax())))
     assert lp[0]["logprob"] == pytest.approx(float(first.max()), abs=1e-4)
@@ -3999,7 +4154,8 @@ def test_no_request_compiles(chat_model):
         assert json.loads(request(srv, "GET", "/health")[2])["compiled"] is False
         eng.start(warm_up=True)
         assert eng.warmed.wait(600)
-        assert json.loads(request(srv, "GET", "/health")[2]) == {"status": "ok", "model": "nanochat", "compiled": True}
+        health = json.loads(request(srv, "GET", "/health")[2])
+        assert health == {"status": "ok", "model": "nanochat", "compiled": True}
         jax.monitoring.register_event_duration_secs_listener(listen)
         rng = np.random.default_rng(0)
         for i in range(20):
@@ -4031,7 +4187,8 @@ def test_official_openai_client(server, chat_model):
     reply, n_out, n_in = expected_reply(chat_model, HELLO)
     assert [m.id for m in client.models.list()] == ["nanochat"]
     r = client.chat.completions.create(model="nanochat", messages=HELLO)
-    assert r.choices[0].message.content == reply and r.choices[0].message.parts == [{"type": "text", "text": reply}]
+    assert r.choices[0].message.content == reply
+    assert r.choices[0].message.parts == [{"type": "text", "text": reply}]
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_in, n_out)
     stream = client.chat.completions.create(model="nanochat", messages=HELLO, stream=True, n=2,
                                             stream_options={"include_usage": True})
@@ -4046,7 +4203,8 @@ def test_official_openai_client(server, chat_model):
     r = client.chat.completions.create(model="nanochat", messages=HELLO, stop=reply[4:7], top_p=0.5,
                                        temperature=1.0,
                                        seed=0, logprobs=True, top_logprobs=2, max_tokens=16)
-    assert reply[4:7] not in r.choices[0].message.content and len(r.choices[0].logprobs.content[0].top_logprobs) == 2
+    assert reply[4:7] not in r.choices[0].message.content
+    assert len(r.choices[0].logprobs.content[0].top_logprobs) == 2
     with pytest.raises(openai.NotFoundError, match="gpt-4o"):
         client.chat.completions.create(model="gpt-4o", messages=HELLO)
     with pytest.raises(openai.BadRequestError, match="context"):
@@ -4057,8 +4215,11 @@ def test_official_openai_client(server, chat_model):
 def test_api_seed_and_content_parts(server):
     parts = [{"role": "user", "content": [{"type": "text", "text": "hel"},
                                           {"type": "text", "text": "lo"}]}]
-    reply = lambda messages, seed: json.loads(request(server, "POST", "/v1/chat/completions", {
-        "messages": messages, "temperature": 1.0, "seed": seed})[2])["choices"][0]["message"]["content"]
+    def reply(messages, seed):
+        body = {"messages": messages, "temperature": 1.0, "seed": seed}
+        answer = json.loads(request(server, "POST", "/v1/chat/completions", body)[2])
+        return answer["choices"][0]["message"]["content"]
+
     # OpenAI's text parts are the same message
     assert reply(parts, 5) == reply(HI, 5) != reply(HI, 6)
 
@@ -4103,12 +4264,13 @@ def test_api_errors(server, body, status, match):
 
 
 def test_api_bad_paths_and_headers(server):
-    assert request(server, "GET", "/nope")[0] == 404 and request(server, "POST", "/v1/completions", {})[0] == 404
+    assert request(server, "GET", "/nope")[0] == 404
+    assert request(server, "POST", "/v1/completions", {})[0] == 404
     # '²': isdigit()
     for length in (b"", b"Content-Length: \xb2\r\n", b"Content-Length: %s\r\n" % (b"9" * 5000)):
         conn = socket.create_connection(server.server_address, timeout=60)
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"%s\r\n" % length)
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\n%s\r\n" % length)
         assert conn.makefile("rb").readline().split()[1] == b"411"
         conn.close()
     assert request(server, "GET", "/v1/models")[0] == 200  # still serving
@@ -4206,7 +4368,8 @@ def test_server_line_full_is_503_and_an_engine_failure_500(chat_model, monkeypat
         conn.close()
         eng.start()
         waiting.join(120)
-        assert first[0][0] == 200 and json.loads(first[0][2])["choices"][0]["message"]["content"] == reply
+        assert first[0][0] == 200
+        assert json.loads(first[0][2])["choices"][0]["message"]["content"] == reply
         real = engine.decode_chunk
         injected = []
 
@@ -4240,8 +4403,10 @@ def test_stalled_clients_cannot_hold_the_server(chat_model, capfd):
         stalled = [socket.create_connection(srv.server_address, timeout=10) for _ in range(8)]
         # half a header line, or a body shorter than its Content-Length
         for i, s in enumerate(stalled):
-            s.sendall(b"GET / HTTP/1.1\r\nHo" if i % 2 else b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1"
-                      b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+            half_header = b"GET / HTTP/1.1\r\nHo"
+            short_body = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+            s.sendall(half_header if i % 2 else short_body)
         time.sleep(0.3)
         more = [socket.create_connection(srv.server_address, timeout=10) for _ in range(42)]
         assert threading.active_count() <= threads + 8
@@ -4271,7 +4436,8 @@ def test_server_refuses_other_hosts_origins_and_non_json(server, chat_model):
     assert status == 421 and "is not this server: open it as http://127.0.0.1:" in text
     assert request(server, "GET", "/", headers={"Host": f"localhost:{port}"})[0] == 200
     status, _, text = post({"Origin": "http://evil.example"})
-    assert status == 403 and "serve with --allow-origin http://evil.example" in json.loads(text)["error"]["message"]
+    assert status == 403
+    assert "serve with --allow-origin http://evil.example" in json.loads(text)["error"]["message"]
     assert post({"Origin": f"http://127.0.0.1:{port}"})[0] == 200  # the page's own origin
     status, _, text = request(server, "POST", "/v1/chat/completions",
                               raw=json.dumps({"messages": HELLO}),
@@ -4295,7 +4461,8 @@ def test_api_disconnect_frees_the_model(server, chat_model, capsys):
     thread.start()
     body = json.dumps({"messages": messages, "stream": True, "max_tokens": 200}).encode()
     conn = socket.create_connection(server.server_address, timeout=60)
-    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     received = b""
     while b"data: " not in received:
@@ -4339,7 +4506,8 @@ def devtools_evaluate(chromium, url, user_data_dir, expression, timeout=90):
         writer.flush()
         buffer = b""
         while True:  # skip events and replies to other calls
-            assert select.select([reader], [], [], max(0.0, deadline - time.monotonic()))[0], "chromium timed out"
+            left = max(0.0, deadline - time.monotonic())
+            assert select.select([reader], [], [], left)[0], "chromium timed out"
             chunk = reader.read1(1 << 16)
             assert chunk, "chromium exited: " + proc.stderr.read().decode()[-2000:]
             buffer += chunk
@@ -4349,8 +4517,10 @@ def devtools_evaluate(chromium, url, user_data_dir, expression, timeout=90):
                     return message
 
     try:
-        page = next(t for t in call("Target.getTargets")["result"]["targetInfos"] if t["type"] == "page")
-        session = call("Target.attachToTarget", targetId=page["targetId"], flatten=True)["result"]["sessionId"]
+        targets = call("Target.getTargets")["result"]["targetInfos"]
+        page = next(t for t in targets if t["type"] == "page")
+        attached = call("Target.attachToTarget", targetId=page["targetId"], flatten=True)
+        session = attached["result"]["sessionId"]
         # the first tries may land in about:blank, whose context the navigation destroys
         while True:
             r = call("Runtime.evaluate", session, expression=expression, awaitPromise=True,
@@ -4372,10 +4542,12 @@ def test_browser_streams_a_reply(server, chat_model, tmp_path):
     # greedy, the server's -m (below half the context)
     reply = expected_reply(chat_model, HI, 32)[0]
     # compiled
-    assert request(server, "POST", "/v1/chat/completions", {"messages": HI, "stream": True})[0] == 200
+    body = {"messages": HI, "stream": True}
+    assert request(server, "POST", "/v1/chat/completions", body)[0] == 200
     # the page sends q as the first message
     url = f"http://127.0.0.1:{server.server_address[1]}/?q=hello"
-    done = """new Promise(resolve => { const poll = setInterval(() => {  // the reply is finished when "typing" is gone
+    # the reply is finished when "typing" is gone
+    done = """new Promise(resolve => { const poll = setInterval(() => {
       if (document.querySelector(".assistant") && !document.querySelector(".typing")) {
         clearInterval(poll);
         resolve([...document.querySelectorAll("#log .msg")].map(m => [m.className, m.textContent]));
@@ -4406,7 +4578,8 @@ def test_browser_holds_a_conversation(server, monkeypatch, tmp_path):
         input.value = `What is 6 times 7? (${i})`;
         form.requestSubmit();
         await new Promise(resolve => { const poll = setInterval(() => {
-          if (document.querySelectorAll(".assistant").length === i && !document.querySelector(".typing")) {
+          if (document.querySelectorAll(".assistant").length === i
+              && !document.querySelector(".typing")) {
             clearInterval(poll);
             resolve();
           } }, 50); });
@@ -4427,9 +4600,8 @@ def test_browser_holds_a_conversation(server, monkeypatch, tmp_path):
     prompts = [call["prompt"] for call in fake.calls]
     assert prompts == [ask(1), ask(1, 2), ask(1, 2, 3), ask(2, 3, 4), ask(3, 4, 5)]
     answer = ["msg assistant", "So 6*7 = 42 it is 42."]  # the step is a span of its own
-    note = lambda n: ["note",
-                      f"The {n} oldest messages no longer fit the model's 256-token context: it does not see "
-                              "them."]
+    note = lambda n: ["note", f"The {n} oldest messages no longer fit the model's 256-token "
+                              "context: it does not see them."]
     q = lambda i: ["msg user", f"What is 6 times 7? ({i})"]
     assert shown == [q(1), answer, q(2), answer, q(3), answer, note(2), q(4), answer, note(4), q(5),
                      answer]
@@ -4480,10 +4652,12 @@ def test_isoflop_parametric_bootstrap():
     without freedom."""
     rows = chinchilla_rows()
     iso = scaling_fits.fit_isoflop(rows)
-    ci, sigma, dof = scaling_fits.parametric_bootstrap(scaling_fits.fit_isoflop, rows, iso["fitted"],
-                                                      iso["n_params"], ["a", "b"], n=100)
+    ci, sigma, dof = scaling_fits.parametric_bootstrap(scaling_fits.fit_isoflop, rows,
+                                                      iso["fitted"], iso["n_params"], ["a", "b"],
+                                                      n=100)
     a_true = BETA0 / (ALPHA0 + BETA0)
-    assert inside(a_true, ci["a"]) and inside(1 - a_true, ci["b"]) and ci["a"][1] - ci["a"][0] < 0.1, ci
+    assert inside(a_true, ci["a"]) and inside(1 - a_true, ci["b"]), ci
+    assert ci["a"][1] - ci["a"][0] < 0.1, ci
     L = np.array([r["val_bpb"] for r in rows])
     # the noise put in (multiplicative, 0.3%)
     assert dof == 28 - 4 * 3 and 0.5 < sigma / (0.003 * L.mean()) < 2
@@ -4491,14 +4665,15 @@ def test_isoflop_parametric_bootstrap():
     three = [r for i, r in enumerate(rows) if i % 7 in (2, 3, 4)]
     iso = scaling_fits.fit_isoflop(three)
     np.testing.assert_allclose(iso["fitted"], [r["val_bpb"] for r in three])
-    ci, sigma, dof = scaling_fits.parametric_bootstrap(scaling_fits.fit_isoflop, three, iso["fitted"],
-                                                      iso["n_params"], ["a"])
+    ci, sigma, dof = scaling_fits.parametric_bootstrap(scaling_fits.fit_isoflop, three,
+                                                      iso["fitted"], iso["n_params"], ["a"])
     assert dof == 0 and np.isnan(sigma) and np.isnan(ci["a"]).all()
 
 
 def test_chinchilla_fit_recovers_parameters():
     rows = chinchilla_rows()
-    N, D, L = (np.array([r[k] for r in rows]) for k in ("params_total", "tokens_trained", "val_bpb"))
+    N, D, L = (np.array([r[k] for r in rows])
+               for k in ("params_total", "tokens_trained", "val_bpb"))
     starts = np.array(list(itertools.product([0, 5, 10], [0.5, 1.0], [0, 5, 10], [0.5, 1.0],
                                              [0.0, 0.5])), float)
     fit = scaling_fits.fit_chinchilla(N, D, L, starts=starts)
@@ -4518,12 +4693,14 @@ def test_chinchilla_fit_recovers_parameters():
     # 90% intervals, 1.5x: about 98% under normality
     for k, true in (("alpha", ALPHA0), ("beta", BETA0), ("E", E0)):
         lo, hi = ci[k]
-        assert inside(fit[k], ci[k]) and inside(true, (lo - (hi - lo) / 4, hi + (hi - lo) / 4)), (k, fit[k], ci[k])
+        widened = (lo - (hi - lo) / 4, hi + (hi - lo) / 4)
+        assert inside(fit[k], ci[k]) and inside(true, widened), (k, fit[k], ci[k])
 
 
 def test_chinchilla_fit_exact_on_noiseless_data():
     rows = chinchilla_rows(noise=0.0)
-    N, D, L = (np.array([r[k] for r in rows]) for k in ("params_total", "tokens_trained", "val_bpb"))
+    N, D, L = (np.array([r[k] for r in rows])
+               for k in ("params_total", "tokens_trained", "val_bpb"))
     starts = np.array([[5.0, 0.5, 5.0, 0.5, 0.0], [10.0, 1.0, 0.0, 0.5, 0.5]])
     fit = scaling_fits.fit_chinchilla(N, D, L, starts=starts)
     np.testing.assert_allclose([fit["E"], fit["alpha"], fit["beta"]], [E0, ALPHA0, BETA0],
@@ -4590,7 +4767,8 @@ def test_seeds_trained_together_equal_one_by_one(train_root, tmp_path):
     tok = data.Tokenizer.load(os.path.join(fresh_root(train_root, tmp_path / "together"),
                                            "tokenizer.json"))
     cfg = train.model_config(tok.n_vocab, **TINY_MODEL)
-    stages = [train.base_stage(cfg, data.corpus(None, "train", seed=s), jax.random.key(s), 5) for s, _ in runs]
+    stages = [train.base_stage(cfg, data.corpus(None, "train", seed=s), jax.random.key(s), 5)
+              for s, _ in runs]
     lrs = [train.learning_rates(train.Optim(matrix_lr=lr)) for _, lr in runs]
     cfg, steps, losses, bpb = scaling.train_together(stages, tok, 4, train.Optim(**TINY_OPTIM),
                                                    data.corpus(None, "val"), 2, lrs)
@@ -4661,13 +4839,15 @@ def test_sweep_ctrl_c_says_how_to_resume(monkeypatch, tmp_path):
     """Ctrl-C in a sweep's run (which saved it) ends the sweep with one line that says to run the
     same command again, not the run's own `--resume` advice, which is train.py's."""
     def runner(specs):
-        raise KeyboardInterrupt("interrupted: saved runs/d2/base/step_000003; continue with --resume")
+        raise KeyboardInterrupt("interrupted: saved runs/d2/base/step_000003; "
+                                "continue with --resume")
     monkeypatch.setattr(scaling, "train_runner", lambda **kwargs: runner)
     with pytest.raises(KeyboardInterrupt) as e:
         scaling.main(["--no-adaptive", "--depths", "2", "--budgets", "1e11", "--jobs", "1",
                       "--corpus", "docstrings",
                       "--out", str(tmp_path)])
-    assert str(e.value) == "interrupted: the runs in progress saved a checkpoint; the same command resumes the sweep"
+    assert str(e.value) == ("interrupted: the runs in progress saved a checkpoint; "
+                            "the same command resumes the sweep")
 
 
 @pytest.mark.parametrize("width", [3, 4])
@@ -4702,7 +4882,8 @@ def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path, width):
         assert min(sizes_here) < n_star < max(sizes_here), (c, here)
         assert len(here) <= 6  # the grid follows N*(C): it does not sweep every size
     n = len(calls)
-    assert scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=width) == rows and len(calls) == n
+    resumed = scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=width)
+    assert resumed == rows and len(calls) == n
     assert abs(scaling_fits.fit_isoflop(rows)["a"] - BETA0 / (ALPHA0 + BETA0)) < 0.1
     # a second seed:
     more = scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=width, repeat=2)
@@ -4746,15 +4927,18 @@ def test_adaptive_sweep_never_reads_past_the_corpus(tmp_path, capsys):
     fake = lambda specs: [{"depth": s["depth"], "params_transformer": sizes[s["depth"]],
                            "params_lm_head": 0.0,
                            # smaller: better
-                           "tokens_trained": s["tokens"], "val_bpb": s["depth"] / 100} for s in specs]
+                           "tokens_trained": s["tokens"], "val_bpb": s["depth"] / 100}
+                          for s in specs]
     tokens = lambda d, c: c / (6 * sizes[d])
     every = lambda d, c: {"flops_budget": c, "depth": d, "model_dim": d, "num_iterations": 1,
                           "tokens": tokens(d, c)}
     spec_of = lambda d, c: every(d, c) if tokens(d, c) <= 1e6 else None
     rows = scaling.adaptive_sweep([1e15], str(tmp_path / "scale_c.csv"), fake, spec_of, sizes)
     fits = [d for d in sizes if tokens(d, 1e15) <= 1e6]
-    assert max(r["tokens_trained"] for r in rows) <= 1e6 and min(r["depth"] for r in rows) == min(fits) > 2
-    assert f"d{min(fits)}, is the smallest whose tokens fit in the corpus" in capsys.readouterr().out
+    assert max(r["tokens_trained"] for r in rows) <= 1e6
+    assert min(r["depth"] for r in rows) == min(fits) > 2
+    said = capsys.readouterr().out
+    assert f"d{min(fits)}, is the smallest whose tokens fit in the corpus" in said
     # every size fits: the best is d2
     scaling.adaptive_sweep([1e15], str(tmp_path / "all.csv"), fake, every, sizes)
     assert "the smallest run, d2, is the smallest model there is" in capsys.readouterr().out
@@ -4770,9 +4954,10 @@ def test_corpus_room_is_what_a_run_reads_once(tmp_path):
     0), one step more reads the corpus's first documents again."""
     path = tmp_path / "docs.jsonl"
     rng = np.random.default_rng(0)
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(["spam", "eggs", "ham", "x = 1"], n))}) + "\n"
-                            # more documents than the loader's buffer holds
-                            for n in rng.integers(3, 12, 3000)))
+    words = ["spam", "eggs", "ham", "x = 1"]
+    # more documents than the loader's buffer holds
+    texts = (" ".join(rng.choice(words, n)) for n in rng.integers(3, 12, 3000))
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     runner = scaling.train_runner(str(tmp_path), batch=128, device_batch_size=4, vocab_size=270,
                                   aspect_ratio=32,
                                   head_dim=32, T=32, eval_steps=1, data_paths=[str(path)])
@@ -4840,7 +5025,8 @@ out = {mode: bench.step_memory(t.MEMORY_CFG, 4, 1, mode, attention="plain")
        for mode in ("none", "optimizer", "full")}
 one, two = (bench.step_memory(t.MEMORY_CFG, 4, b, "full", attention="plain")["total_bytes"]
             for b in (1, 2))
-bench.bench_memory(t.MEMORY_CFG, 4, 1, "full", False, "plain", fit=(one / 2e9, one / 1e9, two / 1e9))
+bench.bench_memory(t.MEMORY_CFG, 4, 1, "full", False, "plain",
+                   fit=(one / 2e9, one / 1e9, two / 1e9))
 print(json.dumps(out))
 """
 
@@ -4890,7 +5076,8 @@ def test_bench_json_lines():
         "skipped": "no GPU or TPU here; run it where one is (CPU: bench.py train)"}
     import bench
     g = bench.generate_timing(random_params(TINY, 0), TINY, 2, prompt_len=5, new=4, repeats=1)
-    assert g["batch"] == 2 and g["new_tokens"] == 4 and g["decode_tok_per_s"] > 0 and g["prefill_ms"] > 0
+    assert g["batch"] == 2 and g["new_tokens"] == 4
+    assert g["decode_tok_per_s"] > 0 and g["prefill_ms"] > 0
     t = bench.train_step_timing(TINY, 2, steps=1, warmup=1)
     assert np.isfinite(t["loss"]) and 0 < t["step_s"] and t["first_call_s"] > 0
 
@@ -4927,7 +5114,8 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys):
     for row in doc["sweep"]:
         moved = doc["weight_bytes"] + row["batch_size"] * doc["kv_read_bytes_per_step"]
         # the document holds tpot to the microsecond and MBU to a hundredth: bound both roundings
-        slowest, fastest = (100 * moved / (row["tpot_sec"] + d) / doc["peak_bandwidth_bytes_per_sec"]
+        bandwidth = doc["peak_bandwidth_bytes_per_sec"]
+        slowest, fastest = (100 * moved / (row["tpot_sec"] + d) / bandwidth
                             for d in (5e-7, -5e-7))
         assert slowest - 0.005 <= row["mbu_percent"] <= fastest + 0.005
         assert row["decode_steps"] == 7
@@ -4987,7 +5175,8 @@ def documented_commands():
     for path in DOCS:
         for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
             for line in block.replace("\\\n", " ").splitlines():
-                found += [(path.name, argv) for argv in python_commands(re.sub(r"\$\{?[A-Za-z_]\w*\}?", "0", line))]
+                line = re.sub(r"\$\{?[A-Za-z_]\w*\}?", "0", line)
+                found += [(path.name, argv) for argv in python_commands(line)]
     return found
 
 
@@ -5008,7 +5197,8 @@ def test_documented_commands_parse():
         try:
             parsers[argv[0]](argv[1:])
         except SystemExit as e:
-            assert e.code == 0 and "--help" in argv, f"{name}: `{shlex.join(['python', *argv])}` does not parse"
+            command = shlex.join(["python", *argv])
+            assert e.code == 0 and "--help" in argv, f"{name}: `{command}` does not parse"
 
 
 @pytest.mark.slow  # a chat.py, two evaluate.py and a checkpoint.py process
@@ -5021,8 +5211,9 @@ def test_documented_commands_run(tmp_path, nanochat_d2):
     params, cfg, tok = nanochat_d2
     meta = {"stage": "base", "step": 100, "config": dataclasses.asdict(cfg),
             "tokenizer": "tokenizer.json"}
-    tok.save(os.path.join(checkpoint.save_checkpoint(str(tmp_path / "checkpoints/base"), 100, params, None, meta),
-                          "tokenizer.json"))
+    step_dir = checkpoint.save_checkpoint(str(tmp_path / "checkpoints/base"), 100, params, None,
+                                          meta)
+    tok.save(os.path.join(step_dir, "tokenizer.json"))
     (tmp_path / "testdata").symlink_to(TESTDATA)
     # the compile cache under tmp_path
     env = {**os.environ, "HOME": str(tmp_path), "PYTHONIOENCODING": "utf-8"}
@@ -5035,7 +5226,8 @@ def test_documented_commands_run(tmp_path, nanochat_d2):
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, f"{command}:\n{r.stderr[-2000:]}"
         if argv[0] == "evaluate.py":
-            assert json.loads(r.stdout.splitlines()[-1])["core"]["core_metric"] == pytest.approx(expected, abs=1e-6)
+            core = json.loads(r.stdout.splitlines()[-1])["core"]
+            assert core["core_metric"] == pytest.approx(expected, abs=1e-6)
             scored = "checkpoints/base/step_000100" if "--checkpoint" in argv else argv[-1]
             assert r.stdout.startswith(f"{scored}: Config("), r.stdout[:200]  # says what it scored
         else:
