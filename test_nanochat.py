@@ -105,8 +105,8 @@ NANOCHAT_D2_CFG = config(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, 
 NANOCHAT_D2 = TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"
 TRAIN_ARGS = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "16", "--max-seq-len", "32",
               "--device-batch-size", "4", "--total-batch-size", "256", "--vocab-size", "300",
-              "--warmup-steps", "2",
-              "--eval-every", "0", "--sample-every", "0", "--compile-cache", ""]
+              "--warmup-steps", "2", "--eval-every", "0", "--sample-every", "0",
+              "--compile-cache", ""]
 TINY_MODEL = dict(depth=2, aspect_ratio=32, head_dim=16, max_seq_len=32)  # TRAIN_ARGS's, as values
 TINY_OPTIM = dict(total_batch_size=256, warmup_steps=2)
 forward = jax.jit(nc.forward, static_argnames="cfg")
@@ -785,8 +785,7 @@ ROUND_TRIP = [
 
 
 @pytest.mark.parametrize("s", ROUND_TRIP, ids=["empty", "ascii", "contractions", "non-ascii",
-                                               "emoji", "control",
-                                               "trained-text"])
+                                               "emoji", "control", "trained-text"])
 def test_round_trip(tok, btok, s):
     for t in (tok, btok):
         ids = t.encode(s)
@@ -1271,9 +1270,9 @@ def test_sft_packing_pads_and_masks(btok):
         np.testing.assert_array_equal(y, ry)
         assert (x[:, 0] == btok.bos).all()
         assert ((y == -1) | (y[:, :] == np.concatenate([x[:, 1:], y[:, -1:]], axis=1))).all()
-        assert not np.isin(y, [sp[s] for s in ("<|bos|>", "<|user_start|>", "<|user_end|>",
-                                               "<|assistant_start|>",
-                                               "<|output_start|>", "<|output_end|>")]).any()
+        unsupervised = ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
+                        "<|output_start|>", "<|output_end|>")
+        assert not np.isin(y, [sp[s] for s in unsupervised]).any()
         assert (y != -1).any(axis=1).all() and state["dropped"] == 0
         for b, content_len in enumerate(lengths):
             # padded with BOS, and nothing supervised from the last content token on
@@ -1680,9 +1679,8 @@ def test_sandbox_ordinary_imports_work():
 def test_sandbox_run_goes_on(tmp_path):
     # after every kind of failure in a row, the parent is fine and a normal program still passes
     bad = ["while True: pass", "bytearray(10**10)", "import socket; socket.socket()",
-           "import ctypes",
-           f"open({str(tmp_path / 'x')!r}, 'w')", "import os; os.system('true')",
-           "raise SystemExit(7)"]
+           "import ctypes", f"open({str(tmp_path / 'x')!r}, 'w')",
+           "import os; os.system('true')", "raise SystemExit(7)"]
     for code in bad:
         assert execution.run_program(code, timeout=1)[0] is False
     assert execution.run_program(GOOD_PROGRAM)[:2] == (True, None)
@@ -1904,9 +1902,9 @@ def test_damaged_torch_checkpoints_are_one_line_errors(tmp_path):
              (broken("nopkl", drop=pkl), "not a torch zip checkpoint (no data.pkl)"),
              (broken("big", lambda n, b: b"big" if n.endswith("byteorder") else b),
               "a big-endian checkpoint"),
-             (broken("kind", lambda n,
-                     b: b.replace(b"torch\nFloatStorage", b"collections\nOrderedDict") if n == pkl
-                     else b), "a storage of unknown type"),
+             (broken("kind", lambda n, b: b if n != pkl else
+                     b.replace(b"torch\nFloatStorage", b"collections\nOrderedDict")),
+              "a storage of unknown type"),
              (broken("short", lambda n, b: b[:-4] if n == store else b),
               "storage 0 is shorter than its"),
              (broken("gone", drop=store), "a damaged torch checkpoint (KeyError"),
@@ -2852,8 +2850,7 @@ def test_core_cli_on_four_devices_and_its_errors(tmp_path):
            str(TESTDATA / "nanochat_checkpoint")]
     four = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     run = lambda *a: subprocess.run(cmd + list(a), cwd=pathlib.Path(__file__).parent,
-                                    capture_output=True, text=True,
-                                    timeout=300, env=four)
+                                    capture_output=True, text=True, timeout=300, env=four)
     r = run("--eval-bundle", str(CORE_DIR / "eval_bundle"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "4 devices" in r.stdout
@@ -2973,7 +2970,7 @@ def test_chatcore_categorical_is_the_letters_argmax(tmp_path, btok):
     assert found["ARC-Challenge"][0]["messages"] == [
         {"role": "user",
          "content": "Multiple Choice question: Pick two.\n- one=1\n- two=2\n- three=3\n\n"
-                                    "Respond only with the letter of the correct answer."},
+                    "Respond only with the letter of the correct answer."},
         {"role": "assistant", "content": "2"}]
     cfg = config(sequence_len=256, vocab_size=btok.n_vocab, n_layer=2, n_head=2)
     params = random_params(cfg, 3)
@@ -3012,8 +3009,8 @@ def test_gsm8k_humaneval_and_chatcore(tmp_path, btok, monkeypatch):
     assert tasks.gsm8k_answer("the answer is 12") is None
     assert tasks.gsm8k_parts("It is 12/60=<<12/60=0.2>>0.2 a minute.\n#### 0.2") == [
         {"type": "text", "text": "It is 12/60="}, {"type": "python", "text": "12/60"},
-        {"type": "python_output", "text": "0.2"}, {"type": "text",
-                                                   "text": "0.2 a minute.\n#### 0.2"}]
+        {"type": "python_output", "text": "0.2"},
+        {"type": "text", "text": "0.2 a minute.\n#### 0.2"}]
     write_chat_data(tmp_path)
     found = tasks.load_chat_tasks(str(tmp_path))
     he = found["HumanEval"][0]
@@ -3118,8 +3115,7 @@ def test_rl_raises_the_reward_of_a_tiny_task(btok):
     opt = init_opt(params)
     for i in range(60):
         params, opt, _ = train.jit_train_step(params, opt, (x, y, np.ones(x.shape, np.float32)), i,
-                                              FLAT, LRS,
-                                              cfg=cfg)
+                                              FLAT, LRS, cfg=cfg)
 
     # over 64 samples, 16 at a time as the steps below draw them: one engine's programs
     def reward(params, seed):
@@ -3145,8 +3141,8 @@ def test_rl_raises_the_reward_of_a_tiny_task(btok):
 
 def test_schedules_follow_nanochat():
     s = dict(num_iterations=100, warmup_steps=10, warmdown_ratio=0.65, final_lr_frac=0.05,
-             momentum_start=0.85,
-             momentum=0.97, momentum_end=0.90, momentum_warmup=20, weight_decay=0.2)
+             momentum_start=0.85, momentum=0.97, momentum_end=0.90, momentum_warmup=20,
+             weight_decay=0.2)
     # (lr multiplier, momentum, wd)
     at = lambda i: np.array(train.schedules(jnp.int32(i), s), np.float64)
     expect = {0: (0.1, 0.85, 0.2), 9: (1.0, 0.904, 0.2 * 0.5 * (1 + np.cos(np.pi * 0.09))),
@@ -3188,8 +3184,8 @@ def test_step_never_recompiles():
     nothing. Its (2, 2, 16) batch is the next two tests' too, which then compile no step of their
     own."""
     s = dict(num_iterations=10, warmup_steps=2, warmdown_ratio=0.5, final_lr_frac=0.0,
-             momentum_start=0.85,
-             momentum=0.95, momentum_end=0.9, momentum_warmup=3, weight_decay=0.1)
+             momentum_start=0.85, momentum=0.95, momentum_end=0.9, momentum_warmup=3,
+             weight_decay=0.1)
     lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
     params = random_params(TINY, 0)
     opt = init_opt(params)
@@ -3288,19 +3284,22 @@ def test_resume_is_bit_identical(train_root, tmp_path):
 @pytest.mark.slow  # a whole step op by op: some 600 compiles, half a minute on 2 cores
 def test_debug_runs_the_same_step_unjitted(train_root, tmp_path, monkeypatch):
     _, _, jitted, _ = run_base(fresh_root(train_root, tmp_path / "a"), 1)
-    monkeypatch.setattr(train, "jit_train_step", lambda *a,
-                        **k: pytest.fail("--debug took the jitted step"))
+    monkeypatch.setattr(train, "jit_train_step",
+                        lambda *a, **k: pytest.fail("--debug took the jitted step"))
     eager_step, jit_off = train.train_step, []
-    monkeypatch.setattr(train, "train_step", lambda *a,
-                        **k: jit_off.append(jax.config.jax_disable_jit)
-                        or eager_step(*a, **k))
+
+    def unjitted(*a, **k):
+        jit_off.append(jax.config.jax_disable_jit)
+        return eager_step(*a, **k)
+
+    monkeypatch.setattr(train, "train_step", unjitted)
     _, _, eager, _ = run_base(fresh_root(train_root, tmp_path / "b"), 1, debug=True)
     assert jit_off == [True]
     np.testing.assert_allclose(eager, jitted, rtol=1e-5)
     # a NaN inside the model stops at the op that made it, not at the end of the step
     loss_fn = nc.loss_fn
-    monkeypatch.setattr(nc, "loss_fn", lambda p, *a,
-                        **k: loss_fn({**p, "wte": p["wte"] * jnp.nan}, *a, **k))
+    monkeypatch.setattr(nc, "loss_fn",
+                        lambda p, *a, **k: loss_fn({**p, "wte": p["wte"] * jnp.nan}, *a, **k))
     with pytest.raises(FloatingPointError, match="nan"):
         run_base(fresh_root(train_root, tmp_path / "c"), 1, debug=True)
 
@@ -3481,8 +3480,7 @@ def run_cli(root, *extra, env=None):
     cmd = [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS,
            "--num-iterations", "3", *extra]
     r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
-                       timeout=300,
-                       env={**os.environ, **(env or {})})
+                       timeout=300, env={**os.environ, **(env or {})})
     assert r.returncode == 0, r.stderr[-3000:]
     with open(os.path.join(root, "base", "metrics.jsonl")) as f:
         return [json.loads(line)["loss"] for line in f if '"loss"' in line], r.stdout
@@ -3699,17 +3697,15 @@ def test_default_pipeline(tmp_path):
     tasks) and the report card; chat.py finds the RL model."""
     root = str(tmp_path / "run")
     write_chat_data(tmp_path / "chat")
-    argv = ["--out", root, "--eval-bundle", str(CORE_DIR / "eval_bundle"), "--chat-data",
-            str(tmp_path / "chat"),
-            "--eval-max", "4", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "16",
-            "--max-seq-len", "128",
+    argv = ["--out", root, "--eval-bundle", str(CORE_DIR / "eval_bundle"),
+            "--chat-data", str(tmp_path / "chat"), "--eval-max", "4",
+            "--depth", "2", "--aspect-ratio", "32", "--head-dim", "16", "--max-seq-len", "128",
             "--device-batch-size", "2", "--total-batch-size", "512", "--vocab-size", "300",
-            "--tokenizer-max-chars",
-            "1e5", "--num-iterations", "3", "--sft-iterations", "2", "--warmup-steps", "1",
-            "--eval-every", "1000",
-            "--eval-steps", "1", "--sample-every", "0", "--eval-tasks", "1", "--compile-cache", "",
-            "--rl-prompts", "2",
-            "--rl-samples", "2", "--rl-max-tokens", "8", "--rl-eval", "1", "--rl-iterations", "2"]
+            "--tokenizer-max-chars", "1e5", "--num-iterations", "3", "--sft-iterations", "2",
+            "--warmup-steps", "1", "--eval-every", "1000", "--eval-steps", "1",
+            "--sample-every", "0", "--eval-tasks", "1", "--compile-cache", "",
+            "--rl-prompts", "2", "--rl-samples", "2", "--rl-max-tokens", "8", "--rl-eval", "1",
+            "--rl-iterations", "2"]
     results = train.main(argv)
     # each chat stage is graded on the template split and the hand-written questions
     for stage in ("sft", "rl"):
@@ -3736,9 +3732,8 @@ def test_default_pipeline(tmp_path):
     # lrs decaying linearly to 0
     assert sft["lrs"] == pytest.approx({k: 0.8 * v for k, v in base["lrs"].items()})
     assert sft["schedule"] == {**base["schedule"], "num_iterations": 2, "warmup_steps": 0,
-                               "warmdown_ratio": 0.5,
-                               "final_lr_frac": 0.0, "momentum_start": 0.85, "momentum": 0.95,
-                               "momentum_end": 0.95,
+                               "warmdown_ratio": 0.5, "final_lr_frac": 0.0,
+                               "momentum_start": 0.85, "momentum": 0.95, "momentum_end": 0.95,
                                "momentum_warmup": 300, "weight_decay": 0.0}
     frac = train.parse_args([]).rl_lr_frac
     assert rl["lrs"] == pytest.approx({k: frac * v for k, v in base["lrs"].items()})
@@ -3838,8 +3833,7 @@ def run_chat(args, stdin="", cwd=None):
     """(exit code, stdout, stderr) of `python chat.py ARGS` fed stdin; output decoded as is (no
     newline changes)."""
     r = subprocess.run([sys.executable, str(pathlib.Path(__file__).parent / "chat.py"), *args],
-                       input=stdin.encode(),
-                       capture_output=True, cwd=cwd,
+                       input=stdin.encode(), capture_output=True, cwd=cwd,
                        env={**os.environ, "PYTHONIOENCODING": "utf-8"}, timeout=300)
     return r.returncode, r.stdout.decode(), r.stderr.decode()
 
@@ -3861,8 +3855,8 @@ def test_cli_scripted(chat_model, tmp_path):
     # cut off, not stopped: chat.py closes the turn with <|assistant_end|>
     assert len(first_reply) == 32
     second = first + first_reply + [sp["<|assistant_end|>"], sp["<|user_start|>"],
-                                    *bt.encode("the sea"),
-                                    sp["<|user_end|>"], sp["<|assistant_start|>"]]
+                                    *bt.encode("the sea"), sp["<|user_end|>"],
+                                    sp["<|assistant_start|>"]]
     followup = greedy(second).content
     # the history matters
     assert followup != expected_reply(chat_model, [{"role": "user", "content": "the sea"}])[0]
@@ -3976,11 +3970,10 @@ def calculated(bt):
     """A reply's tokens that call the calculator: text, python, python_output, text,
     <|assistant_end|>."""
     sp = bt.special
-    return [*bt.encode(CALCULATED[0]), sp["<|python_start|>"], *bt.encode(CALCULATED[1]),
-            sp["<|python_end|>"],
+    return [*bt.encode(CALCULATED[0]),
+            sp["<|python_start|>"], *bt.encode(CALCULATED[1]), sp["<|python_end|>"],
             sp["<|output_start|>"], *bt.encode(CALCULATED[2]), sp["<|output_end|>"],
-            *bt.encode(CALCULATED[3]),
-            sp["<|assistant_end|>"]]
+            *bt.encode(CALCULATED[3]), sp["<|assistant_end|>"]]
 
 
 def test_reply_parts_and_stop_strings():
@@ -4162,8 +4155,7 @@ def test_no_request_compiles(chat_model):
             body = {"messages": [{"role": "user", "content": "x" * int(rng.integers(1, 240))}],
                     "stream": i % 2 == 1,
                     "top_k": int(rng.integers(0, 257)), "temperature": float(rng.uniform(0, 2)),
-                    "top_p":
-                    float(rng.uniform(0.05, 1)), "seed": int(rng.integers(0, 2**40)),
+                    "top_p": float(rng.uniform(0.05, 1)), "seed": int(rng.integers(0, 2**40)),
                     "n": int(rng.integers(1, 9)),
                     "logprobs": i % 3 == 0, "top_logprobs": 2 if i % 3 == 0 else 0,
                     "stop": ["x"] * (i % 2)}
@@ -4201,8 +4193,8 @@ def test_official_openai_client(server, chat_model):
     assert texts == [reply] * 2 and set(finish.values()) == {"length" if n_out == 32 else "stop"}
     assert usage.completion_tokens == 2 * n_out
     r = client.chat.completions.create(model="nanochat", messages=HELLO, stop=reply[4:7], top_p=0.5,
-                                       temperature=1.0,
-                                       seed=0, logprobs=True, top_logprobs=2, max_tokens=16)
+                                       temperature=1.0, seed=0, logprobs=True, top_logprobs=2,
+                                       max_tokens=16)
     assert reply[4:7] not in r.choices[0].message.content
     assert len(r.choices[0].logprobs.content[0].top_logprobs) == 2
     with pytest.raises(openai.NotFoundError, match="gpt-4o"):
@@ -4487,11 +4479,9 @@ def devtools_evaluate(chromium, url, user_data_dir, expression, timeout=90):
     not finished sending."""
     to_chrome, from_chrome = os.pipe(), os.pipe()
     proc = subprocess.Popen(["bash", "-c", f'exec "$@" 3<&{to_chrome[0]} 4>&{from_chrome[1]}',
-                             "bash", chromium,
-                             "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                             "--disable-sync",
-                             "--disable-background-networking", "--disable-component-update",
-                             "--disable-quic",
+                             "bash", chromium, "--headless", "--no-sandbox", "--disable-gpu",
+                             "--no-first-run", "--disable-sync", "--disable-background-networking",
+                             "--disable-component-update", "--disable-quic",
                              "--remote-debugging-pipe", f"--user-data-dir={user_data_dir}", url],
                             pass_fds=(to_chrome[0], from_chrome[1]), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
@@ -4626,8 +4616,7 @@ def chinchilla_rows(noise=0.003, seed=0):
             D = C / (6 * N)
             L = (E0 + A0 / N**ALPHA0 + B0 / D**BETA0) * np.exp(rng.normal(0, noise))
             rows.append({"flops_budget": C, "params_transformer": N, "params_lm_head": 0.0,
-                         "params_total": N,
-                         "tokens_trained": D, "val_bpb": L})
+                         "params_total": N, "tokens_trained": D, "val_bpb": L})
     return rows
 
 
@@ -4762,8 +4751,8 @@ def test_seeds_trained_together_equal_one_by_one(train_root, tmp_path):
     runs = [(0, 0.02), (1, 0.02), (1, 0.04)]
     evals = dict(eval_every=5, eval_steps=2)
     alone = [run_base(fresh_root(train_root, tmp_path / f"s{seed}_{lr}"), 5, seed,
-                      optim=dict(matrix_lr=lr),
-                      evals=evals) for seed, lr in runs]
+                      optim=dict(matrix_lr=lr), evals=evals)
+             for seed, lr in runs]
     tok = data.Tokenizer.load(os.path.join(fresh_root(train_root, tmp_path / "together"),
                                            "tokenizer.json"))
     cfg = train.model_config(tok.n_vocab, **TINY_MODEL)
@@ -4785,10 +4774,10 @@ def test_sweep_resume_skips_finished_runs(tmp_path):
         assert len({scaling_fits.run_key(dict(s, seed=0)) for s in specs}) == 1
         calls.extend(specs)
         return [{"depth": s["depth"], "model_dim": s["model_dim"],
-                 "params_transformer": 1000 * s["depth"],
-                 "params_lm_head": 10, "params_total": 2000, "tokens_trained": 1e4,
-                 "val_bpb": 3.0 / s["depth"],
-                 "train_time_sec": 1.0} for s in specs]
+                 "params_transformer": 1000 * s["depth"], "params_lm_head": 10,
+                 "params_total": 2000, "tokens_trained": 1e4, "val_bpb": 3.0 / s["depth"],
+                 "train_time_sec": 1.0}
+                for s in specs]
 
     specs = scaling.plan("scale_c", [2, 3, 4], budgets=[1e10, 2e10])
     assert len(specs) == 6 and all(s["num_iterations"] >= 1 for s in specs)
@@ -4844,8 +4833,7 @@ def test_sweep_ctrl_c_says_how_to_resume(monkeypatch, tmp_path):
     monkeypatch.setattr(scaling, "train_runner", lambda **kwargs: runner)
     with pytest.raises(KeyboardInterrupt) as e:
         scaling.main(["--no-adaptive", "--depths", "2", "--budgets", "1e11", "--jobs", "1",
-                      "--corpus", "docstrings",
-                      "--out", str(tmp_path)])
+                      "--corpus", "docstrings", "--out", str(tmp_path)])
     assert str(e.value) == ("interrupted: the runs in progress saved a checkpoint; "
                             "the same command resumes the sweep")
 
@@ -4867,8 +4855,7 @@ def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path, width):
             D = s["flops_budget"] / (6 * N)
             rows.append({"depth": s["depth"], "model_dim": 16 * s["depth"], "params_transformer": N,
                          "params_lm_head": 0.0, "params_total": N, "tokens_trained": D,
-                         "train_time_sec": 1.0,
-                         "val_bpb": E0 + A0 / N**ALPHA0 + B0 / D**BETA0})
+                         "train_time_sec": 1.0, "val_bpb": E0 + A0 / N**ALPHA0 + B0 / D**BETA0})
         return rows
 
     spec_of = lambda d, c: {"flops_budget": c, "depth": d, "model_dim": 16 * d, "num_iterations": 1}
@@ -4959,8 +4946,8 @@ def test_corpus_room_is_what_a_run_reads_once(tmp_path):
     texts = (" ".join(rng.choice(words, n)) for n in rng.integers(3, 12, 3000))
     path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     runner = scaling.train_runner(str(tmp_path), batch=128, device_batch_size=4, vocab_size=270,
-                                  aspect_ratio=32,
-                                  head_dim=32, T=32, eval_steps=1, data_paths=[str(path)])
+                                  aspect_ratio=32, head_dim=32, T=32, eval_steps=1,
+                                  data_paths=[str(path)])
     room = scaling.corpus_room(data.Tokenizer.load(str(tmp_path / "tokenizer.json")), [str(path)],
                                4, 32)
     steps = room // 128
@@ -4987,11 +4974,10 @@ def test_python_source_corpus(tmp_path):
 @pytest.mark.slow  # a real sweep, in two worker processes too
 def test_tiny_real_sweep(tmp_path):
     def sweep(out, *depths, extra=()):
-        scaling.main(["--sweep", "scale_c", "--no-adaptive", "--corpus", "docstrings", "--jobs",
-                      "1", "--depths",
-                      *depths, "--budgets", "1.5e9", "--out", out, "--batch", "512", "--seq-len",
-                      "32", "--vocab-size",
-                      "300", "--aspect-ratio", "32", "--head-dim", "32", *extra, "--bootstrap", "5",
+        scaling.main(["--sweep", "scale_c", "--no-adaptive", "--corpus", "docstrings",
+                      "--jobs", "1", "--depths", *depths, "--budgets", "1.5e9", "--out", out,
+                      "--batch", "512", "--seq-len", "32", "--vocab-size", "300",
+                      "--aspect-ratio", "32", "--head-dim", "32", *extra, "--bootstrap", "5",
                       "--train-args",
                       "--tokenizer-max-chars 200000 --eval-steps 2 --compile-cache="])
         return scaling_fits.read_results(os.path.join(out, "scale_c.csv"))
@@ -5069,8 +5055,7 @@ def test_bench_json_lines():
     """bench.py: `accel` says in one JSON line that it needs an accelerator and exits 0; the timing
     helpers it and `decode` / `train` print from give their fields."""
     r = subprocess.run([sys.executable, "bench.py", "accel"], cwd=pathlib.Path(__file__).parent,
-                       capture_output=True,
-                       text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1]) == {
         "bench": "accel",
         "skipped": "no GPU or TPU here; run it where one is (CPU: bench.py train)"}
