@@ -3798,7 +3798,7 @@ def test_train_cli_error_is_one_line_and_help_shows_defaults(tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------------------------------
-# chat.py: terminal and web
+# chat.py: the terminal, replies, the web server and its API, the page
 
 # <= 16 tokens, as HI
 HELLO = [{"role": "system", "content": "Hi."}, {"role": "user", "content": "hello"}]
@@ -3887,6 +3887,9 @@ def test_cli_errors_are_one_line(chat_model):
             assert code == 1 and err.startswith("error: ") and match in err, err
             assert len(err.splitlines()) == 1, err
 
+
+# --------------------------------------------------------------------------------------------------
+# Replies: where they stop, their UTF-8, the calculator's parts (on a stand-in engine)
 
 class FakeEngine:
     """Stands in for chat.py's engine: each request's first choice emits `stream`, a token an event,
@@ -4017,6 +4020,9 @@ def test_api_sends_calculator_steps_as_parts(monkeypatch, server):
     assert [d.get("content") or d["parts"][0]["text"] for d in deltas] == list(CALCULATED)
     assert [d["parts"][0]["type"] for d in deltas if "parts" in d] == ["python", "python_output"]
 
+
+# --------------------------------------------------------------------------------------------------
+# The web server and its OpenAI API
 
 def chat_server(model, slots=4, **kwargs):
     """chat.py's server on its engine, both running; kwargs: make_server's."""
@@ -4471,6 +4477,9 @@ def test_api_disconnect_frees_the_model(server, chat_model, capsys):
     content = "".join(c["choices"][0]["delta"].get("content", "") for c in events(beside[0][2]))
     assert content == expected_reply(chat_model, other, 200)[0]
 
+
+# --------------------------------------------------------------------------------------------------
+# The page, in a real browser
 
 def devtools_evaluate(chromium, url, user_data_dir, expression, timeout=90):
     """Open url in headless chromium and return the value of an awaited JS expression, in real time.
