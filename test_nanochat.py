@@ -103,12 +103,14 @@ CHAT_CFG = config(sequence_len=256, vocab_size=265, n_layer=2, n_head=2, n_kv_he
 NANOCHAT_D2_CFG = config(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=1,
                          n_embd=64, window_pattern="L")
 NANOCHAT_D2 = TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"
+# the tiny training run, as train.py's flags and as values
 TRAIN_ARGS = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "16", "--max-seq-len", "32",
               "--device-batch-size", "4", "--total-batch-size", "256", "--vocab-size", "300",
               "--warmup-steps", "2", "--eval-every", "0", "--sample-every", "0",
               "--compile-cache", ""]
 TINY_MODEL = dict(depth=2, aspect_ratio=32, head_dim=16, max_seq_len=32)  # TRAIN_ARGS's, as values
 TINY_OPTIM = dict(total_batch_size=256, warmup_steps=2)
+# the model's entry points, jitted once for every test
 forward = jax.jit(nc.forward, static_argnames="cfg")
 loss_fn = jax.jit(nc.loss_fn, static_argnames=("cfg", "reduction"))
 value_and_grad = jax.jit(jax.value_and_grad(nc.loss_fn), static_argnames="cfg")
@@ -116,7 +118,7 @@ value_and_grad = jax.jit(jax.value_and_grad(nc.loss_fn), static_argnames="cfg")
 
 def random_params(cfg, seed):
     """Random params with every path alive, drawn in numpy (no init compile): matrices N(0,
-    1/fan_in)."""
+    1/fan_in). How the tests get params; nc.init_params only where nanochat's init matters."""
     rng = np.random.default_rng(seed)
 
     def draw(leaf):  # a jax.ShapeDtypeStruct
