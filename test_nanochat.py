@@ -7,6 +7,9 @@ The slow tests (several processes, a browser, the whole pipeline, server soaks, 
 programs compiled for one test alone) carry the `slow` marker. Golden numbers in testdata/ come
 from the real PyTorch nanochat; testdata/README.md says how they were made and which tolerances
 their fp32-vs-fp64 reruns justify.
+
+The sections follow the product files in import order (IMPORTS below), each test under the file
+whose function it exercises; end-to-end runs through train.py sit under train.py.
 """
 
 import ast
@@ -64,7 +67,6 @@ import train
 
 
 TESTDATA = pathlib.Path(__file__).parent / "testdata"
-
 # Every program jit had not cached in memory is lowered once, whether XLA then compiles it or reads
 # it from the persistent cache: what the no-recompile tests count.
 LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"
@@ -80,14 +82,53 @@ def shared_compile_cache(tmp_path_factory):
     os.environ["JAX_COMPILATION_CACHE_DIR"] = path
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     runtime.use_compile_cache(path)
-GOLDEN_CFG = nc.Config(sequence_len=512, vocab_size=300, n_layer=4, n_head=2, n_kv_head=1,
-                       n_embd=64,
-                       window_pattern="SL")
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared by the sections below: the configs, random params, the golden file
+
 TINY = nc.Config(sequence_len=64, vocab_size=100, n_layer=3, n_head=4, n_kv_head=2, n_embd=32,
                  window_pattern="SL")
+
+
+def config(**changes):
+    """A tiny model's config: TINY with these fields changed (the way every test makes one)."""
+    return dataclasses.replace(TINY, **changes)
+
+
+# testdata's golden model (testdata/README.md), the byte tokenizer's chat model and testdata's
+# real nanochat checkpoint (a d2 trained by nanochat, in NANOCHAT_D2)
+GOLDEN_CFG = config(sequence_len=512, vocab_size=300, n_layer=4, n_head=2, n_kv_head=1, n_embd=64)
+CHAT_CFG = config(sequence_len=256, vocab_size=265, n_layer=2, n_head=2, n_kv_head=1,
+                  window_pattern="L")
+NANOCHAT_D2_CFG = config(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=1,
+                         n_embd=64, window_pattern="L")
+NANOCHAT_D2 = TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"
+# the tiny training run, as train.py's flags and as values
+TRAIN_ARGS = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "16", "--max-seq-len", "32",
+              "--device-batch-size", "4", "--total-batch-size", "256", "--vocab-size", "300",
+              "--warmup-steps", "2", "--eval-every", "0", "--sample-every", "0",
+              "--compile-cache", ""]
+TINY_MODEL = dict(depth=2, aspect_ratio=32, head_dim=16, max_seq_len=32)  # TRAIN_ARGS's, as values
+TINY_OPTIM = dict(total_batch_size=256, warmup_steps=2)
+# the model's entry points, jitted once for every test
 forward = jax.jit(nc.forward, static_argnames="cfg")
 loss_fn = jax.jit(nc.loss_fn, static_argnames=("cfg", "reduction"))
 value_and_grad = jax.jit(jax.value_and_grad(nc.loss_fn), static_argnames="cfg")
+
+
+def random_params(cfg, seed):
+    """Random params with every path alive, drawn in numpy (no init compile): matrices N(0,
+    1/fan_in). How the tests get params; nc.init_params only where nanochat's init matters."""
+    rng = np.random.default_rng(seed)
+
+    def draw(leaf):  # a jax.ShapeDtypeStruct
+        scale = leaf.shape[-2] ** -0.5 if len(leaf.shape) > 1 else 0.3
+        return rng.normal(0, scale, leaf.shape).astype(np.float32)
+
+    params = jax.tree.map(draw, nc.param_shapes(cfg))
+    params["resid_lambdas"] += 1.0
+    return jax.tree.map(jnp.asarray, params)
 
 
 @pytest.fixture(scope="session")
@@ -98,8 +139,8 @@ def golden():
 def golden_tree(golden, prefix):
     """A golden state_dict (params, grads, ...) under `prefix/` converted to our params layout."""
     n = len(prefix) + 1
-    return checkpoint.from_nanochat_state_dict({k[n:]: golden[k] for k in golden.files if k.startswith(prefix + "/")},
-                                       GOLDEN_CFG)
+    sd = {k[n:]: golden[k] for k in golden.files if k.startswith(prefix + "/")}
+    return checkpoint.from_nanochat_state_dict(sd, GOLDEN_CFG)
 
 
 def assert_matches_golden(params, golden, prefix, atol):
@@ -111,7 +152,68 @@ def assert_matches_golden(params, golden, prefix, atol):
 
 
 # --------------------------------------------------------------------------------------------------
-# The model against PyTorch nanochat
+# The product files: their imports form a DAG, in the order of the sections below
+
+# each module of ours: the modules of ours it imports, in the order of the sections below
+IMPORTS = {
+    "nanochat": set(),
+    "kernels": {"nanochat"},
+    "runtime": set(),
+    "muon": set(),
+    "data": set(),
+    "execution": set(),
+    "tasks": {"data", "execution"},
+    "torch_files": set(),
+    "checkpoint": {"data", "nanochat", "torch_files"},
+    "engine": {"nanochat"},
+    "sharding": set(),
+    "evaluate": {"checkpoint", "data", "engine", "kernels", "nanochat", "sharding", "tasks"},
+    "report": {"data", "evaluate", "nanochat", "sharding"},
+    "rl": {"checkpoint", "data", "engine", "evaluate", "sharding", "tasks"},
+    "train": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "report", "rl",
+              "runtime", "sharding", "tasks"},
+    "chat": {"checkpoint", "data", "engine", "kernels", "runtime"},
+    "scaling_fits": set(),
+    "scaling": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "runtime",
+                "scaling_fits", "sharding", "train"},
+    "bench": {"data", "engine", "kernels", "muon", "nanochat", "report", "runtime", "sharding",
+              "train"},
+}
+
+
+def test_imports_form_a_dag_without_private_names():
+    """Every module's imports of ours are the ones above (a DAG: the model and optimizer at the
+    bottom, data.py without jax, tasks and checkpoints on the model and data, the programs above
+    them, the tools on top), and no module uses another's private (_name) functions."""
+    root = pathlib.Path(__file__).parent
+    assert {p.stem for p in root.glob("*.py")} - {"test_nanochat"} == set(IMPORTS)
+    for name, want in IMPORTS.items():
+        tree = ast.parse((root / f"{name}.py").read_text())
+        aliases = {}  # the local name -> the module of ours it is
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases.update({a.asname or a.name: a.name for a in node.names
+                                if a.name in IMPORTS})
+            from_ours = isinstance(node, ast.ImportFrom) and node.module in IMPORTS
+            assert not from_ours, (name, node.module)
+        assert set(aliases.values()) == want, name
+        private = [f"{aliases[n.value.id]}.{n.attr}" for n in ast.walk(tree)
+                   if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                   and n.value.id in aliases and n.attr.startswith("_")]
+        assert not private, (name, private)
+    data_tree = ast.parse((root / "data.py").read_text())
+    data_imports = [a.name for n in ast.walk(data_tree) if isinstance(n, ast.Import)
+                    for a in n.names]
+    assert data_imports and not [m for m in data_imports if m.split(".")[0] in ("jax", "jaxlib")]
+    done = set()  # a topological order exists: no cycle
+    while len(done) < len(IMPORTS):
+        ready = {m for m, deps in IMPORTS.items() if m not in done and deps <= done}
+        assert ready, f"a cycle among {set(IMPORTS) - done}"
+        done |= ready
+
+
+# --------------------------------------------------------------------------------------------------
+# nanochat.py: the model against PyTorch nanochat's golden numbers, then its invariants
 
 def test_golden_logits_and_loss(golden):
     params = golden_tree(golden, "param")
@@ -150,6 +252,29 @@ def test_golden_structure(golden):
     assert GOLDEN_CFG.padded_vocab == 320 and GOLDEN_CFG.ve_layers == [1, 3]
 
 
+@pytest.mark.slow  # the golden model compiled once more, in bfloat16
+def test_bf16_close_to_fp32(golden):
+    params = golden_tree(golden, "param")
+    bf16 = dataclasses.replace(GOLDEN_CFG, compute_dtype="bfloat16")
+    logits = forward(params, golden["tokens"], bf16)
+    assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
+    # logits reach 1.85; fp32 is off by 1e-6
+    assert 1e-3 < float(jnp.abs(logits - golden["logits"]).max()) < 0.1
+    # the matmuls really ran in bf16 (traced, not run: the dtype is the program's, not the numbers')
+    traced = jax.eval_shape(lambda p, t: nc.hidden(p, t, bf16), params, golden["tokens"])
+    assert traced.dtype == jnp.bfloat16
+    x = jax.random.normal(jax.random.key(0), (4, 64)).astype(jnp.bfloat16) * 100
+    x64 = np.asarray(x, np.float64)
+    ref = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True))
+    # fp32 statistics
+    np.testing.assert_allclose(np.asarray(nc.rms_norm(x), np.float64), ref, rtol=2**-8)
+    loss, grads = value_and_grad(params, golden["tokens"], golden["targets"], bf16)
+    assert abs(float(loss) - float(golden["loss"])) < 0.01
+    chex.assert_tree_all_finite(grads)
+    # fp32 masters get fp32 grads
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+
+
 @pytest.mark.parametrize("depth, width, heads, groups, flops", [
     # nanochat's own numbers at vocab 32768, head_dim 128, T 2048, "SSSL" (nanochat_spec.md section
     # 1.7)
@@ -177,10 +302,13 @@ def test_presets():
     d6 = nc.config_for_depth(6, vocab_size=8192, head_dim=64, sequence_len=512, window_pattern="L")
     assert (d6.n_embd, d6.n_head) == (384, 6)  # runs/runcpu.sh's model
     default = train.model_config(384)  # train.py's default model: d3, 96 wide, 3 heads
-    assert (default.n_layer, default.n_embd, default.n_head, default.sequence_len) == (3, 96, 3, 256)
+    shape = (default.n_layer, default.n_embd, default.n_head, default.sequence_len)
+    assert shape == (3, 96, 3, 256)
     assert nc.num_scaling_params(default)["total"] == 479_336
+    # nc.Config's own default window pattern, SSSL; lower case works too
     assert nc.window_sizes(nc.Config(sequence_len=2048, n_layer=8)) == [512, 512, 512, 2048] * 2
-    assert nc.window_sizes(nc.Config(sequence_len=1024, n_layer=3, window_pattern="sl")) == [256, 1024, 1024]
+    sl = nc.Config(sequence_len=1024, n_layer=3, window_pattern="sl")
+    assert nc.window_sizes(sl) == [256, 1024, 1024]
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -197,20 +325,16 @@ def test_config_errors(kwargs, match):
 # --------------------------------------------------------------------------------------------------
 # Model invariants
 
-@pytest.fixture(scope="session")
-def tiny_params():
-    return nc.init_params(TINY, jax.random.key(0))
-
-
-def test_init_follows_nanochat(tiny_params):
-    p, C = tiny_params, TINY.n_embd
+def test_init_follows_nanochat():
+    p, C = nc.init_params(TINY, jax.random.key(0)), TINY.n_embd
     s = 3**0.5 / C**0.5
     assert abs(float(p["wte"].std()) - 0.8) < 0.03 and abs(float(p["wte"].mean())) < 0.05
     assert abs(float(p["lm_head"].std()) - 0.001) < 1e-4
 
     # U(lo, hi): inside the bounds and reaching near both (a wrong scale fails)
     def uniform(w, lo, hi):
-        return lo <= float(w.min()) < lo + 0.25 * (hi - lo) and hi - 0.25 * (hi - lo) < float(w.max()) <= hi
+        margin = 0.25 * (hi - lo)
+        return lo <= float(w.min()) < lo + margin and hi - margin < float(w.max()) <= hi
 
     for w in (p["h"]["attn"]["c_q"], p["h"]["attn"]["c_k"], p["h"]["attn"]["c_v"],
               p["value_embeds"]):
@@ -227,27 +351,31 @@ def test_init_follows_nanochat(tiny_params):
     # it composes: e.g. out_shardings
     nested = jax.jit(nc.init_params, static_argnames="cfg")(TINY, jax.random.key(0))
     for same in (again, fast, nested):
-        assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, tiny_params, same)))
-    assert not jnp.array_equal(tiny_params["wte"], other["wte"])
+        assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, p, same)))
+    assert not jnp.array_equal(p["wte"], other["wte"])
 
 
-@jax.jit  # one compile, not three a leaf shape
-def perturbed(params, key):
-    """Params with every path alive (nanochat's init zeroes the projections and the smear)."""
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(key, len(leaves))
-    return jax.tree.unflatten(treedef,
-                              [w + 0.1 * jax.random.normal(k, w.shape) for w, k in zip(leaves, keys)])
-
-
-def test_causality(tiny_params):
-    params = perturbed(tiny_params, jax.random.key(1))
+def test_causality():
+    params = random_params(TINY, 1)
     tokens = jax.random.randint(jax.random.key(2), (2, 48), 0, TINY.vocab_size)
     changed = tokens.at[:, 30:].set((tokens[:, 30:] + 7) % TINY.vocab_size)
     a, b = forward(params, tokens, TINY), forward(params, changed, TINY)
     np.testing.assert_array_equal(a[:, :30], b[:, :30])
     assert float(jnp.abs(a[:, 30:] - b[:, 30:]).max()) > 1e-3
 
+
+def test_sliding_window_limits_context():
+    cfg = config(sequence_len=512, n_layer=1, n_head=2, window_pattern="S")
+    assert nc.window_sizes(cfg) == [512]  # a single layer is the last layer: always full context
+    mask = nc.attention_mask(jnp.arange(300), jnp.arange(300), 128)
+    assert int(mask.sum(1)[-1]) == 129 and int(mask.sum(1)[5]) == 6 and not mask[10, 11]
+    decode = nc.attention_mask(jnp.array([200]), jnp.arange(256), 128)  # one query against a cache
+    assert np.flatnonzero(decode[0]).tolist() == list(range(72, 201))
+
+
+# --------------------------------------------------------------------------------------------------
+# kernels.py: each attention route against the plain attend, the route each backend takes,
+# the process settings
 
 @pytest.mark.parametrize("T, window, dtype", [(300, 300, "float32"), (300, 100, "float32"),
                                               (256, 64, "bfloat16"),
@@ -257,7 +385,8 @@ def test_fast_attention_equals_plain(T, window, dtype):
     """kernels.attend_cpu (no max pass) and its query blocks (fully masked key blocks skipped)
     against the plain attend, and the model's plain causal_attention too."""
     keys = jax.random.split(jax.random.key(12), 3)
-    q, k = (nc.rms_norm(jax.random.normal(key, (2, T, h, 16))) * nc.QK_SCALE for key, h in zip(keys, (4, 2)))
+    q, k = (nc.rms_norm(jax.random.normal(key, (2, T, h, 16))) * nc.QK_SCALE
+            for key, h in zip(keys, (4, 2)))
     q, k, v = (a.astype(dtype) for a in (q, k, jax.random.normal(keys[2], (2, T, 2, 16))))
 
     @jax.jit  # one program (op by op, each shape's hundred ops compiled one at a time: 3x slower)
@@ -336,18 +465,24 @@ def test_model_names_no_backend():
     for name in ("cpu", "gpu", "tpu", "cudnn", "splash", "pallas", "mesh", "shard_map",
                  "default_backend"):
         assert not re.search(rf"\b{name}\b", source), name
-    params = perturbed(nc.init_params(TINY, jax.random.key(0)), jax.random.key(5))
+    params = random_params(TINY, 5)
     tokens = jax.random.randint(jax.random.key(6), (2, 64), 0, TINY.vocab_size)
-    fast = jax.jit(nc.forward, static_argnames=("cfg", "attn"))(params, tokens, TINY, kernels.attention_fn())
+    forward_with = jax.jit(nc.forward, static_argnames=("cfg", "attn"))
+    fast = forward_with(params, tokens, TINY, kernels.attention_fn())
     # the same model
     np.testing.assert_allclose(fast, forward(params, tokens, TINY), rtol=0, atol=2e-5)
 
 
 def test_attention_route_is_picked_by_backend_and_shape():
-    route = lambda impl, backend, dtype, T=2048, D=128: kernels.route(impl, backend, jnp.dtype(dtype), T, D)
-    assert route("auto", "gpu", "bfloat16") == "cudnn" and route("auto", "gpu", "float32") == "plain"
-    assert route("auto", "tpu", "bfloat16") == "splash" and route("auto", "tpu", "bfloat16", T=100) == "plain"
-    assert route("auto", "tpu", "bfloat16", D=64) == "plain" and route("auto", "cpu", "float32") == "cpu"
+    def route(impl, backend, dtype, T=2048, D=128):
+        return kernels.route(impl, backend, jnp.dtype(dtype), T, D)
+
+    assert route("auto", "gpu", "bfloat16") == "cudnn"
+    assert route("auto", "gpu", "float32") == "plain"
+    assert route("auto", "tpu", "bfloat16") == "splash"
+    assert route("auto", "tpu", "bfloat16", T=100) == "plain"
+    assert route("auto", "tpu", "bfloat16", D=64) == "plain"
+    assert route("auto", "cpu", "float32") == "cpu"
     assert route("xla", "gpu", "bfloat16") == "xla"  # forced
     with pytest.raises(ValueError, match="attention route 'flash' must be one of"):
         kernels.attention_fn("flash")
@@ -355,59 +490,50 @@ def test_attention_route_is_picked_by_backend_and_shape():
     assert kernels.attention_fn() is kernels.attention_fn("auto")
 
 
-def test_sliding_window_limits_context():
-    cfg = nc.Config(sequence_len=512, vocab_size=100, n_layer=1, n_head=2, n_kv_head=2, n_embd=32,
-                    window_pattern="S")
-    assert nc.window_sizes(cfg) == [512]  # a single layer is the last layer: always full context
-    mask = nc.attention_mask(jnp.arange(300), jnp.arange(300), 128)
-    assert int(mask.sum(1)[-1]) == 129 and int(mask.sum(1)[5]) == 6 and not mask[10, 11]
-    decode = nc.attention_mask(jnp.array([200]), jnp.arange(256), 128)  # one query against a cache
-    assert np.flatnonzero(decode[0]).tolist() == list(range(72, 201))
+# --------------------------------------------------------------------------------------------------
+# runtime.py: the compile cache, malloc on huge pages
+# --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # the golden model compiled once more, in bfloat16
-def test_bf16_close_to_fp32(golden):
-    params = golden_tree(golden, "param")
-    bf16 = nc.Config(**{**GOLDEN_CFG.__dict__, "compute_dtype": "bfloat16"})
-    logits = forward(params, golden["tokens"], bf16)
-    assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
-    # logits reach 1.85; fp32 is off by 1e-6
-    assert 1e-3 < float(jnp.abs(logits - golden["logits"]).max()) < 0.1
-    # the matmuls really ran in bf16 (traced, not run: the dtype is the program's, not the numbers')
-    assert jax.eval_shape(lambda p, t: nc.hidden(p, t, bf16), params, golden["tokens"]).dtype == jnp.bfloat16
-    x = jax.random.normal(jax.random.key(0), (4, 64)).astype(jnp.bfloat16) * 100
-    ref = np.asarray(x, np.float64) / np.sqrt((np.asarray(x, np.float64) ** 2).mean(-1, keepdims=True))
-    # fp32 statistics
-    np.testing.assert_allclose(np.asarray(nc.rms_norm(x), np.float64), ref, rtol=2**-8)
-    loss, grads = value_and_grad(params, golden["tokens"], golden["targets"], bf16)
-    assert abs(float(loss) - float(golden["loss"])) < 0.01
-    chex.assert_tree_all_finite(grads)
-    # fp32 masters get fp32 grads
-    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+def test_use_compile_cache_turns_on_the_compile_cache():
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    saved = {k: getattr(jax.config, k) for k in keys}
+    try:
+        runtime.use_compile_cache(train.parse_args([]).compile_cache)
+        default = os.path.expanduser("~/.cache/nanochat_jax/xla")
+        assert jax.config.jax_compilation_cache_dir == default
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0  # every compile is cached
+    finally:
+        for k, v in saved.items():
+            jax.config.update(k, v)
 
 
-def test_state_dict_round_trip(tiny_params):
-    sd = checkpoint.to_nanochat_state_dict(tiny_params, TINY)
-    assert sd["transformer.h.0.attn.c_k.weight"].shape == (16, 32)  # (out, in)
-    assert sd["lm_head.weight"].shape == (128, 32) and "value_embeds.1.weight" not in sd
-    back = checkpoint.from_nanochat_state_dict({"_orig_mod." + k: v for k, v in sd.items()}, TINY)
-    assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, back, tiny_params)))
-    again = checkpoint.to_nanochat_state_dict(back, TINY)
-    assert all(np.array_equal(again[k], sd[k]) for k in sd)
-
-
-def test_state_dict_errors(tiny_params):
-    sd = checkpoint.to_nanochat_state_dict(tiny_params, TINY)
-    with pytest.raises(ValueError, match="missing .*lm_head"):
-        checkpoint.from_nanochat_state_dict({k: v for k, v in sd.items() if k != "lm_head.weight"},
-                                            TINY)
-    with pytest.raises(ValueError, match="shape"):
-        checkpoint.from_nanochat_state_dict({**sd, "transformer.wte.weight": np.zeros((64, 32))},
-                                            TINY)
+def test_tune_malloc_restarts_a_script_onto_huge_pages():
+    """Where the kernel offers transparent huge pages and glibc reads the hugetlb tunable (2.35+), a
+    script's tune_malloc starts it over once with the tunable set, and malloc's large blocks then
+    lie on huge pages."""
+    code = ("import os, numpy as np, runtime; print('start', os.getpid()); "
+            "runtime.tune_malloc(restart=True); "
+            "x = np.ones(2**25, np.float32); "  # 128 MiB: one block that malloc maps
+            "huge = [int(l.split()[1]) for l in open('/proc/self/smaps_rollup') "
+            "if l.startswith('AnonHugePages')]; "
+            "print('tunables', os.environ.get('GLIBC_TUNABLES'), 'huge_kb', huge[0])")
+    r = subprocess.run([sys.executable, "-c", code], cwd=pathlib.Path(__file__).parent,
+                       capture_output=True, text=True, check=True,
+                       env={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"})
+    lines = r.stdout.splitlines()
+    if runtime.huge_pages_offered():
+        # the same process, started over once
+        assert lines[0] == lines[1] and lines[0].startswith("start")
+        tunables, huge_kb = lines[2].split()[1], int(lines[2].split()[3])
+        assert tunables == runtime.HUGE_PAGES and huge_kb >= 2048
+    else:
+        assert len(lines) == 2 and lines[1].split()[1] == "None"
 
 
 # --------------------------------------------------------------------------------------------------
-# MuonAdamW against PyTorch nanochat (fed nanochat's own gradients: see the golden README's warning)
+# muon.py: MuonAdamW against PyTorch nanochat (fed nanochat's own gradients: see the golden
+# README's warning), then its invariants
 
 def nanochat_update(grads, state, params, **schedule):
     """muon.update with nanochat's parameter groups (setup_optimizer's default lrs)."""
@@ -439,15 +565,16 @@ def test_golden_optimizer_cautious_weight_decay(golden):
 
 
 @pytest.mark.slow  # the optimizer update compiled alone, outside the train step
-def test_schedules_do_not_recompile(tiny_params):
+def test_schedules_do_not_recompile():
     @jax.jit
     @chex.assert_max_traces(n=1)
     def step(grads, state, params, lr_mult, momentum, weight_decay):
         return nanochat_update(grads, state, params, lr_mult=lr_mult, momentum=momentum,
                                weight_decay=weight_decay)
 
-    params, state = tiny_params, init_opt(tiny_params)
-    grads = perturbed(jax.tree.map(jnp.zeros_like, tiny_params), jax.random.key(5))
+    params = random_params(TINY, 0)
+    state = init_opt(params)
+    grads = random_params(TINY, 5)
     for i in range(3):
         params, state = step(grads, state, params, 1.0 - 0.1 * i, 0.85 + 0.05 * i, 0.1 * i)
     chex.assert_tree_all_finite(params)
@@ -483,64 +610,6 @@ def test_muon_trains_a_model_that_is_not_the_gpt():
     assert losses[-1] < 0.2 * losses[0], (losses[0], losses[-1])
 
 
-IMPORTS = {  # each module of ours: the modules of ours it imports (nanochat.py and muon.py: none)
-    "nanochat": set(), "muon": set(), "data": set(), "execution": set(), "runtime": set(), "kernels": {"nanochat"},
-    "engine": {"nanochat"},
-    "tasks": {"data", "execution"}, "checkpoint": {"data", "nanochat", "torch_files"}, "torch_files": set(),
-    "evaluate": {"checkpoint", "data", "engine", "kernels", "nanochat", "sharding", "tasks"},
-    "report": {"data", "evaluate", "nanochat", "sharding"},
-    "rl": {"checkpoint", "data", "engine", "evaluate", "sharding", "tasks"},
-    "sharding": set(),
-    "train": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "report", "rl",
-              "runtime", "sharding", "tasks"},
-    "chat": {"checkpoint", "data", "engine", "kernels", "runtime"},
-    "bench": {"data", "engine", "kernels", "muon", "nanochat", "report", "runtime", "sharding",
-              "train"},
-    "scaling_fits": set(),
-    "scaling": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "runtime",
-                "scaling_fits", "sharding", "train"},
-}
-
-
-def test_imports_form_a_dag_without_private_names():
-    """Every module's imports of ours are the ones above (a DAG: the model and optimizer at the
-    bottom, data.py without jax, tasks and checkpoints on the model and data, the programs above
-    them, the tools on top), and no module uses another's private (_name) functions."""
-    root = pathlib.Path(__file__).parent
-    assert {p.stem for p in root.glob("*.py")} - {"test_nanochat"} == set(IMPORTS)
-    for name, want in IMPORTS.items():
-        tree = ast.parse((root / f"{name}.py").read_text())
-        aliases = {}  # the local name -> the module of ours it is
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                aliases.update({a.asname or a.name: a.name for a in node.names if a.name in IMPORTS})
-            assert not (isinstance(node, ast.ImportFrom) and node.module in IMPORTS), (name, node.module)
-        assert set(aliases.values()) == want, name
-        private = [f"{aliases[n.value.id]}.{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
-                   and isinstance(n.value, ast.Name) and n.value.id in aliases and n.attr.startswith("_")]
-        assert not private, (name, private)
-    data_imports = [a.name for n in ast.walk(ast.parse((root / "data.py").read_text())) if isinstance(n, ast.Import)
-                    for a in n.names]
-    assert data_imports and not [m for m in data_imports if m.split(".")[0] in ("jax", "jaxlib")]
-    done = set()  # a topological order exists: no cycle
-    while len(done) < len(IMPORTS):
-        ready = {m for m, deps in IMPORTS.items() if m not in done and deps <= done}
-        assert ready, f"a cycle among {set(IMPORTS) - done}"
-        done |= ready
-
-
-@pytest.mark.slow  # the snippets run op by op: some 300 compiles (each piece has a quick test too)
-def test_readme_snippets_run():
-    """docs/pieces.md: block, attention, Muon on another model, the train step and CORE, each
-    alone."""
-    section = (pathlib.Path(__file__).parent / "docs" / "pieces.md").read_text()
-    snippets = re.findall(r"```python\n(.*?)```", section, re.S)
-    # each checks its own result
-    assert len(snippets) == 5 and all("assert " in s for s in snippets)
-    for code in snippets:
-        exec(compile(code, "docs/pieces.md", "exec"), {})
-
-
 def test_polar_express_orthogonalizes():
     # as the step runs it; the SVDs in numpy (op by op: 40 compiles)
     polar = jax.jit(muon.polar_express)
@@ -551,7 +620,8 @@ def test_polar_express_orthogonalizes():
         assert 0.7 < float(s.min()) and float(s.max()) < 1.25, m.shape
         # and it is the polar factor: aligned with U V^T of the SVD
         uu, _, vt = np.linalg.svd(np.asarray(m, np.float64), full_matrices=False)
-        cos = np.sum(u * (uu @ vt), axis=(-2, -1)) / (np.linalg.norm(u, axis=(-2, -1)) * min(m.shape[1:]) ** 0.5)
+        norms = np.linalg.norm(u, axis=(-2, -1)) * min(m.shape[1:]) ** 0.5
+        cos = np.sum(u * (uu @ vt), axis=(-2, -1)) / norms
         assert float(cos.min()) > 0.99
     np.testing.assert_allclose(polar(x.mT), polar(x).mT, atol=1e-5)
 
@@ -569,24 +639,25 @@ def test_muon_stacks_do_not_mix():
         np.testing.assert_allclose(together[j], jnp.concatenate([a[j] for a in alone]), atol=1e-6)
 
 
-def test_muon_update_padded_for_devices_is_the_same(tiny_params):
+def test_muon_update_padded_for_devices_is_the_same():
     """update's shards pad each Muon stack with zero matrices to a multiple of the devices (the
     stacks of 2 layers to 8) and hand it to place: the same step, the padding gone."""
-    labels, groups = nc.param_groups(tiny_params)
-    grads = jax.tree.map(lambda w: jnp.cos(w * 3.0 + 1.0), tiny_params)
-    state = muon.init(tiny_params, labels, groups)
+    params = random_params(TINY, 0)
+    labels, groups = nc.param_groups(params)
+    grads = jax.tree.map(lambda w: jnp.cos(w * 3.0 + 1.0), params)
+    state = muon.init(params, labels, groups)
     placed = []
 
     def place(stack):
         placed.append(stack.shape)
         return stack
-    plain = muon.update(grads, state, tiny_params, labels, groups)
-    padded = muon.update(grads, state, tiny_params, labels, groups, 8, place)
+    plain = muon.update(grads, state, params, labels, groups)
+    padded = muon.update(grads, state, params, labels, groups, 8, place)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(padded)):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert placed and all(shape[0] % 8 == 0 for shape in placed)
-    assert any(shape[0] > 2 * tiny_params["h"]["mlp"]["c_fc"].shape[0] for shape in placed)
+    assert any(shape[0] > 2 * params["h"]["mlp"]["c_fc"].shape[0] for shape in placed)
 
 
 def test_adamw_matches_numpy():
@@ -606,13 +677,14 @@ def test_adamw_matches_numpy():
     np.testing.assert_allclose(jp, p, rtol=0, atol=1e-6)
 
 
-def test_optimizer_groups_follow_nanochat(tiny_params, monkeypatch):
-    state = init_opt(tiny_params)
+def test_optimizer_groups_follow_nanochat(monkeypatch):
+    params = random_params(TINY, 0)
+    state = init_opt(params)
     calls, step = [], muon.muon_step
     monkeypatch.setattr(muon, "muon_step",
                         lambda p, *a, **hp: calls.append(p.shape) or step(p, *a, **hp))
-    jax.eval_shape(nanochat_update, tiny_params, state, tiny_params)
-    shapes = {w.shape[1:] for w in jax.tree.leaves(tiny_params["h"])}
+    jax.eval_shape(nanochat_update, params, state, params)
+    shapes = {w.shape[1:] for w in jax.tree.leaves(params["h"])}
     # one batched Polar Express per shape, nanochat's shape groups
     assert len(calls) == len(shapes) == 5
     # (K, in, out)
@@ -625,973 +697,22 @@ def test_optimizer_groups_follow_nanochat(tiny_params, monkeypatch):
     # Muon even for the tiny (12, 2) ve_gate
     assert state["var"]["h"]["attn"]["ve_gate"].shape == (2, 12, 1)
     # AdamW, though 3-D
-    assert state["var"]["value_embeds"].shape == tiny_params["value_embeds"].shape
-    labels, groups = nc.param_groups(tiny_params, embedding_lr=0.3, scalar_lr=0.4, lr_mult=0.5)
-    assert labels["h"]["mlp"]["c_fc"] == "h" and labels["backout_lambda"] == labels["smear_gate"] == "smear"
+    assert state["var"]["value_embeds"].shape == params["value_embeds"].shape
+    labels, groups = nc.param_groups(params, embedding_lr=0.3, scalar_lr=0.4, lr_mult=0.5)
+    assert labels["h"]["mlp"]["c_fc"] == "h"
+    assert labels["backout_lambda"] == labels["smear_gate"] == "smear"
     scale = (32 / 768) ** -0.5
     assert groups["value_embeds"]["lr"] == pytest.approx(0.3 * scale * 0.5 * 0.5)
     assert groups["resid_lambdas"]["lr"] == pytest.approx(0.4 * 0.01 * 0.5)
-    assert groups["smear"]["lr"] == pytest.approx(0.2 * 0.5) and groups["h"]["lr"] == pytest.approx(0.02 * 0.5)
+    assert groups["smear"]["lr"] == pytest.approx(0.2 * 0.5)
+    assert groups["h"]["lr"] == pytest.approx(0.02 * 0.5)
 
 
 # --------------------------------------------------------------------------------------------------
-# train.py: schedules, the step, checkpoints, exact resume, devices and processes
+# data.py: tokenizer, corpora, packing, chat format, calculator
 
-TRAIN_ARGS = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "16", "--max-seq-len", "32",
-              "--device-batch-size", "4", "--total-batch-size", "256", "--vocab-size", "300",
-              "--warmup-steps", "2",
-              "--eval-every", "0", "--sample-every", "0", "--compile-cache", ""]
-
-
-TINY_MODEL = dict(depth=2, aspect_ratio=32, head_dim=16, max_seq_len=32)  # TRAIN_ARGS's, as values
-TINY_OPTIM = dict(total_batch_size=256, warmup_steps=2)
-
-
-@pytest.fixture(scope="session")
-def train_root(tmp_path_factory):
-    """A checkpoint root holding a tokenizer trained once for every training test."""
-    root = tmp_path_factory.mktemp("train")
-    data.tokenizer_for(str(root), vocab_size=300)
-    return root
-
-
-def fresh_root(train_root, tmp_path):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "tokenizer.json").write_bytes((train_root / "tokenizer.json").read_bytes())
-    return str(tmp_path)
-
-
-def run_base(root, iterations, seed=0, model=None, optim=None, evals=None, device_batch_size=4,
-             **kwargs):
-    """train.run_stage on a fresh tiny base model, wired as train.main wires TRAIN_ARGS, through the
-    values API: (params, cfg, losses, info). kwargs: train.Run's (resume, save_every, debug, ...).
-    """
-    tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
-    cfg = train.model_config(tok.n_vocab, **{**TINY_MODEL, **(model or {})})
-    stage = train.base_stage(cfg, data.corpus(None, "train", seed=seed), jax.random.key(seed),
-                             iterations)
-    evals = {"eval_every": 0, "sample_every": 0, **(evals or {})}
-    run = train.Run(out=root, device_batch_size=device_batch_size, **kwargs)
-    return train.run_stage(stage, tok, run, train.Optim(**{**TINY_OPTIM, **(optim or {})}), evals)
-
-
-def test_schedules_follow_nanochat():
-    s = dict(num_iterations=100, warmup_steps=10, warmdown_ratio=0.65, final_lr_frac=0.05,
-             momentum_start=0.85,
-             momentum=0.97, momentum_end=0.90, momentum_warmup=20, weight_decay=0.2)
-    # (lr multiplier, momentum, wd)
-    at = lambda i: np.array(train.schedules(jnp.int32(i), s), np.float64)
-    expect = {0: (0.1, 0.85, 0.2), 9: (1.0, 0.904, 0.2 * 0.5 * (1 + np.cos(np.pi * 0.09))),
-              # warmdown: round(0.65 * 100)
-              10: (1.0, 0.91, None), 20: (1.0, 0.97, None), 35: (1.0, 0.97, None),
-              68: (32 / 65 + 33 / 65 * 0.05, 0.97 - 0.07 * 33 / 65, None), 50: (None, None, 0.1),
-              100: (0.05, 0.90, 0.0)}
-    for i, want in expect.items():
-        got = at(i)
-        for g, w in zip(got, want):
-            if w is not None:
-                assert g == pytest.approx(w, abs=1e-6), (i, got, want)
-
-
-@pytest.mark.parametrize("depth, tokens, batch, iters, lr_scale, wd", [
-    # nanochat's scaling rules at vocab 32768, ratio 12 (nanochat_spec.md section 1.7)
-    (12, 1.321e9, 2**19, 2520, 1.0, 0.280), (20, 5.222e9, 2**20, 4980, 1.4142, 0.100),
-    (26, 11.021e9, 2**20, 10510, 1.4142, 0.0475),
-])
-def test_horizon_follows_nanochat(depth, tokens, batch, iters, lr_scale, wd):
-    cfg = nc.config_for_depth(depth, 32768)
-    steps, b, scale, weight_decay = train.horizon(
-        cfg, 32, -1, train.Optim(total_batch_size=-1, batch_lr_scale=-1))
-    assert (steps, b) == (iters, batch) and float(f"{steps * b:.4g}") == pytest.approx(tokens, rel=2e-3)
-    assert scale == pytest.approx(lr_scale, abs=1e-4) and weight_decay == pytest.approx(wd, rel=1e-2)
-    flops = train.horizon(cfg, 32, -1, train.Optim(total_batch_size=-1, target_flops=1e18))[0]
-    assert flops == round(1e18 / (nc.estimate_flops(cfg) * batch))
-    # --num-iterations wins
-    assert train.horizon(cfg, 32, 7, train.Optim(total_batch_size=-1, target_flops=1e18))[0] == 7
-
-
-def test_bits_per_byte(tiny_params):
-    params = perturbed(tiny_params, jax.random.key(11))
-    x = np.asarray(jax.random.randint(jax.random.key(12), (2, 16), 0, TINY.vocab_size))
-    y = np.roll(x, -1, axis=1)
-    y[0, 3] = -1
-    # ids with 0 bytes (specials) count neither nats nor bytes
-    token_bytes = np.arange(TINY.vocab_size) % 4
-    nats = np.asarray(loss_fn(params, x, y, TINY, reduction="none"))
-    nb = np.where(y >= 0, token_bytes[np.maximum(y, 0)], 0)
-    want = (nats * (nb > 0)).sum() / (np.log(2) * nb.sum())
-    got = evaluate.evaluate_bpb(params, TINY, iter([(x, y, None)] * 3), jnp.asarray(token_bytes), 2)
-    assert got == pytest.approx(want, rel=1e-5)
-
-
-def test_task_evaluation_scores_exact_matches(monkeypatch):
-    btok = data.byte_tokenizer()
-    cfg = nc.Config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=1, n_kv_head=1,
-                    n_embd=32)
-    # a stand-in model that knows every reference answer of two tasks and none of the others
-    answers = {}
-
-    def oracle(params, cfg, tok, prompts, n, max_tokens):  # evaluate.complete's replies
-        return [[answers.get(tuple(prompt), [])] * n for prompt in prompts]
-
-    for task in tasks.TASKS:
-        for c in itertools.islice(tasks.task_conversations(task, "test"), 5):
-            ids, mask = data.render_conversation(btok, c)
-            prompt = data.render_for_completion(btok, c)
-            if task in ("identity", "arithmetic"):
-                answers[tuple(prompt)] = [t for t, m in zip(ids[len(prompt):], mask[len(prompt):]) if m][:-1]
-    monkeypatch.setattr(evaluate, "complete", oracle)
-    acc, _ = evaluate.evaluate_tasks(None, cfg, btok, n=5)
-    assert acc == {"identity": 1.0, "arithmetic": 1.0, "counting": 0.0, "spelling": 0.0,
-                   "docstring": 0.0}
-
-
-def test_step_never_recompiles(tiny_params):
-    """train.jit_train_step itself: after its first call, new steps (so new schedule values) compile
-    nothing. Its (2, 2, 16) batch is the next two tests' too, which then compile no step of their
-    own."""
-    s = dict(num_iterations=10, warmup_steps=2, warmdown_ratio=0.5, final_lr_frac=0.0,
-             momentum_start=0.85,
-             momentum=0.95, momentum_end=0.9, momentum_warmup=3, weight_decay=0.1)
-    lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
-    params = jax.tree.map(jnp.copy, tiny_params)  # the step donates them
-    opt = init_opt(params)
-    # 2 micro-batches of 2 x 16
-    x = jax.random.randint(jax.random.key(8), (2, 2, 16), 0, TINY.vocab_size)
-    y = jnp.roll(x, -1, axis=2)
-    losses, compiles = [], []
-    listen = lambda event, *_, **__: compiles.append(event) if event == LOWERED else None
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        for i in range(4):
-            params, opt, m = train.jit_train_step(params, opt, (x, y), i, s, lrs, cfg=TINY)
-            losses.append(float(m["loss"]))
-            assert bool(m["finite"])
-            if i == 0:  # compiled (or found compiled): from here on nothing may compile
-                compiles.clear()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    assert compiles == []
-    assert losses[-1] < losses[0]  # the same batch: loss must fall
-
-
-@pytest.mark.slow  # two train steps compiled for batch shapes of their own
-def test_grad_accumulation_equals_big_batch(tiny_params):
-    x = jax.random.randint(jax.random.key(9), (4, 16), 0, TINY.vocab_size)
-    y = jnp.roll(x, -1, axis=1)
-    s = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0,
-             momentum_start=0.95,
-             momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
-    lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
-    p = perturbed(tiny_params, jax.random.key(10))
-    one, _, m1 = train.jit_train_step(p, init_opt(p), (x[None], y[None]), 0, s, lrs, cfg=TINY)
-    p = perturbed(tiny_params, jax.random.key(10))
-    two, _, m2 = train.jit_train_step(p, init_opt(p), (x.reshape(2, 2, 16), y.reshape(2, 2, 16)), 0,
-                                      s, lrs,
-                                      cfg=TINY)
-    np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
-    chex.assert_trees_all_close(one, two, atol=2e-5)
-
-
-def test_step_donates_params_and_opt_state(tiny_params):
-    p = jax.tree.map(jnp.copy, tiny_params)
-    opt = jax.device_put(init_opt(p))  # host zeros on the device, as train.py puts them
-    s = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0,
-             momentum_start=0.95,
-             momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
-    lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
-    x = jnp.zeros((2, 2, 16), jnp.int32)  # the shape the step was compiled for above
-    train.jit_train_step(p, opt, (x, x), 0, s, lrs, cfg=TINY)
-    # updated in place: no second copy in memory
-    assert all(a.is_deleted() for a in jax.tree.leaves((p, opt)))
-
-
-def test_use_compile_cache_turns_on_the_compile_cache():
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    saved = {k: getattr(jax.config, k) for k in keys}
-    try:
-        runtime.use_compile_cache(train.parse_args([]).compile_cache)
-        assert jax.config.jax_compilation_cache_dir == os.path.expanduser("~/.cache/nanochat_jax/xla")
-        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0  # every compile is cached
-    finally:
-        for k, v in saved.items():
-            jax.config.update(k, v)
-
-
-def test_tune_malloc_restarts_a_script_onto_huge_pages():
-    """Where the kernel offers transparent huge pages and glibc reads the hugetlb tunable (2.35+), a
-    script's tune_malloc starts it over once with the tunable set, and malloc's large blocks then
-    lie on huge pages."""
-    code = ("import os, numpy as np, runtime; print('start', os.getpid()); runtime.tune_malloc(restart=True); "
-            "x = np.ones(2**25, np.float32); "  # 128 MiB: one block that malloc maps
-            "huge = [int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')]; "
-            "print('tunables', os.environ.get('GLIBC_TUNABLES'), 'huge_kb', huge[0])")
-    r = subprocess.run([sys.executable, "-c", code], cwd=pathlib.Path(__file__).parent,
-                       capture_output=True,
-                       text=True, check=True,
-                       env={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"})
-    lines = r.stdout.splitlines()
-    if runtime.huge_pages_offered():
-        # the same process, started over once
-        assert lines[0] == lines[1] and lines[0].startswith("start")
-        tunables, huge_kb = lines[2].split()[1], int(lines[2].split()[3])
-        assert tunables == runtime.HUGE_PAGES and huge_kb >= 2048
-    else:
-        assert len(lines) == 2 and lines[1].split()[1] == "None"
-
-
-def test_checkpoint_round_trip_and_atomic(tmp_path, tiny_params):
-    opt = init_opt(tiny_params)
-    for step in (1, 2, 3, 4):
-        path = checkpoint.save_checkpoint(str(tmp_path), step, tiny_params, opt, {"step": step},
-                                          keep=2)
-    assert [os.path.basename(d) for d in checkpoint.checkpoint_dirs(str(tmp_path))] == ["step_000003", "step_000004"]
-    params, opt2, meta = checkpoint.load_checkpoint(path)
-    assert meta == {"step": 4} and all(jax.tree.leaves(jax.tree.map(np.array_equal, params, tiny_params)))
-    assert int(opt2["step"]) == 0 and all(jax.tree.leaves(jax.tree.map(np.array_equal, opt2, opt)))
-    # a write that dies midway leaves the previous checkpoint intact
-    with pytest.raises(TypeError):
-        checkpoint.save_checkpoint(str(tmp_path), 5, {"bad": object()}, None, {})
-    # no half-written step 5 left
-    assert sorted(os.listdir(tmp_path)) == ["step_000003", "step_000004"]
-    unwritable = lambda p: open(os.path.join(p, "no_such_dir", "tokenizer.json"), "w")
-    # nor when an extra file (train.py's tokenizer.json) fails
-    with pytest.raises(FileNotFoundError):
-        checkpoint.save_checkpoint(str(tmp_path), 5, tiny_params, None, {},
-                                   files={"tokenizer.json": unwritable})
-    assert sorted(os.listdir(tmp_path)) == ["step_000003", "step_000004"]
-    assert checkpoint.latest_checkpoint(str(tmp_path), ("",)) == path and checkpoint.load_checkpoint(path)[2] == {"step": 4}
-    with pytest.raises(FileNotFoundError, match="not a checkpoint"):
-        checkpoint.load_checkpoint(str(tmp_path))
-
-
-def test_a_checkpoint_is_found_from_a_step_a_stage_or_a_root(tmp_path, tiny_params):
-    """checkpoint.load_model (chat.py's and evaluate.py's --checkpoint) takes a step directory, a
-    stage folder (its newest step) or a root (the newest step of its last stage: RL, then SFT, then
-    base)."""
-    tok, root = data.byte_tokenizer(), tmp_path / "checkpoints"
-    meta = {"config": dataclasses.asdict(TINY), "tokenizer": "tokenizer.json"}
-    for stage, step in (("base", 5), ("base", 9), ("sft", 3)):
-        scaled = jax.tree.map(lambda w: w * step, tiny_params)  # each step's weights tell it apart
-        checkpoint.save_checkpoint(str(root / stage), step, scaled, None, meta,
-                                   files={"tokenizer.json": tok.save})
-    for where, step in ((root / "base" / "step_000005", 5), (root / "base", 9), (root, 3)):
-        assert checkpoint.find_step(str(where)).endswith(f"step_{step:06d}")
-        params, cfg, loaded = checkpoint.load_model(str(where))
-        np.testing.assert_array_equal(params["wte"], tiny_params["wte"] * step)
-        assert cfg == TINY and loaded.tokens == tok.tokens
-    with pytest.raises(FileNotFoundError,
-                       match=r"no checkpoint in .*empty/: pass a step directory, a stage folder"):
-        checkpoint.load_model(str(tmp_path / "empty"))
-
-
-def test_resume_is_bit_identical(train_root, tmp_path):
-    full_root, cut_root = fresh_root(train_root, tmp_path / "a"), fresh_root(train_root, tmp_path / "b")
-    _, _, full, _ = run_base(full_root, 6)
-    _, _, first, _ = run_base(cut_root, 6, save_every=3)
-    assert first == full  # same seed, same machine: the same trajectory, bit for bit
-    shutil.rmtree(os.path.join(cut_root, "base", "step_000006"))
-    params, _, rest, _ = run_base(cut_root, 6, resume=True)
-    assert rest == full[3:]
-    a = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(full_root))[0]
-    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, a, jax.device_get(params))))
-    with pytest.raises(ValueError,
-                       match=r"step_000006 holds Config\(.*n_layer=2.*but these flags make .*n_layer=3"):
-        run_base(cut_root, 6, model=dict(depth=3), resume=True)  # the weights would not fit
-    # the tokenizer inside the atomic write
-    files = ["meta.json", "opt.msgpack", "params.msgpack", "tokenizer.json"]
-    assert sorted(os.listdir(checkpoint.latest_checkpoint(full_root))) == files
-    assert full[-1] < full[0]
-
-
-@pytest.mark.slow  # a whole step op by op: some 600 compiles, half a minute on 2 cores
-def test_debug_runs_the_same_step_unjitted(train_root, tmp_path, monkeypatch):
-    _, _, jitted, _ = run_base(fresh_root(train_root, tmp_path / "a"), 1)
-    monkeypatch.setattr(train, "jit_train_step", lambda *a,
-                        **k: pytest.fail("--debug took the jitted step"))
-    eager_step, jit_off = train.train_step, []
-    monkeypatch.setattr(train, "train_step", lambda *a,
-                        **k: jit_off.append(jax.config.jax_disable_jit)
-                        or eager_step(*a, **k))
-    _, _, eager, _ = run_base(fresh_root(train_root, tmp_path / "b"), 1, debug=True)
-    assert jit_off == [True]
-    np.testing.assert_allclose(eager, jitted, rtol=1e-5)
-    # a NaN inside the model stops at the op that made it, not at the end of the step
-    loss_fn = nc.loss_fn
-    monkeypatch.setattr(nc, "loss_fn", lambda p, *a,
-                        **k: loss_fn({**p, "wte": p["wte"] * jnp.nan}, *a, **k))
-    with pytest.raises(FloatingPointError, match="nan"):
-        run_base(fresh_root(train_root, tmp_path / "c"), 1, debug=True)
-
-
-def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch):
-    real, handler = train.jit_train_step, signal.getsignal(signal.SIGINT)
-    _, _, full, _ = run_base(fresh_root(train_root, tmp_path / "full"), 6)
-
-    def failing(*a, **k):
-        params, opt, m = real(*a, **k)
-        return params, opt, {**m, "finite": m["finite"] & (a[3] < 3)}  # step 3 "diverges"
-
-    monkeypatch.setattr(train, "jit_train_step", failing)
-    with pytest.raises(FloatingPointError,
-                       match="step 3: .*not finite; the last good checkpoint is .*step_000002"):
-        run_base(fresh_root(train_root, tmp_path / "nan"), 6, save_every=2)
-    with pytest.raises(FloatingPointError,
-                       match="step 3: .*not finite; no checkpoint was saved yet .*--save-every N"):
-        run_base(fresh_root(train_root, tmp_path / "nan0"), 6)
-
-    # Ctrl-C the moment a step's update is done, before the loop has counted the step
-    def ctrl_c(*a, **k):
-        out = real(*a, **k)
-        for _ in range(presses.get(a[3], 0)):
-            # handled before it returns (os.kill may land on an XLA thread)
-            signal.raise_signal(signal.SIGINT)
-        return out
-
-    root = fresh_root(train_root, tmp_path / "cut")
-    monkeypatch.setattr(train, "jit_train_step", ctrl_c)
-    presses = {1: 2}  # step -> Ctrl-Cs; twice: the second aborts at once, saving nothing
-    with pytest.raises(KeyboardInterrupt):
-        run_base(root, 6)
-    assert checkpoint.latest_checkpoint(root) is None and signal.getsignal(signal.SIGINT) is handler
-    # once: the run stops where params, step and data position agree, and saves there
-    presses = {3: 1}
-    with pytest.raises(KeyboardInterrupt,
-                       match="interrupted: saved .*step_000004; continue with --resume"):
-        run_base(root, 6)
-    assert checkpoint.latest_checkpoint(root).endswith("step_000004") and signal.getsignal(signal.SIGINT) is handler
-    monkeypatch.setattr(train, "jit_train_step", real)
-    _, _, rest, _ = run_base(root, 6, resume=True)
-    assert rest == full[4:]  # no batch trained twice or skipped
-
-
-# --------------------------------------------------------------------------------------------------
-# RL
-
-CONST = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0,
-             momentum_start=0.95,
-             momentum=0.95, momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
-LRS = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
-
-
-@pytest.mark.slow  # RL's loss, its gradient and a step compiled for RL's weighted batch alone
-def test_rl_loss_and_advantages_by_hand(tiny_params):
-    # prompt 5 6; 7 8 and 9 sampled
-    groups = [([[5, 6, 7, 8], [5, 6, 9]], [[0, 0, 1, 1], [0, 0, 1]], [1.0, 0.0]),
-              # 2 at index 2: tool output
-              ([[3, 4, 2, 2], [3, 4, 1, 0]], [[0, 1, 0, 1], [0, 1, 1, 1]], [1.0, 1.0])]
-    x, y, w = rl.rl_batch(groups, T=5)
-    # r - mean(r) of the group, no std division
-    np.testing.assert_array_equal(w[:, :, 0], [[0.5, -0.5], [0, 0]])
-    assert (w == w[:, :, :1]).all()
-    np.testing.assert_array_equal(x[0], [[5, 6, 7, 0, 0], [5, 6, 0, 0, 0]])
-    np.testing.assert_array_equal(y[0], [[-1, 7, 8, -1, -1], [-1, 9, -1, -1, -1]])
-    np.testing.assert_array_equal(y[1], [[4, -1, 2, -1, -1], [4, 1, 0, -1, -1]])
-    params = perturbed(tiny_params, jax.random.key(3))
-    # jitted: op by op, the backward pass alone compiled some 400 XLA programs (half a minute on 2
-    # cores)
-    loss_and_grads = jax.jit(jax.value_and_grad(train.weighted_loss), static_argnames="cfg")
-    for i in range(2):  # -sum(logp * adv) / valid tokens, per prompt (a micro-batch of the step)
-        logp = np.asarray(jax.nn.log_softmax(forward(params, jnp.asarray(x[i]), TINY), -1),
-                          np.float64)
-        valid = [(j, t) for j in range(2) for t in range(5) if y[i, j, t] >= 0]
-        by_hand = -sum(logp[j, t, y[i, j, t]] * w[i, j, t] for j, t in valid) / len(valid)
-        loss, grads = loss_and_grads(params, TINY, x[i], y[i], w[i])
-        np.testing.assert_allclose(loss, by_hand, rtol=1e-5, atol=1e-7)
-    # all rewards equal: no signal, no NaN
-    assert all((np.asarray(g) == 0).all() for g in jax.tree.leaves(grads))
-    p = jax.tree.map(jnp.copy, params)
-    new, _, m = train.jit_train_step(p, init_opt(p), (x[1:], y[1:], w[1:]), 0, CONST, LRS, cfg=TINY)
-    assert bool(m["finite"]) and float(m["loss"]) == 0.0
-    # Muon (no weight decay here) moves nothing; AdamW only
-    chex.assert_trees_all_equal(new["h"], params["h"])
-    # applies nanochat's fixed weight decays
-    assert all(np.isfinite(a).all() for a in jax.tree.leaves(new))
-    with pytest.raises(FloatingPointError, match="not all finite"):
-        rl.rl_batch([([[1, 2]], [[0, 1]], [float("nan")])], T=4)
-
-
-# a training run: 70 steps and 14 rounds of sampling (RL's math is checked just above)
-@pytest.mark.slow
-def test_rl_raises_the_reward_of_a_tiny_task(btok):
-    """SFT teaches "yes" and "no" equally to one question; RL rewarding "yes" makes the model say
-    it."""
-    cfg = nc.Config(sequence_len=32, vocab_size=btok.n_vocab, n_layer=1, n_head=2, n_kv_head=2,
-                    n_embd=32)
-    ask = lambda answer: [{"role": "user", "content": "yes?"},
-                          {"role": "assistant", "content": answer}]
-    # SFT in RL's shapes, (1, 16, 32) and weights, all 1 (the plain mean loss): one step compiles
-    # for both
-    rows = [data.render_conversation(btok, ask(a)) for a in ("yes", "no") * 8]
-    pad = lambda ids, fill: ids + [fill] * (cfg.sequence_len - len(ids))
-    x = np.array([pad(ids[:-1], 0) for ids, _ in rows], np.int32)[None]
-    y = np.array([pad([t if m else -1 for t, m in zip(ids[1:], mask[1:])], -1) for ids, mask in rows], np.int32)[None]
-    params = nc.init_params(cfg, jax.random.key(0))
-    opt = init_opt(params)
-    for i in range(60):
-        params, opt, _ = train.jit_train_step(params, opt, (x, y, np.ones(x.shape, np.float32)), i,
-                                              CONST, LRS,
-                                              cfg=cfg)
-
-    # over 64 samples, 16 at a time as the steps below draw them: one engine's programs
-    def reward(params, seed):
-        groups = [rl.rollout(params, cfg, btok, [(ask("yes"), tasks.check)], seed + j, 16, 8)[0]
-                  for j in range(4)]
-        return np.mean([g[2] for g in groups])
-
-    before = reward(params, 100)
-    assert 0.2 < before < 0.8  # SFT left both answers likely
-    opt = init_opt(params)
-    for i in range(10):
-        groups = rl.rollout(params, cfg, btok, [(ask("yes"), tasks.check)], i, 16, 8)
-        batch = rl.rl_batch(groups, cfg.sequence_len)
-        params, opt, m = train.jit_train_step(params, opt, batch, i, CONST,
-                                              {k: v * 0.3 for k, v in LRS.items()},
-                                              cfg=cfg)
-    assert reward(params, 100) > before + 0.3
-
-
-RL_TINY = dict(prompts=2, samples=2, max_tokens=8, eval_n=0, iterations=4)
-
-
-def run_stage(root, name, iterations=None, resume=False, **stage_kwargs):
-    """A tiny base (T 128), SFT or RL stage through train.run_stage, as train.main wires it.
-    stage_kwargs: the stage's (rl.rl_stage's for RL, on top of RL_TINY)."""
-    tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
-    if name == "base":
-        cfg = train.model_config(tok.n_vocab, **{**TINY_MODEL, "max_seq_len": 128})
-        stage = train.base_stage(cfg, data.corpus(None, "train"), jax.random.key(0), iterations)
-    elif name == "sft":
-        stage = train.sft_stage(root, tok, data.corpus(None, "train"), iterations=iterations)
-    else:
-        given = {} if iterations is None else {"iterations": iterations}
-        stage = train.Stage(**rl.rl_stage(root, tok, **{**RL_TINY, **given, **stage_kwargs}))
-    optim = train.Optim(**{**TINY_OPTIM, "total_batch_size": 512})
-    run = train.Run(out=root, device_batch_size=4, resume=resume)
-    return train.run_stage(stage, tok, run, optim, {"eval_every": 0, "sample_every": 0})
-
-
-@pytest.mark.slow  # base, SFT and RL stages: the pipeline
-def test_rl_stage_resumes_exactly_and_saves_on_ctrl_c(train_root, tmp_path, monkeypatch):
-    root = fresh_root(train_root, tmp_path / "full")
-    with pytest.raises(FileNotFoundError,
-                       match="no sft checkpoint under .*: run `python train.py --stage sft` first"):
-        run_stage(root, "rl")
-    with pytest.raises(SystemExit):  # argparse names the tasks there are
-        train.parse_args(["--rl-tasks", "poetry"])
-    run_stage(root, "base", 2)
-    run_stage(root, "sft", 2)
-    cut = shutil.copytree(root, tmp_path / "cut")
-    params, _, full, _ = run_stage(root, "rl")
-    assert len(full) == 4 and np.isfinite(full).all()
-    _, _, meta = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root), optimizer=False)
-    assert meta["stage"] == "rl" and meta["step"] == 4 and meta["schedule"]["warmdown_ratio"] == 1.0
-    real, calls = rl.rollout, []
-
-    def ctrl_c(*a, **k):  # Ctrl-C in the middle of step 3's sampling (one batch a step)
-        calls.append(1)
-        if len(calls) == 3:
-            signal.raise_signal(signal.SIGINT)
-        return real(*a, **k)
-
-    monkeypatch.setattr(rl, "rollout", ctrl_c)
-    with pytest.raises(KeyboardInterrupt,
-                       match="interrupted: saved .*rl.step_000003; continue with --resume"):
-        run_stage(str(cut), "rl")  # the step in flight finishes, then the run saves and stops
-    monkeypatch.setattr(rl, "rollout", real)
-    resumed, _, rest, _ = run_stage(str(cut), "rl", resume=True)
-    assert rest == full[3:]  # the same prompts and samples: the key is threaded from (seed, step)
-    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(resumed),
-                                            jax.device_get(params))))
-
-
-def run_cli(root, *extra, env=None):
-    cmd = [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS,
-           "--num-iterations", "3", *extra]
-    r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
-                       timeout=300,
-                       env={**os.environ, **(env or {})})
-    assert r.returncode == 0, r.stderr[-3000:]
-    with open(os.path.join(root, "base", "metrics.jsonl")) as f:
-        return [json.loads(line)["loss"] for line in f if '"loss"' in line], r.stdout
-
-
-@pytest.mark.slow  # three train.py processes
-def test_four_devices_equal_one(train_root, tmp_path, capsys):
-    """Data parallel on a 4-device mesh trains to the losses of one device, through the CPU route
-    and through TPU's splash-attention route (interpreted here, run per device by shard_map); the
-    startup line names the route. The val loss and the sample at the last step run on one device
-    of the four (outside the step's mesh) and agree between the routes."""
-    args = ("--max-seq-len", "128", "--device-batch-size", "2", "--total-batch-size", "1024",
-            "--eval-every", "3", "--eval-steps", "1", "--sample-every", "3")
-    _, _, one, _ = run_base(fresh_root(train_root, tmp_path / "one"), 3,
-                            model={"max_seq_len": 128}, optim={"total_batch_size": 1024},
-                            device_batch_size=2)
-    # one device accumulates 4 micro-batches of 2 rows; four devices take 2 rows each of one
-    # micro-batch of 8
-    assert "(4 x 2 x 128), 1 devices, attention cpu," in capsys.readouterr().out
-    val = {}
-    for route in ("cpu", "splash"):
-        four, out4 = run_cli(fresh_root(train_root, tmp_path / route), *args, "--attention", route,
-                             env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
-        assert f"(1 x 8 x 128), 4 devices, attention {route}," in out4 and "sample:" in out4
-        np.testing.assert_allclose(four, one, rtol=1e-5)
-        val[route] = float(re.search(r"^step +3 \| val bpb (\S+)$", out4, re.M)[1])
-    assert val["cpu"] == pytest.approx(val["splash"], rel=1e-4)
-
-
-# 8 stacked layers, width 64, vocab 320: every layer stack and first dimension divides 8 but the
-# value embeddings' stack of 4 and the (1,) scalars; TINY_MODEL's stacks of 2 layers do not divide
-SHARD_MODELS = {"d8": dict(depth=8, aspect_ratio=8), "d2": {}}
-SHARD_CHILD = """
-import json, os, shutil, sys
-import test_nanochat as t
-root, out = sys.argv[1], {}
-for name, model in t.SHARD_MODELS.items():
-    for mode in ("none", "optimizer", "full"):
-        d = t.fresh_root(t.pathlib.Path(root), t.pathlib.Path(root) / f"{name}-{mode}")
-        steps, save = (6, 3) if name == "d2" else (4, -1)
-        out[name, mode] = t.run_base(d, steps, model=model, device_batch_size=1, shard=mode,
-                                     save_every=save)[2]
-shutil.rmtree(os.path.join(root, "d2-full", "base", "step_000006"))  # cut at step 3
-print(json.dumps({" ".join(k): v for k, v in out.items()}))
-"""
-
-
-def emulated_devices(n, *cmd):
-    """(the last stdout line as JSON, stdout) of python cmd in a child with n emulated devices."""
-    r = subprocess.run([sys.executable, *cmd], cwd=pathlib.Path(__file__).parent, text=True,
-                       capture_output=True, timeout=600,
-                       env={**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.splitlines()[-1]), r.stdout
-
-
-@pytest.mark.slow  # two processes of 8 and 4 emulated devices
-def test_shard_modes_equal_one_device_and_resume_on_others(train_root, tmp_path):
-    """--shard none, optimizer and full on 8 devices train to the same losses (rtol 1e-5: the
-    gradient's sum is reduced in another order), and to one device's (rtol 3e-3), over 4 steps
-    of a model whose stacks divide 8 and 6 of one whose do not; the full run, cut at step 3, resumes under none on 1 device and under
-    optimizer on 4 with the losses of the uninterrupted run."""
-    one = {name: run_base(fresh_root(train_root, tmp_path / name), 4 if name == "d8" else 6,
-                          model=model)[2] for name, model in SHARD_MODELS.items()}
-    root = fresh_root(train_root, tmp_path / "eight")
-    eight, out = emulated_devices(8, "-c", SHARD_CHILD, root)
-    assert "--shard optimizer: per device" in out and "--shard full: per device" in out
-    for key, losses in eight.items():  # the modes agree with plain data parallel to fp32 noise
-        name = key.split()[0]
-        np.testing.assert_allclose(losses, eight[f"{name} none"], rtol=1e-5, err_msg=key)
-        # one device sums 2 micro-batches of 4 rows, 8 devices 8 rows at once: these tiny models'
-        # large lrs and Muon wd amplify that reordering to some 1e-3 in 4-6 steps (--shard none's
-        # gap as well: plain data parallel's, not the sharding's)
-        np.testing.assert_allclose(losses, one[name], rtol=3e-3, err_msg=key)
-    cut = os.path.join(root, "d2-full")
-    for n, mode in ((1, "none"), (4, "optimizer")):
-        shutil.copytree(cut, tmp_path / mode)
-        if n == 1:
-            rest = run_base(str(tmp_path / mode), 6, resume=True, shard=mode)[2]
-        else:
-            rest, out = emulated_devices(4, "-c", "import json, sys, test_nanochat as t; print(json."
-                                         "dumps(t.run_base(sys.argv[1], 6, device_batch_size=2, "
-                                         "resume=True, shard='optimizer')[2]))", str(tmp_path / mode))
-            assert "--shard optimizer: per device" in out
-        np.testing.assert_allclose(rest, eight["d2 full"][3:], rtol=3e-3, err_msg=mode)
-
-
-BAD_SHARD_CHILD = """
-import hashlib, json, os, pathlib, sys
-import jax, rl, train, test_nanochat as t
-root, errors = sys.argv[1], {}
-base = ["--stage", "base", "--out", root, *t.TRAIN_ARGS, "--num-iterations", "2",
-        "--total-batch-size", "512", "--shard", "full"]
-train.main(base)  # a checkpoint to resume
-
-
-def files():  # every file under root with its contents' hash
-    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(pathlib.Path(root).rglob("*")) if p.is_file()}
-before = files()
-for name, run in {
-        "model": lambda: train.main(base + ["--resume", "--depth", "3"]),
-        "batch": lambda: train.main(base + ["--total-batch-size", "256"]),
-        "samples": lambda: rl.rl_stage(root, None, samples=6)}.items():
-    try:
-        run()
-    except ValueError as e:
-        errors[name] = str(e)
-print(json.dumps({"errors": errors, "unchanged": files() == before}))
-"""
-
-
-@pytest.mark.slow  # a process of 4 emulated devices
-def test_bad_input_under_shard_on_four_devices(train_root, tmp_path):
-    """Under --shard full on 4 devices, each bad input is one line that says what to do, and no
-    file is written or changed: a checkpoint of another model to resume, a total batch that is not
-    a multiple of the rows the mesh takes at once, RL samples that do not split over the devices."""
-    out, _ = emulated_devices(4, "-c", BAD_SHARD_CHILD, fresh_root(train_root, tmp_path))
-    errors = out["errors"]
-    assert set(errors) == {"model", "batch", "samples"} and out["unchanged"]
-    assert "resume with the flags it was trained with, or train into another --out" in errors["model"]
-    assert errors["batch"].startswith("--total-batch-size 256 must be a multiple of 512 ")
-    assert errors["samples"].startswith("--rl-samples 6 must be a multiple of the 4 devices")
-    assert all("\n" not in e for e in errors.values())
-
-
-def test_sharded_state_bytes_per_device():
-    """Per device, --shard full holds at most 1/8 of the replicated params and optimizer state plus
-    the leaves that stay replicated (no axis their kind allows divides 8), --shard optimizer the
-    same of the optimizer state alone; counted from shapes, no devices needed. The optimizer state
-    splits on any axis (a stack of 2 layers on a matrix's), full's params on a matrix's own
-    dimensions first. A mode that needs several devices falls back to none on one, with a
-    warning."""
-    P = jax.sharding.PartitionSpec
-    for model in (dict(depth=16, aspect_ratio=4), *SHARD_MODELS.values()):
-        params = nc.param_shapes(train.model_config(320, **{**TINY_MODEL, **model}))
-        opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
-        replicated = sharding.memory(params, opt, 8, "none")
-        p_specs, o_specs = sharding.state_specs(params, opt, 8, "full")
-        kept = [sum(a.size * a.dtype.itemsize for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(
-            specs, is_leaf=sharding.is_spec)) if s == P())
-            for tree, specs in ((params, p_specs), (opt, o_specs))]  # the leaves left whole
-        full, optimizer = (sharding.memory(params, opt, 8, m) for m in ("full", "optimizer"))
-        assert full["params"] + full["optimizer"] <= \
-            (replicated["params"] + replicated["optimizer"]) / 8 + sum(kept)
-        assert optimizer["optimizer"] <= replicated["optimizer"] / 8 + kept[1]
-        assert optimizer["params"] == optimizer["grads"] == replicated["params"]
-        assert full["grads"] == full["params"] < replicated["params"]
-        # value embeddings: 2 or 8 tables; vocab 320 divides 8
-        assert p_specs["value_embeds"] == P(None, "data")
-        assert o_specs["mom"]["value_embeds"] == (P("data") if model.get("depth") == 16
-                                                  else P(None, "data"))
-        # the Muon stacks split on the stack axis where it divides, else on a matrix's
-        assert o_specs["mom"]["h"]["mlp"]["c_fc"] == (P("data") if model.get("depth") in (8, 16)
-                                                      else P(None, "data"))
-        whole = [a.shape for a, s in zip(jax.tree.leaves(opt), jax.tree.leaves(
-            o_specs, is_leaf=sharding.is_spec)) if s == P()]
-        assert all(d % 8 for shape in whole for d in shape)  # only where no axis divides
-        if model.get("depth") == 16:  # every stack divides: only the (1,) scalars stay whole
-            assert sum(kept) < 64 and full["params"] * 8 - replicated["params"] < 64
-    # Muon's stacks, while updated, split along the stack axis only, never across a matrix
-    assert sharding.leaf_spec((8, 64, 256), 8, "stack") == P("data")
-    assert sharding.leaf_spec((2, 64, 256), 8, "stack") == P()
-    assert sharding.leaf_spec((2, 64, 256), 8, "any") == P(None, "data")
-    assert sharding.leaf_spec((8, 64, 256), 8, "matrix") == P(None, "data")
-    assert sharding.leaf_spec((8, 60, 256), 8, "matrix") == P(None, None, "data")
-    assert sharding.leaf_spec((), 8, "any") == sharding.leaf_spec((8, 64), 8, None) == P()
-    said = []
-    assert sharding.choose_mode("full", 1, said.append) == "none" and "warning" in said[0]
-    assert sharding.choose_mode(None, 8) == "optimizer" and sharding.choose_mode(None, 1) == "none"
-
-
-MEMORY_CFG = nc.Config(sequence_len=16, vocab_size=256, n_layer=8, n_head=4, n_kv_head=2,
-                       n_embd=256)  # wide and short: the weights outweigh the activations
-MEMORY_CHILD = """
-import json, bench, test_nanochat as t
-out = {mode: bench.step_memory(t.MEMORY_CFG, 4, 1, mode, attention="plain")
-       for mode in ("none", "optimizer", "full")}
-one, two = (bench.step_memory(t.MEMORY_CFG, 4, b, "full", attention="plain")["total_bytes"]
-            for b in (1, 2))
-bench.bench_memory(t.MEMORY_CFG, 4, 1, "full", False, "plain", fit=(one / 2e9, one / 1e9, two / 1e9))
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.slow  # a child of 4 emulated devices, 8 compiles
-def test_bench_memory():
-    """bench.py memory's numbers on 4 emulated devices: the state bytes are sharding.memory's,
-    the arguments alias the params and optimizer state (donated), the total adds XLA's parts;
-    from none to optimizer to full the total falls, and full's temporaries are at most 0.7 of
-    none's (0.49 measured; with whole stacks gathered for each layer, 0.91). --fit doubles the
-    batch while it fits and names the largest power of two for each budget; the README's
-    command parses."""
-    out, stdout = emulated_devices(4, "-c", MEMORY_CHILD)
-    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"bench"')]
-    params = nc.param_shapes(MEMORY_CFG)
-    opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
-    for mode, r in out.items():
-        state = sharding.memory(params, opt, 4, mode)
-        assert [r["params_bytes"], r["grads_bytes"], r["optimizer_bytes"]] == \
-            [state["params"], state["grads"], state["optimizer"]], mode
-        assert r["aliased_bytes"] == state["params"] + state["optimizer"], mode
-        assert r["arguments_bytes"] >= r["aliased_bytes"] + 2 * 4 * 16 * 4 // 4  # + the rows
-        assert r["total_bytes"] == (r["arguments_bytes"] + r["outputs_bytes"]
-                                    - r["aliased_bytes"] + r["temporaries_bytes"])
-    assert out["none"]["total_bytes"] > out["optimizer"]["total_bytes"] > out["full"]["total_bytes"]
-    assert out["full"]["temporaries_bytes"] < 0.7 * out["none"]["temporaries_bytes"]
-    *measured, summary = lines
-    totals = {r["device_batch_size"]: r["total_bytes"] for r in measured}
-    assert list(totals) == [1, 2, 4] and totals[1] == out["full"]["total_bytes"]
-    assert totals[1] < totals[2] < totals[4]  # it stopped past the largest budget
-    assert list(summary["fits"].values()) == [0, 1, 2] and summary["shard"] == "full"
-    import bench
-    args = bench.parse_args(["memory", "--depth", "26", "--shard", "full", "--remat", "--fit",
-                             "16", "32", "80"])
-    assert (args.depth, args.devices, args.max_seq_len, args.fit) == (26, 8, 2048, [16, 32, 80])
-
-
-def test_remat_leaves_the_losses(train_root, tmp_path):
-    _, _, plain, _ = run_base(fresh_root(train_root, tmp_path / "plain"), 3)
-    _, _, remat, _ = run_base(fresh_root(train_root, tmp_path / "remat"), 3, remat=True)
-    np.testing.assert_allclose(remat, plain, rtol=1e-6)
-
-
-@pytest.mark.slow  # two compiles of a step 50x the tiny one's activations, 20 s
-def test_remat_lowers_the_step_temp_bytes():
-    """jax.checkpoint around each block lowers XLA's temp bytes of the train step. CPU XLA's
-    default scheduler orders for concurrency and keeps every activation either way, so the step is
-    compiled with its memory-optimized scheduler, as a memory-bound accelerator's would order it."""
-    cfg = train.model_config(300, depth=3, aspect_ratio=32, head_dim=32, max_seq_len=128)
-    params = nc.param_shapes(cfg)
-    opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
-    x = jax.ShapeDtypeStruct((1, 8, 128), jnp.int32)
-    temp = {}
-    for remat in (False, True):
-        lowered = train.jit_train_step.lower(params, opt, (x, x), 0, train.base_schedule(10, 0.0),
-                                             train.learning_rates(), cfg=cfg,
-                                             layout=train.Layout(remat=remat))
-        compiled = lowered.compile({"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"})
-        temp[remat] = compiled.memory_analysis().temp_size_in_bytes
-    assert temp[True] < 0.95 * temp[False], temp
-
-
-def two_process_cmd(root, iterations):
-    """train.py's command line for process i (append --process-id i) of a two-process run on a free
-    local port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS,
-            "--num-iterations",
-            str(iterations), "--device-batch-size", "4", "--coordinator", f"127.0.0.1:{port}",
-            "--num-processes", "2"]
-
-
-@pytest.mark.slow  # two train.py processes (jax.distributed)
-@pytest.mark.parametrize("shard", ["optimizer", "full"])
-def test_two_processes_equal_one(train_root, tmp_path, shard):
-    """Two processes of one device each train as one process does, in both sharded modes; the
-    val loss and the sample at the last step and the report card (which gather the params under
-    full: a collective every process must join) finish on both."""
-    # one process reading both shards, accumulating two micro-batches of 4 rows
-    _, _, one, _ = run_base(fresh_root(train_root, tmp_path / "one"), 3, data_shards=2)
-    root = fresh_root(train_root, tmp_path / "two")
-    cmd = two_process_cmd(root, 3) + ["--shard", shard, "--eval-every", "3", "--eval-steps", "1",
-                                      "--sample-every", "3"]
-    procs = [subprocess.Popen(cmd + ["--process-id", str(i)], cwd=pathlib.Path(__file__).parent,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
-    assert f"--shard {shard}: per device" in outs[0][0]
-    with open(os.path.join(root, "base", "metrics.jsonl")) as f:
-        lines = [json.loads(line) for line in f]
-    two = [entry["loss"] for entry in lines if "loss" in entry]
-    assert len(two) == 3  # one line per step: only process 0 writes the log
-    np.testing.assert_allclose(two, one, rtol=1e-5)
-    assert [entry["step"] for entry in lines if "val_bpb" in entry] == [0, 3]
-    assert "sample:" in outs[0][0] and "sample:" in outs[1][0]
-
-
-@pytest.mark.slow  # three train.py processes
-def test_two_processes_agree_on_ctrl_c(train_root, tmp_path, capsys):
-    """Ctrl-C on one process of a two-process run stops both at the same step with one checkpoint
-    (unless they agree, it saves while the other steps, both stuck in mismatched collectives);
-    --resume trains the rest."""
-    root = fresh_root(train_root, tmp_path / "two")
-    cmd = two_process_cmd(root, 200)
-    # files, not pipes: none blocks when full
-    logs, procs = [tmp_path / f"process{i}.log" for i in range(2)], []
-    for i, log in enumerate(logs):
-        with log.open("w") as f:
-            procs.append(subprocess.Popen(cmd + ["--process-id", str(i)],
-                                          cwd=pathlib.Path(__file__).parent, stdout=f,
-                                          stderr=subprocess.STDOUT))
-    try:
-        deadline = time.time() + 300
-        # both processes are in the loop
-        while not re.search(r"^step +1/200", logs[0].read_text(), re.M):
-            assert procs[0].poll() is None and time.time() < deadline, logs[0].read_text()[-2000:]
-            time.sleep(0.1)
-        procs[1].send_signal(signal.SIGINT)  # one process only
-        codes = [p.wait(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    outs = [f.read_text() for f in logs]
-    saved = [re.search(r"^interrupted: saved (\S+); continue with --resume$", out, re.M) for out in outs]
-    assert codes == [1, 1] and all(saved), outs[0][-2000:] + outs[1][-2000:]
-    path = saved[0][1]
-    assert saved[1][1] == path and checkpoint.checkpoint_dirs(os.path.join(root, "base")) == [path]
-    _, _, meta = checkpoint.load_checkpoint(path)
-    assert path.endswith(f"step_{meta['step']:06d}") and 1 <= meta["step"] < 200 and len(meta["data_states"]) == 2
-    # one process, both shards
-    run_base(root, 200, device_batch_size=8, data_shards=2, resume=True)
-    assert f"resuming {path} at step {meta['step']}" in capsys.readouterr().out
-    with open(os.path.join(root, "base", "metrics.jsonl")) as f:
-        # no step twice, none skipped
-        assert [json.loads(line)["step"] for line in f] == list(range(1, 201))
-
-
-@pytest.mark.slow  # the whole pipeline
-def test_default_pipeline(tmp_path):
-    """train.main at a tiny size: tokenizer -> base -> SFT -> RL -> evaluation (CORE, ChatCORE, our
-    tasks) and the report card; chat.py finds the RL model."""
-    root = str(tmp_path / "run")
-    write_chat_data(tmp_path / "chat")
-    argv = ["--out", root, "--eval-bundle", str(CORE_DIR / "eval_bundle"), "--chat-data",
-            str(tmp_path / "chat"),
-            "--eval-max", "4", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "16",
-            "--max-seq-len", "128",
-            "--device-batch-size", "2", "--total-batch-size", "512", "--vocab-size", "300",
-            "--tokenizer-max-chars",
-            "1e5", "--num-iterations", "3", "--sft-iterations", "2", "--warmup-steps", "1",
-            "--eval-every", "1000",
-            "--eval-steps", "1", "--sample-every", "0", "--eval-tasks", "1", "--compile-cache", "",
-            "--rl-prompts", "2",
-            "--rl-samples", "2", "--rl-max-tokens", "8", "--rl-eval", "1", "--rl-iterations", "2"]
-    results = train.main(argv)
-    # each chat stage is graded on the template split and the hand-written questions
-    for stage in ("sft", "rl"):
-        assert set(results[stage]["tasks"]) == set(tasks.TASKS)
-        assert set(results[stage]["questions"]) == {"arithmetic", "counting", "spelling",
-                                                    "identity"}
-        assert all(0 <= a <= 1 for a in [*results[stage]["tasks"].values(),
-                                         *results[stage]["questions"].values()])
-        assert results[stage]["recall_bpb"] > 0
-    # corpus bits/byte after each
-    assert all(results[stage]["val_bpb"] > 0 for stage in ("base", "sft", "rl"))
-    for stage, steps in (("base", 3), ("sft", 2), ("rl", 2)):
-        with open(os.path.join(root, stage, "metrics.jsonl")) as f:
-            losses = [json.loads(line)["loss"] for line in f if '"loss"' in line]
-        assert len(losses) == steps and np.isfinite(losses).all()
-    _, _, base = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("base",)),
-                                            optimizer=False)
-    _, _, sft = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("sft",)),
-                                           optimizer=False)
-    rl_params, _, rl = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("rl",)),
-                                                  optimizer=False)
-    # nanochat's chat_sft: 0.8 x the base lrs, no warmup, linear warmdown over the last half to 0,
-    # no weight decay, Muon momentum 0.85 -> 0.95 over 300 steps; chat_rl: a fraction of the base
-    # lrs decaying linearly to 0
-    assert sft["lrs"] == pytest.approx({k: 0.8 * v for k, v in base["lrs"].items()})
-    assert sft["schedule"] == {**base["schedule"], "num_iterations": 2, "warmup_steps": 0,
-                               "warmdown_ratio": 0.5,
-                               "final_lr_frac": 0.0, "momentum_start": 0.85, "momentum": 0.95,
-                               "momentum_end": 0.95,
-                               "momentum_warmup": 300, "weight_decay": 0.0}
-    frac = train.parse_args([]).rl_lr_frac
-    assert rl["lrs"] == pytest.approx({k: frac * v for k, v in base["lrs"].items()})
-    assert rl["schedule"]["warmdown_ratio"] == 1.0 and rl["schedule"]["final_lr_frac"] == 0.0
-    assert "pass@1" in results["rl"]["pass@k before"]["counting"] and "pass@2" in results["rl"]["pass@k"]["spelling"]
-    # chat.py's default: the newest checkpoint of the last stage
-    params, cfg, tok = checkpoint.load_model(root)
-    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(params), rl_params)))
-    assert cfg == nc.Config(**base["config"]) and tok.n_vocab == 300
-    assert set(results["base"]["core"]["results"]) == {"pydoc_qa", "opposites", "because_schema", "doc_lm", "doc_lm_qa"}
-    assert set(results["sft"]["chatcore"]["results"]) == set(tasks.CHAT_TASKS)
-    # the report card, from each stage's report.json
-    card = open(os.path.join(root, "report.md")).read()
-    for stage in ("base", "sft", "rl"):
-        r = json.load(open(os.path.join(root, stage, "report.json")))
-        assert r["tokens"] > 0 and r["train_time"] > 0 and r["machine"]["jax"] == jax.__version__
-        flops = nc.estimate_flops(nc.Config(**r["config"]))
-        mfu = r["tokens"] * flops / (r["train_time"] * r["machine"]["peak_flops"] * r["machine"]["devices"])
-        core, chatcore = r.get("core", {}).get("core_metric"), r.get("chatcore", {}).get("chatcore")
-        row = (f"| {stage} | {nc.num_scaling_params(cfg)['total']:,} | {flops:,.0f} | {r['steps']} | {r['tokens']:,} | "
-               f"{r['train_time']:.0f} s | {100 * mfu:.1f}% | {r['val_bpb']:.4f} | "
-               f"{'' if core is None else f'{core:.4f}'} | {'' if chatcore is None else f'{chatcore:.4f}'} |")
-        assert row in card and f"\n## {stage}\n" in card
-        assert all(f"- `{p!r}` -> `{c!r}`" in card for p, c in r["samples"].items())
-    assert f"| {platform.python_version()}, jax {jax.__version__} (cpu) | 1 x cpu |" in card
-    assert f"CORE on `{CORE_DIR / 'eval_bundle'}`:\n\n| task | accuracy | centred |" in card
-    assert f"ChatCORE tasks on `{tmp_path / 'chat'}`:\n\n| task | accuracy |" in card
-    assert "| hand-written questions | arithmetic | counting | spelling | identity |" in card
-    assert f"| opposites | {results['base']['core']['results']['opposites']:.4f} |" in card
-    # a stage run alone rewrites the card from every stage's part
-    os.remove(os.path.join(root, "report.md"))
-    train.main(argv + ["--stage", "rl", "--eval-tasks", "0"])
-    again = open(os.path.join(root, "report.md")).read()
-    assert all(f"\n## {stage}\n" in again for stage in ("base", "sft", "rl")) and "--stage rl --eval-tasks 0" in again
-
-
-def test_train_cli_error_is_one_line_and_help_shows_defaults(tmp_path, capsys):
-    cmd = [sys.executable, "train.py", "--stage", "tokenizer", "--data", "no/such.txt", "--out",
-           str(tmp_path),
-           "--compile-cache", ""]
-    r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 1 and r.stderr.startswith("error: no/such.txt: no such file") and r.stderr.count("\n") == 1
-    r = subprocess.run(cmd[:2] + ["--rl-tasks", "poetry"], cwd=pathlib.Path(__file__).parent,
-                       capture_output=True,
-                       text=True, timeout=120)  # a bad flag: one line too, naming the choices
-    assert r.returncode == 2 and r.stderr.count("\n") == 1
-    assert r.stderr.startswith("error: argument --rl-tasks: invalid choice: 'poetry' (choose from 'identity', ")
-    with pytest.raises(SystemExit):
-        train.parse_args(["--help"])
-    out = " ".join(capsys.readouterr().out.split())
-    assert "--matrix-lr MATRIX_LR Muon lr of the transformer's matrices (default: 0.02)" in out
-    assert "--target-flops TARGET_FLOPS base training FLOPs (-1: the ratio) (default: -1.0)" in out
-
-
-@pytest.mark.slow  # a bench.py process, then a step and an engine compiled for the benchmark alone
-def test_bench_json_lines():
-    """bench.py: `accel` says in one JSON line that it needs an accelerator and exits 0; the timing
-    helpers it and `decode` / `train` print from give their fields."""
-    r = subprocess.run([sys.executable, "bench.py", "accel"], cwd=pathlib.Path(__file__).parent,
-                       capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1]) == {
-        "bench": "accel",
-        "skipped": "no GPU or TPU here; run it where one is (CPU: bench.py train)"}
-    import bench
-    g = bench.generate_timing(random_params(TINY, 0), TINY, 2, prompt_len=5, new=4, repeats=1)
-    assert g["batch"] == 2 and g["new_tokens"] == 4 and g["decode_tok_per_s"] > 0 and g["prefill_ms"] > 0
-    t = bench.train_step_timing(TINY, 2, steps=1, warmup=1)
-    assert np.isfinite(t["loss"]) and 0 < t["step_s"] and t["first_call_s"] > 0
-
-
-# nanochat's scripts/infer_bench.py writes these keys (commit 92d63d4): ours must too
-INFER_BENCH_KEYS = {
-    "source", "step", "model_config", "gpu", "peak_bandwidth_bytes_per_sec", "total_vram_bytes",
-    "num_params", "param_dtypes", "weight_bytes", "kv_bytes_per_token", "kv_read_bytes_per_step",
-    "context_mid", "peak_flops_per_sec", "decode_flops_per_token", "ceiling_bs1_tok_per_sec",
-    "max_full_context_rows", "prompt_tokens", "decode_tokens", "temperature", "sweep", "prefill"}
-INFER_BENCH_SWEEP_KEYS = {"batch_size", "ttft_sec", "tpot_sec", "tok_per_sec", "mbu_percent",
-                          "mfu_percent", "peak_vram_bytes", "decode_steps"}
-
-
-@pytest.mark.slow  # engines of their own for a tiny model
-def test_bench_serve_and_infer_bench(monkeypatch, capsys):
-    """bench.py serve: streams through the engine report their tokens and latencies; its
-    --infer-bench ends with one JSON document of nanochat's infer_bench schema, whose MBU and MFU
-    follow nanochat's formulas from the document's own numbers."""
-    import bench
-    eng = engine.Engine(random_params(TINY, 0), TINY, slots=4, kmax=4)
-    r = bench.serve_streams(eng, [[1, 2, 3], [4, 5]], 10)
-    assert r["streams"] == 2 and r["tokens"] == 20 and 0 < r["ttft_ms_p50"] <= r["ttft_ms_p95"]
-    assert r["device_calls_per_token"] < 0.5 and r["host_hops_per_token"] == 0
-    monkeypatch.setitem(bench.CONFIGS, "tiny", TINY)
-    bench.bench_infer("tiny", batch_sizes=(1, 2), decode_tokens=8, kmax=4)
-    doc = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert set(doc) == INFER_BENCH_KEYS and doc["prompt_tokens"] == 56
-    assert [set(row) for row in doc["sweep"]] == [INFER_BENCH_SWEEP_KEYS] * 2
-    assert set(doc["prefill"]) == {"tok_per_sec", "mfu_percent", "time_sec"}
-    # TINY: 3 layers, K*D = 16 channels of k and of v, fp32; every window past context 60
-    assert doc["kv_bytes_per_token"] == 3 * 2 * 16 * 4
-    assert doc["kv_read_bytes_per_step"] == 2 * 16 * 4 * (60 + 60 + 60)
-    for row in doc["sweep"]:
-        moved = doc["weight_bytes"] + row["batch_size"] * doc["kv_read_bytes_per_step"]
-        # the document holds tpot to the microsecond and MBU to a hundredth: bound both roundings
-        slowest, fastest = (100 * moved / (row["tpot_sec"] + d) / doc["peak_bandwidth_bytes_per_sec"]
-                            for d in (5e-7, -5e-7))
-        assert slowest - 0.005 <= row["mbu_percent"] <= fastest + 0.005
-        assert row["decode_steps"] == 7
-
-
-# --------------------------------------------------------------------------------------------------
-# data.py: tokenizer, corpora, packing, chat format, calculator, synthetic tasks
-
-MULTILINGUAL = "Réponse courte, s'il vous plaît — 東京 et 東京都 🙂 👍🏽 naïve café. " * 30
+MULTILINGUAL = ("Réponse courte, s'il vous plaît — "
+                "東京 et 東京都 🙂 👍🏽 naïve café. ") * 30
 
 
 @pytest.fixture(scope="module")
@@ -1631,7 +752,8 @@ def test_bpe_merges_equal_nanochat(bpe_golden):
     for i, (left, right) in enumerate(bpe_golden["merges_hex"]):
         merged = bytes.fromhex(left) + bytes.fromhex(right)
         assert ranks[merged] == 256 + i, i
-        assert [ranks[bytes.fromhex(left)], ranks[bytes.fromhex(right)]] == bpe_golden["merges_ids"][i]
+        pair = [ranks[bytes.fromhex(left)], ranks[bytes.fromhex(right)]]
+        assert pair == bpe_golden["merges_ids"][i]
     assert [t.encode(s) for s in bpe_golden["test_strings"]] == bpe_golden["test_ids"]
     assert t.special == bpe_golden["special_tokens"]
     assert data.SPLIT_PATTERN == bpe_golden["split_pattern"]
@@ -1647,7 +769,8 @@ def test_vocab_size_counts_specials_and_token_bytes(bpe_golden, render_golden):
     assert tb.shape == (465,) and tb.dtype == np.int32
     assert tb[456:].tolist() == [0] * 9
     assert tb[:456].tolist() == [len(x) for x in t.tokens]
-    assert tb[:256].tolist() == [1] * 256 and tb[256] == len(bytes.fromhex(bpe_golden["merged_token_hex"][0]))
+    assert tb[:256].tolist() == [1] * 256
+    assert tb[256] == len(bytes.fromhex(bpe_golden["merged_token_hex"][0]))
     ids = t.encode(bpe_golden["text"])
     # bytes-per-token denominator
     assert max(ids) < 456 and tb[ids].sum() == len(bpe_golden["text"].encode())
@@ -1662,16 +785,17 @@ ROUND_TRIP = [
     "",
     "hello world",
     "It's 2024: we'll ship 12345 items, they've said.\r\n\tIndented\t\tline   with   runs\n\n\n",
-    "réponse à l'été — naïve café; 東京 und Straße, Ελληνικά, русский, עברית, हिन्दी",
-    "🙂👍🏽 family: 👨‍👩‍👧‍👦 flag: 🏳️‍🌈 keycap: 1️⃣ combining: e\u0301",
+    "réponse à l'été — naïve café; 東京 und Straße, "
+    "Ελληνικά, русский, עברית, हिन्दी",
+    "🙂👍🏽 family: 👨‍👩‍👧‍👦 "
+    "flag: 🏳️‍🌈 keycap: 1️⃣ combining: e\u0301",
     "\x00\x01\x02\x07\x08\x0b\x0c\x1b[0m\x7f\x85\u2028\u2029\ufeff end",
     MULTILINGUAL,
 ]
 
 
 @pytest.mark.parametrize("s", ROUND_TRIP, ids=["empty", "ascii", "contractions", "non-ascii",
-                                               "emoji", "control",
-                                               "trained-text"])
+                                               "emoji", "control", "trained-text"])
 def test_round_trip(tok, btok, s):
     for t in (tok, btok):
         ids = t.encode(s)
@@ -1687,7 +811,8 @@ def test_round_trip(tok, btok, s):
 def test_invalid_bytes_and_partial_characters(tok, btok):
     # Some trained tokens are partial UTF-8 (merges inside a CJK or emoji character); each decodes
     # with U+FFFD
-    partial = [i for i, x in enumerate(tok.tokens) if x.decode("utf-8", "replace") != x.decode("utf-8", "ignore")]
+    partial = [i for i, x in enumerate(tok.tokens)
+               if x.decode("utf-8", "replace") != x.decode("utf-8", "ignore")]
     assert len([i for i in partial if i >= 256]) > 0
     for i, x in enumerate(tok.tokens):
         assert tok.decode([i]) == x.decode("utf-8", "replace")
@@ -1797,6 +922,427 @@ def test_train_tokenizer_inputs(bpe_golden):
 
 
 # --------------------------------------------------------------------------------------------------
+# Corpora
+
+def test_default_corpus():
+    docs = data.default_corpus()
+    assert docs == data.default_corpus()  # deterministic order
+    n_bytes = sum(len(d.encode()) for d in docs)
+    assert 1_000_000 < n_bytes < 4_000_000 and len(docs) > 2000  # about 2 MB
+    # "qualified name\n\ndocstring"
+    assert any(d.startswith("json.dumps\n\nSerialize ``obj``") for d in docs)
+    train, val = list(data.corpus()(0)), list(data.corpus(split="val")(0))
+    assert train == list(data.corpus()(0))
+    assert not set(train) & set(val)
+    assert set(train) | set(val) == set(docs)
+    assert 0.03 < len(val) / (len(train) + len(val)) < 0.07  # 1 in 20
+    again = list(data.corpus()(1))  # a fresh order per epoch, the same documents
+    assert again != train and sorted(again) == sorted(train)
+    assert list(data.corpus(seed=1)(0)) != train
+    with pytest.raises(ValueError, match="split must be 'train' or 'val'"):
+        data.corpus(split="test")
+
+
+def assert_split(paths, expected):
+    """The train and val streams of `paths` partition `expected` (in order) into disjoint documents.
+    """
+    train, val = list(data.corpus(paths)(0)), list(data.corpus(paths, split="val")(0))
+    assert not set(train) & set(val)
+    assert sorted(train + val) == sorted(expected)
+    assert train == [d for d in expected if d in set(train)]
+    assert val == [d for d in expected if d in set(val)]
+    assert list(data.corpus(paths)(1)) == train  # user files are streamed in order, every epoch
+
+
+def test_user_corpora(tmp_path):
+    texts = [f"document {i}: " + "words " * (i % 7 + 1) + "é" * (i % 3) for i in range(60)]
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "a.txt").write_text("  Small file.\n\nTwo short paragraphs stay one document.\n\n")
+    lines = [json.dumps({"text": t, "id": i}) for i, t in enumerate(texts[:40])]
+    blank = json.dumps({"text": "  "})
+    (tmp_path / "d" / "b.jsonl").write_text("\n".join(lines[:20]) + "\n\n" + blank + "\n"
+                                            + "\n".join(lines[20:]) + "\n")
+    rest = "".join(json.dumps({"text": t}) + "\n" for t in texts[40:])
+    (tmp_path / "d" / "sub" / "c.jsonl").write_text(rest)
+    (tmp_path / "d" / "notes.md").write_text("ignored")
+    (tmp_path / "d" / "a2.txt").write_text("Plain text in a directory.")
+    small = "Small file.\n\nTwo short paragraphs stay one document."
+    assert_split(str(tmp_path / "a.txt"), [small])
+    assert_split(str(tmp_path / "d" / "b.jsonl"), texts[:40])  # whitespace-only texts skipped
+    # recursive, sorted paths
+    assert_split(str(tmp_path / "d"), ["Plain text in a directory."] + texts)
+    assert_split(str(tmp_path / "d" / "**" / "*.jsonl"), texts)  # a recursive glob
+    assert_split([str(tmp_path / "d" / "sub"), str(tmp_path / "a.txt")], texts[40:] + [small])
+    # a long .txt is cut at blank lines once a document holds 2000 characters
+    paragraphs = [f"Paragraph {i} " + "x" * (300 + 37 * i) + "." for i in range(30)]
+    big = "\n\n".join(paragraphs) + "\n"
+    (tmp_path / "big.txt").write_text(big)
+    big_path = str(tmp_path / "big.txt")
+    docs = list(data.corpus(big_path)(0)) + list(data.corpus(big_path, "val")(0))
+    docs.sort(key=big.index)
+    assert "\n\n".join(docs) == big.strip()
+    assert all(len(d) >= 1999 for d in docs[:-1]) and all(len(d) < 2000 + 1500 for d in docs)
+    assert len(docs) > 5
+
+
+def test_corpus_streams(tmp_path):
+    path = tmp_path / "a.jsonl"
+    text = "".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(50))
+    path.write_text(text + "{broken\n")
+    docs = data.corpus(str(path))
+    gen = docs(0)
+    assert inspect.isgenerator(gen)
+    first = next(gen)  # reading stops before the broken last line: one document at a time
+    assert first.startswith("doc ")
+    with pytest.raises(ValueError, match=":51:"):
+        list(gen)
+    txt = tmp_path / "b.txt"
+    txt.write_text("one\n")
+    gen = data.corpus(str(txt))(0)
+    txt.write_text("two\n")  # nothing was read until the first document was asked for
+    assert list(gen) == ["two"]
+    lines = [f"line {i} of a file without blank lines\n" for i in range(3000)]  # ~115K chars
+    txt.write_text("".join(lines))
+    docs = list(data.corpus(str(txt))(0))
+    # cut at line ends past 20,000 chars, nothing lost
+    assert len(docs) == 6 and max(map(len, docs)) < 20100
+    got = sorted(line for d in docs for line in d.split("\n"))
+    assert got == sorted(line[:-1] for line in lines)
+
+
+def test_corpus_bad_inputs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        data.corpus(str(tmp_path / "missing.txt"))
+    with pytest.raises(FileNotFoundError, match="matches no"):
+        data.corpus(str(tmp_path / "*.jsonl"))
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="unsupported file type"):
+        data.corpus(str(tmp_path / "x.csv"))
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "empty_dir" / "readme.md").write_text("not a corpus")
+    with pytest.raises(ValueError, match="no .txt, .jsonl or .parquet files in this directory"):
+        data.corpus(str(tmp_path / "empty_dir"))
+    # an empty corpus: no documents, and packing says so
+    (tmp_path / "empty.txt").write_text("\n\n   \n")
+    docs = data.corpus(str(tmp_path / "empty.txt"))
+    assert list(docs(0)) == []
+    with pytest.raises(ValueError, match="no documents"):
+        next(data.pretrain_batches(data.byte_tokenizer(), docs, 1, 8))
+    # invalid UTF-8: replaced by U+FFFD, with one warning per file that counts the bad sequences
+    raw = "ok\n".encode() + "bad \ufffd is text, ".encode() + b"\xff\xfe are not\n\nthen \xc3 cut\n"
+    (tmp_path / "bad.txt").write_bytes(raw)
+    with pytest.warns(UserWarning, match=r"bad.txt: replaced 3 invalid UTF-8 sequences"):
+        bad = str(tmp_path / "bad.txt")
+        out = list(data.corpus(bad)(0)) + list(data.corpus(bad, "val")(0))
+    assert out == [raw.decode("utf-8", "replace").strip()] and out[0].count("\ufffd") == 4
+    # malformed .jsonl lines name the file and the line
+    (tmp_path / "b.jsonl").write_text('{"text": "fine"}\n\n{"text": 5}\n')
+    with pytest.raises(ValueError,
+                       match=re.escape(f"{tmp_path / 'b.jsonl'}:3: expected a JSON object")):
+        list(data.corpus(str(tmp_path / "b.jsonl"))(0))
+    for line in ("not json", '["text"]', '{"txt": "a"}'):
+        (tmp_path / "c.jsonl").write_text(line + "\n")
+        with pytest.raises(ValueError, match="c.jsonl:1:"):
+            list(data.corpus(str(tmp_path / "c.jsonl"))(0))
+
+
+def test_parquet_needs_pyarrow(tmp_path, monkeypatch):
+    # as if not installed (requirements-dev has it)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    (tmp_path / "shard.parquet").write_bytes(b"PAR1 not really")
+    docs = data.corpus(str(tmp_path / "shard.parquet"))
+    with pytest.raises(ImportError, match="pip install pyarrow"):
+        list(docs(0))
+
+
+def test_parquet_shards(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    texts = [f"shard text {i} " + "é" * (i % 4) for i in range(40)]
+    for k in range(2):
+        table = pa.table({"text": texts[20 * k:20 * (k + 1)], "id": list(range(20))})
+        pq.write_table(table, tmp_path / f"shard_{k:05d}.parquet", row_group_size=6)
+    assert pq.ParquetFile(tmp_path / "shard_00000.parquet").num_row_groups == 4
+    assert_split(str(tmp_path), texts)
+    assert_split(str(tmp_path / "shard_*.parquet"), texts)
+    pq.write_table(pa.table({"text": ["kept", None]}), tmp_path / "nulls.parquet")
+    # null texts are skipped
+    assert list(data.corpus(str(tmp_path / "nulls.parquet"))(0)) == ["kept"]
+    pq.write_table(pa.table({"content": ["x"]}), tmp_path / "other.parquet")
+    with pytest.raises(ValueError, match='no "text" column'):
+        list(data.corpus(str(tmp_path / "other.parquet"))(0))
+
+
+# --------------------------------------------------------------------------------------------------
+# Packing
+
+def make_docs(n, T, seed=0):
+    """n texts whose byte-level lengths range from a few tokens to ~2 rows of T+1 (so some are
+    cropped)."""
+    rng = random.Random(seed)
+    alphabet = "abcdefghij klmnop é東🙂\n"
+    docs = []
+    for _ in range(n):
+        length = rng.choice([rng.randint(0, T // 4), rng.randint(T // 4, T), rng.randint(T, 2 * T)])
+        docs.append("".join(rng.choice(alphabet) for _ in range(length)))
+    return docs
+
+
+def ordered(docs):
+    return lambda epoch: iter(docs)
+
+
+def nanochat_bestfit(tok, documents, B, T, n_batches, buffer_size):
+    """nanochat/dataloader.py's BOS-aligned best fit, transcribed line by line (the buffer refills
+    one document at a time instead of 128, and the crop tails are counted): [(inputs, targets,
+    dropped)] for n_batches."""
+    row_capacity = T + 1
+    batches = (doc for epoch in itertools.count() for doc in documents(epoch))
+    doc_buffer, dropped, out = [], 0, []
+    for _ in range(n_batches):
+        rows = []
+        for _ in range(B):
+            row = []
+            while len(row) < row_capacity:
+                while len(doc_buffer) < buffer_size:
+                    doc_buffer.append([tok.bos] + tok.encode(next(batches)))
+                remaining = row_capacity - len(row)
+                best_idx, best_len = -1, 0
+                for i, doc in enumerate(doc_buffer):
+                    doc_len = len(doc)
+                    if doc_len <= remaining and doc_len > best_len:
+                        best_idx, best_len = i, doc_len
+                if best_idx >= 0:
+                    doc = doc_buffer.pop(best_idx)
+                    row.extend(doc)
+                else:
+                    shortest_idx = min(range(len(doc_buffer)), key=lambda i: len(doc_buffer[i]))
+                    doc = doc_buffer.pop(shortest_idx)
+                    row.extend(doc[:remaining])
+                    dropped += len(doc) - remaining
+            rows.append(row[:row_capacity])
+        rows = np.array(rows, np.int32)
+        out.append((rows[:, :-1], rows[:, 1:], dropped))
+    return out
+
+
+def nanochat_sft_bestfit(tok, conversations, B, T, n_batches, buffer_size):
+    """scripts/chat_sft.py's sft_data_generator_bos_bestfit, transcribed line by line (renders
+    truncated to a row, single rank): [(inputs, targets)] for n_batches."""
+    row_capacity = T + 1
+    dataset = (conv for epoch in itertools.count() for conv in conversations(epoch))
+    conv_buffer, out = [], []
+    for _ in range(n_batches):
+        rows, mask_rows, row_lengths = [], [], []
+        for _ in range(B):
+            row, mask_row, padded = [], [], False
+            while len(row) < row_capacity:
+                while len(conv_buffer) < buffer_size:
+                    conv_buffer.append(data.render_conversation(tok, next(dataset),
+                                                                max_tokens=row_capacity))
+                remaining = row_capacity - len(row)
+                best_idx, best_len = -1, 0
+                for i, (conv, _) in enumerate(conv_buffer):
+                    conv_len = len(conv)
+                    if conv_len <= remaining and conv_len > best_len:
+                        best_idx, best_len = i, conv_len
+                if best_idx >= 0:
+                    conv, conv_mask = conv_buffer.pop(best_idx)
+                    row.extend(conv)
+                    mask_row.extend(conv_mask)
+                else:
+                    content_len = len(row)
+                    row.extend([tok.bos] * remaining)
+                    mask_row.extend([0] * remaining)
+                    padded = True
+                    break
+            row_lengths.append(content_len if padded else row_capacity)
+            rows.append(row[:row_capacity])
+            mask_rows.append(mask_row[:row_capacity])
+        batch, masks = np.array(rows, np.int32), np.array(mask_rows, np.int8)
+        inputs, targets = batch[:, :-1], batch[:, 1:].copy()
+        targets[masks[:, 1:] == 0] = -1
+        for i, content_len in enumerate(row_lengths):
+            if content_len < row_capacity:
+                targets[i, content_len - 1:] = -1
+        out.append((inputs, targets, row_lengths))
+    return out
+
+
+def test_pretrain_packing_invariants(btok):
+    B, T, n, buffer_size = 4, 64, 15, 16
+    docs = make_docs(120, T, seed=1)
+    documents = data.shuffled(docs, seed=5)
+    batches = data.pretrain_batches(btok, documents, B, T, buffer_size=buffer_size)
+    got = list(itertools.islice(batches, n))
+    ref = nanochat_bestfit(btok, documents, B, T, n, buffer_size)
+    encoded = {tuple([btok.bos] + btok.encode(d)) for d in docs}
+    n_segments = 0
+    for (x, y, state), (rx, ry, rdropped) in zip(got, ref):
+        assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == np.int32
+        np.testing.assert_array_equal(x, rx)
+        np.testing.assert_array_equal(y, ry)
+        assert state["dropped"] == rdropped
+        np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+        assert (x[:, 0] == btok.bos).all()  # every row starts with BOS
+        # rows of T+1: whole documents, then one crop
+        for row in np.concatenate([x, y[:, -1:]], axis=1).tolist():
+            starts = [i for i, t in enumerate(row) if t == btok.bos] + [len(row)]
+            segments = [tuple(row[a:b]) for a, b in zip(starts, starts[1:])]
+            assert all(s in encoded for s in segments[:-1])
+            assert any(e[:len(segments[-1])] == segments[-1] for e in encoded)
+            n_segments += len(segments)
+    # accounting: every token of every consumed document is in a row, except the crop tails counted
+    # in "dropped"
+    state = got[-1][2]
+    # refilled before the next pick
+    assert state["dropped"] > 0 and len(state["buffer"]) == buffer_size - 1
+    assert n_segments > 1.5 * n * B  # rows hold several documents
+    stream = [([e, i], d) for e in range(state["epoch"] + 1) for i, d in enumerate(documents(e))
+              if (e, i) < (state["epoch"], state["index"])]
+    consumed = [d for key, d in stream if key not in state["buffer"]]
+    assert len(consumed) == n_segments
+    assert sum(1 + len(d.encode()) for d in consumed) == n * B * (T + 1) + state["dropped"]
+    with pytest.raises(ValueError, match="must be positive"):
+        next(data.pretrain_batches(btok, documents, 0, T))
+
+
+def test_pretrain_resume_is_exact(btok):
+    B, T, n, buffer_size = 2, 32, 30, 8
+    docs = make_docs(40, T, seed=2)  # small: the stream wraps into new epochs every few batches
+    documents = data.shuffled(docs, seed=3)
+    batches = data.pretrain_batches(btok, documents, B, T, buffer_size=buffer_size)
+    full = list(itertools.islice(batches, n))
+    assert full[-1][2]["epoch"] >= 2
+    ref = nanochat_bestfit(btok, documents, B, T, n, buffer_size)
+    for (x, y, st), (rx, ry, rdropped) in zip(full, ref):
+        np.testing.assert_array_equal(x, rx)
+        assert st["dropped"] == rdropped
+    straddles = 0
+    for k in range(1, n):
+        state = json.loads(json.dumps(full[k - 1][2]))  # states are plain JSON
+        straddles += any(e < state["epoch"] for e, _ in state["buffer"])
+        resumed = data.pretrain_batches(btok, documents, B, T, state=state, buffer_size=buffer_size)
+        for (x, y, st), (x2, y2, st2) in zip(full[k:], itertools.islice(resumed, n - k)):
+            np.testing.assert_array_equal(x, x2)
+            np.testing.assert_array_equal(y, y2)
+            assert st == st2
+    assert straddles > 0  # some saved buffers held documents of an epoch before the next position's
+    # resuming on a different (here: shorter) corpus is refused
+    state = full[-1][2]
+    with pytest.raises(ValueError, match="corpus changed"):
+        next(data.pretrain_batches(btok, ordered(docs[:2]), B, T, state=state,
+                                   buffer_size=buffer_size))
+
+
+def test_pretrain_crops_long_documents(btok):
+    T, cap, bos = 16, 17, btok.bos
+    # nothing fits: the shortest buffered document is cropped, its tail dropped
+    docs = ["L" * 40, "m" * 29, "s" * 5]
+    batches = data.pretrain_batches(btok, ordered(docs), 1, T, buffer_size=2)
+    x, y, state = next(batches)
+    row = [bos] + [ord("m")] * 16
+    assert x[0].tolist() == row[:-1] and y[0].tolist() == row[1:]
+    assert state == {"epoch": 0, "index": 2, "buffer": [[0, 0]], "dropped": 30 - 17}
+    # "s" fits whole; then the two "L"s tie and the first one is cropped
+    x, y, state = next(batches)
+    row = [bos] + [ord("s")] * 5 + [bos] + [ord("L")] * 10
+    assert x[0].tolist() == row[:-1] and y[0].tolist() == row[1:]
+    assert state == {"epoch": 1, "index": 1, "buffer": [[1, 0]], "dropped": 13 + 41 - 11}
+    # a document longer than every row: each row is its cropped head
+    x, y, state = next(data.pretrain_batches(btok, ordered(["x" * 40]), 3, T, buffer_size=1))
+    assert (x == [bos] + [ord("x")] * 15).all() and (y[:, -1] == ord("x")).all()
+    assert state["dropped"] == 3 * (41 - cap)
+    long_docs = ["y" * (20 + 7 * i) for i in range(10)]
+    batches = data.pretrain_batches(btok, data.shuffled(long_docs), 2, T, buffer_size=3)
+    got = list(itertools.islice(batches, 6))
+    ref = nanochat_bestfit(btok, data.shuffled(long_docs), 2, T, 6, 3)
+    for (gx, gy, gs), (rx, ry, rd) in zip(got, ref):
+        np.testing.assert_array_equal(gx, rx)
+        assert gs["dropped"] == rd
+        assert (gx[:, 0] == bos).all() and (gx[:, 1:] != bos).all()  # one cropped document per row
+
+
+def test_sft_packing_pads_and_masks(btok):
+    B, T, n, buffer_size = 3, 160, 12, 10
+    convs = [m for task in tasks.TASKS[:4]
+             for m in itertools.islice(tasks.task_conversations(task, "train", seed=4), 12)]
+    convs.append([{"role": "user", "content": "long " * 10},
+                  {"role": "assistant", "content": "ok " * 60}])
+    conversations = data.shuffled(convs, seed=6)
+    got = list(itertools.islice(data.sft_batches(btok, conversations, B, T,
+                                                 buffer_size=buffer_size), n))
+    ref = nanochat_sft_bestfit(btok, conversations, B, T, n, buffer_size)
+    sp, padded_rows = btok.special, 0
+    for (x, y, state), (rx, ry, lengths) in zip(got, ref):
+        assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == np.int32
+        np.testing.assert_array_equal(x, rx)
+        np.testing.assert_array_equal(y, ry)
+        assert (x[:, 0] == btok.bos).all()
+        assert ((y == -1) | (y[:, :] == np.concatenate([x[:, 1:], y[:, -1:]], axis=1))).all()
+        unsupervised = ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
+                        "<|output_start|>", "<|output_end|>")
+        assert not np.isin(y, [sp[s] for s in unsupervised]).any()
+        assert (y != -1).any(axis=1).all() and state["dropped"] == 0
+        for b, content_len in enumerate(lengths):
+            # padded with BOS, and nothing supervised from the last content token on
+            if content_len <= T:
+                padded_rows += 1
+                assert (x[b, content_len:] == btok.bos).all()
+                assert (y[b, content_len - 1:] == -1).all()
+    assert padded_rows > 0
+    rendered = [data.render_conversation(btok, m, max_tokens=T + 1) for m in convs]
+    assert max(len(r[0]) for r in rendered) == T + 1  # the long conversation was truncated to a row
+    # resume exactly, from any state
+    for k in (1, 4, 9):
+        state = json.loads(json.dumps(got[k - 1][2]))
+        resumed = data.sft_batches(btok, conversations, B, T, state=state, buffer_size=buffer_size)
+        for (x, y, st), (x2, y2, st2) in zip(got[k:], itertools.islice(resumed, n - k)):
+            np.testing.assert_array_equal(x, x2)
+            np.testing.assert_array_equal(y, y2)
+            assert st == st2
+
+
+def test_write_atomic_keeps_the_old_file_when_a_write_fails(tmp_path):
+    """A write that fails midway (here a str that UTF-8 cannot encode) leaves the old file as it
+    was and no temporary file beside it; one that succeeds replaces it whole."""
+    path = tmp_path / "f.json"
+    data.write_atomic(path, "old")
+    with pytest.raises(UnicodeEncodeError):
+        data.write_atomic(path, "new \ud800")
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["f.json"]
+    data.write_atomic(path, b"new")
+    assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["f.json"]
+
+
+def test_process_batches_split_one_batch_between_processes():
+    """Two processes, each packing its own document shard, hold between them the rows one
+    process packs from the same two shards, side by side; and each process's loader states
+    resume its own shard from the checkpoint's list of every shard's state."""
+    tok = data.byte_tokenizer()
+    docs = data.corpus()
+    shape = (2, 4, 32)  # 2 micro-batches of 4 rows of 32 tokens
+    one, states = data.process_batches(data.pretrain_batches, tok, docs, shape, data_shards=2)
+    parts = [data.process_batches(data.pretrain_batches, tok, docs, shape, process=(i, 2))[0]
+             for i in range(2)]
+    for _ in range(3):
+        inputs, targets, saved = next(one)
+        halves = [next(part) for part in parts]
+        assert inputs.shape == (2, 4, 32) and halves[0][0].shape == (2, 2, 32)
+        np.testing.assert_array_equal(inputs, np.concatenate([h[0] for h in halves], axis=1))
+        np.testing.assert_array_equal(targets, np.concatenate([h[1] for h in halves], axis=1))
+        assert saved == halves[0][2] + halves[1][2]
+    # process 1 resumed from the whole list: the next batch of its shard
+    resumed, own = data.process_batches(data.pretrain_batches, tok, docs, shape, process=(1, 2),
+                                        states=saved)
+    assert own == saved[1:]
+    np.testing.assert_array_equal(next(resumed)[0], next(one)[0][:, 2:])
+    with pytest.raises(ValueError, match="--data-shards 3 must be a multiple of the 2"):
+        data.process_batches(data.pretrain_batches, tok, docs, shape, process=(0, 2),
+                             data_shards=3)
+
+
+# --------------------------------------------------------------------------------------------------
 # Chat format
 
 def test_golden_render(btok, render_golden):
@@ -1811,7 +1357,8 @@ def test_golden_render(btok, render_golden):
         assert len(ids) == len(mask) == ref["len"], name
         assert all(isinstance(i, int) for i in ids) and set(mask) <= {0, 1}
     a = convs["a_plain_two_turn"]
-    assert data.render_for_completion(btok, a["conversation"]["messages"]) == a["render_for_completion_ids"]
+    prompt = data.render_for_completion(btok, a["conversation"]["messages"])
+    assert prompt == a["render_for_completion_ids"]
     ids, mask = data.render_conversation(btok, a["conversation"]["messages"], max_tokens=40)
     assert ids == a["render_conversation_max_tokens_40"]["ids"] and len(ids) == 40
     assert mask == a["render_conversation_max_tokens_40"]["mask"]
@@ -1918,7 +1465,8 @@ def test_load_conversations(tmp_path):
     path.write_text(json.dumps(good[0]) + "\n\n" + json.dumps(good[1], ensure_ascii=False) + "\n")
     assert data.load_conversations(str(path)) == good
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps(good[0]) + "\n" + json.dumps(good[1]) + "\n" + '[{"role": "user", "content": "x"\n')
+    cut = '[{"role": "user", "content": "x"\n'
+    bad.write_text(json.dumps(good[0]) + "\n" + json.dumps(good[1]) + "\n" + cut)
     with pytest.raises(ValueError, match=re.escape(f"{bad}:3: invalid JSON")):
         data.load_conversations(str(bad))
     bad.write_text(json.dumps(good[0]) + "\n" + json.dumps({"messages": good[0]}) + "\n")
@@ -1984,14 +1532,212 @@ CALCULATOR = [
 
 
 @pytest.mark.parametrize("expr, value", CALCULATOR,
-                         ids=[e if len(e) <= 30 else f"{e[:8]}...{len(e)}chars" for e, _ in CALCULATOR])
+                         ids=[e if len(e) <= 30 else f"{e[:8]}...{len(e)}chars"
+                              for e, _ in CALCULATOR])
 def test_use_calculator(expr, value):
     out = data.use_calculator(expr)
     assert out == value and type(out) is type(value)
 
 
+def test_calculator_tool_state_machine():
+    bt = data.byte_tokenizer()
+    sp = bt.special
+    tool = data.calculator_tool(bt)
+
+    def call(row, expr):
+        block = [sp["<|python_start|>"], *bt.encode(expr), sp["<|python_end|>"]]
+        return [tool(row, t) for t in block]
+
+    # outside a block: nothing
+    assert tool(0, bt.encode("a")[0]) == [] and tool(0, sp["<|python_end|>"]) == []
+    *before, out = call(0, "12*34")
+    assert not any(before) and out == [sp["<|output_start|>"], *bt.encode("408"),
+                                       sp["<|output_end|>"]]
+    assert call(1, "'strawberry'.count('r')")[-1][1:-1] == bt.encode("3")
+    # not a calculator expression: nothing is forced
+    assert call(0, "__import__('os').system('true')")[-1] == []
+    assert call(0, "2**1000000")[-1] == []
+    # rows are independent: row 1 opens a block while row 0 is inside another
+    tool(0, sp["<|python_start|>"])
+    tool(0, bt.encode("7")[0])
+    tool(1, sp["<|python_start|>"])
+    tool(1, bt.encode("1")[0])
+    assert tool(0, sp["<|python_end|>"])[1:-1] == bt.encode("7")
+    assert tool(1, sp["<|python_end|>"])[1:-1] == bt.encode("1")
+
+
 # --------------------------------------------------------------------------------------------------
-# Synthetic tasks
+# execution.py: the sandbox that runs generated programs
+
+GOOD_PROGRAM = ("def add(a, b):\n    return a + b\n\n"
+                "def check(f):\n    assert f(2, 3) == 5\n\ncheck(add)\n")
+
+
+def tree_snapshot(d):
+    # every path under d with its content (None for a directory), to show that nothing outside
+    # changed
+    return {p: None if os.path.isdir(p) else open(p, "rb").read()
+            for root, dirs, files in os.walk(d)
+            for p in [os.path.join(root, n) for n in dirs + files]}
+
+
+def test_sandbox_correct_program_passes():
+    assert execution.run_program(GOOD_PROGRAM)[:2] == (True, None)
+
+
+def test_sandbox_failing_assert_fails():
+    passed, error, _ = execution.run_program(GOOD_PROGRAM.replace("== 5", "== 6"))
+    assert not passed and "AssertionError" in error
+
+
+def test_sandbox_exit_status():
+    assert execution.run_program("import sys; sys.exit(3)")[:2] == (False, "exit status 3")
+    assert execution.run_program("import os; os.abort()")[:2] == (False, "killed by signal 6")
+
+
+def test_sandbox_infinite_loop_times_out():
+    t = time.time()
+    passed, error, _ = execution.run_program("while True:\n    pass\n", timeout=1)
+    assert not passed and error == "timed out after 1 s"
+    assert time.time() - t < 3
+
+
+@pytest.mark.parametrize("code", ["x = []\nwhile True:\n    x.append(b'x' * 10**7)\n",
+                                  "bytearray(10**10)"])
+def test_sandbox_unbounded_allocation_fails(code):
+    t = time.time()
+    passed, error, _ = execution.run_program(code, timeout=5)
+    assert not passed and "MemoryError" in error
+    assert time.time() - t < 3  # the memory limit stops it, not the timeout
+
+
+def test_sandbox_output_flood_is_cut():
+    t = time.time()
+    passed, error, stdout = execution.run_program("while True:\n    print('x' * 10**6)\n",
+                                                  timeout=5)
+    assert not passed and "File too large" in error
+    assert len(stdout) <= 10_000 and time.time() - t < 5
+
+
+@pytest.mark.parametrize("code", [
+    "import socket\nsocket.socket()\n",
+    "import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)\n",
+    "import urllib.request\nurllib.request.urlopen('http://127.0.0.1:80', timeout=1)\n",
+])
+def test_sandbox_network_fails(code):
+    passed, error, _ = execution.run_program(code, timeout=2)
+    assert not passed and "sandbox: socket." in error
+
+
+def test_sandbox_network_fails_without_namespaces(monkeypatch):
+    # where unshare is refused (containers, unprivileged users), the audit hook alone must still
+    # stop sockets
+    code = "import os\nprint(os.getuid())\nimport socket\nsocket.socket()\n"
+    passed, error, stdout = execution.run_program(code, timeout=2, network_namespace=False)
+    assert not passed and "sandbox: socket.__new__" in error and stdout == f"{os.getuid()}\n"
+    assert execution.run_program(GOOD_PROGRAM)[:2] == (True, None)
+
+
+@pytest.mark.parametrize("code", [
+    "open({target!r}, 'w').write('pwned')",
+    "import os\nos.close(os.open({target!r}, os.O_WRONLY | os.O_CREAT))",
+    "import pathlib\npathlib.Path({target!r}).write_text('pwned')",
+    # symlinks are followed
+    "import os\nos.symlink({target!r}, 'link')\nopen('link', 'w').write('pwned')",
+    "import os\nos.mkdir({target!r})",
+    "import shutil\nshutil.copy('program.py', {target!r})",
+])
+def test_sandbox_write_outside_fails(tmp_path, code):
+    target = str(tmp_path / "new.txt")
+    before = tree_snapshot(tmp_path)
+    passed, error, _ = execution.run_program(code.format(target=target))
+    assert not passed and "PermissionError: sandbox:" in error
+    assert not os.path.exists(target) and tree_snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("code", [
+    "import os\nos.remove({victim!r})",
+    "import os\nos.rename({victim!r}, 'stolen.txt')",
+    "import os\nos.replace('program.py', {victim!r})",
+    "import shutil\nshutil.move({victim!r}, 'stolen.txt')",
+    "import shutil\nshutil.rmtree({folder!r})",
+    "import os\nos.chmod({victim!r}, 0)",
+    "import os\nos.truncate({victim!r}, 0)",
+    "open({victim!r}, 'a').write('more')",
+    # a hard link would share the inode
+    "import os\nos.link({victim!r}, 'hard')\nopen('hard', 'a').write('more')",
+    # fds are checked by the file they are on
+    "import os\nfd = os.open({victim!r}, os.O_RDONLY)\nos.chmod(fd, 0)",
+    "import os\nd = os.open({folder!r}, os.O_RDONLY)\nos.remove('victim.txt', dir_fd=d)",
+])
+def test_sandbox_change_outside_fails(tmp_path, code):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    victim = folder / "victim.txt"
+    victim.write_text("precious")
+    os.chmod(victim, 0o644)
+    before = tree_snapshot(tmp_path)
+    passed, error, _ = execution.run_program(code.format(victim=str(victim), folder=str(folder)))
+    assert not passed and "PermissionError: sandbox:" in error
+    assert victim.read_text() == "precious" and os.stat(victim).st_mode & 0o777 == 0o644
+    assert tree_snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("code", [
+    "import os\nassert os.system('touch {target}') == 0",
+    "import subprocess\nsubprocess.run(['touch', {target!r}])",
+    "import os\nos.execv('/usr/bin/touch', ['touch', {target!r}])",
+    "import os\nif os.fork() == 0:\n    open({target!r}, 'w')",
+    "import multiprocessing as mp\nif __name__ == '__main__':\n"
+    "    p = mp.get_context('spawn').Process(target=print)\n    p.start()\n    p.join()",
+    "import ctypes\nctypes.CDLL(None).system(b'touch {target}')",
+    "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",  # the parent (pytest) must survive
+])
+def test_sandbox_process_creation_and_ctypes_fail(tmp_path, code):
+    target = str(tmp_path / "touched")
+    passed, error, _ = execution.run_program(code.format(target=target))
+    assert not passed and "sandbox:" in error
+    assert not os.path.exists(target)
+
+
+def test_sandbox_own_temp_dir_is_writable_and_removed():
+    code = ("import os, shutil, tempfile\n"
+            "open('data.txt', 'w').write('hello')\n"
+            "assert open('data.txt').read() == 'hello'\n"
+            "os.makedirs('a/b')\nos.rename('data.txt', 'a/b/data.txt')\nshutil.rmtree('a')\n"
+            "with tempfile.TemporaryFile() as f:\n    f.write(b'x')\n"
+            "print(os.getcwd())\n")
+    passed, error, stdout = execution.run_program(code)
+    assert (passed, error) == (True, None)
+    cwd = stdout.strip()
+    assert cwd.startswith("/") and not os.path.exists(cwd)
+
+
+def test_sandbox_ordinary_imports_work():
+    code = ("import math, itertools, collections, re, json, functools, heapq, string, typing\n"
+            "import fractions, decimal\n"
+            "import random, hashlib, bisect, statistics, datetime, copy, operator, sys\n"
+            "assert hashlib.sha256(b'x').hexdigest().startswith('2d711642')\n"
+            "assert json.loads(json.dumps({'a': [1, 2]})) == {'a': [1, 2]}\n"
+            "sys.setrecursionlimit(10_000)\n"
+            "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
+            "assert depth(5_000) == 5_000\n")
+    assert execution.run_program(code)[:2] == (True, None)
+
+
+def test_sandbox_run_goes_on(tmp_path):
+    # after every kind of failure in a row, the parent is fine and a normal program still passes
+    bad = ["while True: pass", "bytearray(10**10)", "import socket; socket.socket()",
+           "import ctypes", f"open({str(tmp_path / 'x')!r}, 'w')",
+           "import os; os.system('true')", "raise SystemExit(7)"]
+    for code in bad:
+        assert execution.run_program(code, timeout=1)[0] is False
+    assert execution.run_program(GOOD_PROGRAM)[:2] == (True, None)
+    assert os.listdir(tmp_path) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# tasks.py: the synthetic tasks, the SFT mixture, the held-out questions
 
 def task_key(task, messages):
     """The item a task conversation is about (what the train/test split hashes)."""
@@ -2017,7 +1763,9 @@ def reference_completion(btok, messages):
 
 @pytest.mark.parametrize("task", tasks.TASKS)
 def test_task_generator_and_checker(btok, task):
-    take = lambda split, seed, n: list(itertools.islice(tasks.task_conversations(task, split, seed), n))
+    def take(split, seed, n):
+        return list(itertools.islice(tasks.task_conversations(task, split, seed), n))
+
     train = take("train", 0, 300)
     assert train[:30] == take("train", 0, 30)  # deterministic per seed
     assert train[:30] != take("train", 1, 30)
@@ -2065,22 +1813,26 @@ def test_task_contents():
         assert [p["type"] for p in assistant["content"]] == ["python", "python_output", "text"]
         assert assistant["content"][1]["text"] == str(value)
         assert assistant["content"][2]["text"] == f"{a} {op} {b} = {shown}"
-        assert re.search(rf"(?<!\d){a}(?!\d)", user["content"]) and re.search(rf"(?<!\d){b}(?!\d)", user["content"])
+        assert re.search(rf"(?<!\d){a}(?!\d)", user["content"])
+        assert re.search(rf"(?<!\d){b}(?!\d)", user["content"])
         digits += [len(a), len(b)]
         phrasings.add(re.sub(r"\d+", "N", user["content"].lower()))
-    assert collections.Counter(digits).keys() == {1, 2, 3, 4} and np.mean(np.array(digits) <= 2) > 0.6
+    assert collections.Counter(digits).keys() == {1, 2, 3, 4}
+    assert np.mean(np.array(digits) <= 2) > 0.6
     assert len(phrasings) > 300  # hardly a phrasing twice in 400
     words = []
     for (user, assistant) in take("counting", 200):
         w, c = re.fullmatch(r"'([a-z]+)'\.count\('([a-z])'\)",
                             assistant["content"][0]["text"]).groups()
-        assert assistant["content"][1]["text"] == str(w.count(c)) == str(data.use_calculator(f"'{w}'.count('{c}')"))
+        by_calculator = data.use_calculator(f"'{w}'.count('{c}')")
+        assert assistant["content"][1]["text"] == str(w.count(c)) == str(by_calculator)
         assert re.findall(r"\d+", assistant["content"][2]["text"])[-1] == str(w.count(c))
         assert re.search(rf"\b{w}\b", user["content"]) and re.search(rf"\b{c}", user["content"])
         words.append(w)
     for (user, assistant) in take("spelling", 200):
         w = assistant["content"].replace("-", "")
-        assert assistant["content"] == "-".join(w) and w.isalpha() and w.islower() and 3 <= len(w) <= 10
+        assert assistant["content"] == "-".join(w)
+        assert w.isalpha() and w.islower() and 3 <= len(w) <= 10
         assert re.search(rf"\b{w}\b", user["content"])
         words.append(w)
     # broad, made-up words too
@@ -2090,15 +1842,18 @@ def test_task_contents():
     # reading: the answer is the paragraph's first sentence
     for (user, assistant) in take("docstring", 100):
         sentence = assistant["content"]
-        assert sentence in user["content"] and sentence[-1] in ".!?" and not re.search(r"[.!?]\s", sentence)
+        assert sentence in user["content"] and sentence[-1] in ".!?"
+        assert not re.search(r"[.!?]\s", sentence)
     for (user, assistant) in take("identity", 50):
         assert "nanochat" in assistant["content"]
 
 
 def test_sft_mixture_keeps_pretraining_text():
     docs = data.shuffled([f"document {i}" for i in range(5)])
-    items = list(itertools.islice(tasks.sft_mixture(3, extra=["mine"], documents=docs, text_every=4)(0), 1 + 40))
-    assert items[0] == "mine" and items[1:] == list(itertools.islice(tasks.sft_mixture(3, ["mine"], docs, 4)(0), 1, 41))
+    mixture = tasks.sft_mixture(3, extra=["mine"], documents=docs, text_every=4)
+    items = list(itertools.islice(mixture(0), 1 + 40))
+    positional = tasks.sft_mixture(3, ["mine"], docs, 4)
+    assert items[0] == "mine" and items[1:] == list(itertools.islice(positional(0), 1, 41))
     texts = [i for i, x in enumerate(items[1:]) if isinstance(x, str)]
     assert texts == [4, 9, 14, 19, 24, 29, 34, 39]  # a document after every 4 conversations
     # cycles through the corpus
@@ -2112,7 +1867,9 @@ def task_of(messages):
     answer = messages[1]["content"]
     if isinstance(answer, list):
         return "counting" if ".count(" in answer[0]["text"] else "arithmetic"
-    return "spelling" if re.fullmatch(r"[a-z](-[a-z])+", answer) else "identity" if "nanochat" in answer else "docstring"
+    if re.fullmatch(r"[a-z](-[a-z])+", answer):
+        return "spelling"
+    return "identity" if "nanochat" in answer else "docstring"
 
 
 def test_heldout_questions_and_grading(tmp_path):
@@ -2123,11 +1880,15 @@ def test_heldout_questions_and_grading(tmp_path):
     assert tasks.grade("arithmetic", "47",
                        "<|python_start|>12+35<|python_end|><|output_start|>47<|output_end|>"
                       "12 + 35 = 47<|assistant_end|>")
-    assert tasks.grade("arithmetic", "12", "84 / 7 = 12.0") and not tasks.grade("arithmetic", "12", "13")
+    assert tasks.grade("arithmetic", "12", "84 / 7 = 12.0")
+    assert not tasks.grade("arithmetic", "12", "13")
     assert not tasks.grade("arithmetic", "47", "<|output_start|>47<|output_end|>I don't know.")
-    assert tasks.grade("counting", "3", "'r' appears 3 time(s) in 'strawberry'.") and not tasks.grade("counting", "3", "")
-    assert tasks.grade("spelling", "coffee", "c-o-f-f-e-e") and not tasks.grade("spelling", "coffee", "c-o-f-e-e")
-    assert tasks.grade("identity", "nanochat", "I'm nanochat, ...") and not tasks.grade("identity", "nanochat", "A bot.")
+    assert tasks.grade("counting", "3", "'r' appears 3 time(s) in 'strawberry'.")
+    assert not tasks.grade("counting", "3", "")
+    assert tasks.grade("spelling", "coffee", "c-o-f-f-e-e")
+    assert not tasks.grade("spelling", "coffee", "c-o-f-e-e")
+    assert tasks.grade("identity", "nanochat", "I'm nanochat, ...")
+    assert not tasks.grade("identity", "nanochat", "A bot.")
     with pytest.raises(ValueError, match=r"README.md:1: invalid JSON"):
         tasks.load_questions(os.path.join(TESTDATA, "..", "README.md"))
     with pytest.raises(ValueError, match=r":1: want \{"):
@@ -2136,877 +1897,7 @@ def test_heldout_questions_and_grading(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# Corpora
-
-def test_default_corpus():
-    docs = data.default_corpus()
-    assert docs == data.default_corpus()  # deterministic order
-    n_bytes = sum(len(d.encode()) for d in docs)
-    assert 1_000_000 < n_bytes < 4_000_000 and len(docs) > 2000  # about 2 MB
-    # "qualified name\n\ndocstring"
-    assert any(d.startswith("json.dumps\n\nSerialize ``obj``") for d in docs)
-    train, val = list(data.corpus()(0)), list(data.corpus(split="val")(0))
-    assert train == list(data.corpus()(0))
-    assert not set(train) & set(val)
-    assert set(train) | set(val) == set(docs)
-    assert 0.03 < len(val) / (len(train) + len(val)) < 0.07  # 1 in 20
-    again = list(data.corpus()(1))  # a fresh order per epoch, the same documents
-    assert again != train and sorted(again) == sorted(train)
-    assert list(data.corpus(seed=1)(0)) != train
-    with pytest.raises(ValueError, match="split must be 'train' or 'val'"):
-        data.corpus(split="test")
-
-
-def assert_split(paths, expected):
-    """The train and val streams of `paths` partition `expected` (in order) into disjoint documents.
-    """
-    train, val = list(data.corpus(paths)(0)), list(data.corpus(paths, split="val")(0))
-    assert not set(train) & set(val)
-    assert sorted(train + val) == sorted(expected)
-    assert train == [d for d in expected if d in set(train)]
-    assert val == [d for d in expected if d in set(val)]
-    assert list(data.corpus(paths)(1)) == train  # user files are streamed in order, every epoch
-
-
-def test_user_corpora(tmp_path):
-    texts = [f"document {i}: " + "words " * (i % 7 + 1) + "é" * (i % 3) for i in range(60)]
-    (tmp_path / "d" / "sub").mkdir(parents=True)
-    (tmp_path / "a.txt").write_text("  Small file.\n\nTwo short paragraphs stay one document.\n\n")
-    lines = [json.dumps({"text": t, "id": i}) for i, t in enumerate(texts[:40])]
-    (tmp_path / "d" / "b.jsonl").write_text("\n".join(lines[:20]) + "\n\n" + json.dumps({"text": "  "}) + "\n"
-                                            + "\n".join(lines[20:]) + "\n")
-    (tmp_path / "d" / "sub" / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[40:]))
-    (tmp_path / "d" / "notes.md").write_text("ignored")
-    (tmp_path / "d" / "a2.txt").write_text("Plain text in a directory.")
-    small = "Small file.\n\nTwo short paragraphs stay one document."
-    assert_split(str(tmp_path / "a.txt"), [small])
-    assert_split(str(tmp_path / "d" / "b.jsonl"), texts[:40])  # whitespace-only texts skipped
-    # recursive, sorted paths
-    assert_split(str(tmp_path / "d"), ["Plain text in a directory."] + texts)
-    assert_split(str(tmp_path / "d" / "**" / "*.jsonl"), texts)  # a recursive glob
-    assert_split([str(tmp_path / "d" / "sub"), str(tmp_path / "a.txt")], texts[40:] + [small])
-    # a long .txt is cut at blank lines once a document holds 2000 characters
-    paragraphs = [f"Paragraph {i} " + "x" * (300 + 37 * i) + "." for i in range(30)]
-    big = "\n\n".join(paragraphs) + "\n"
-    (tmp_path / "big.txt").write_text(big)
-    docs = list(data.corpus(str(tmp_path / "big.txt"))(0)) + list(data.corpus(str(tmp_path / "big.txt"), "val")(0))
-    docs.sort(key=big.index)
-    assert "\n\n".join(docs) == big.strip()
-    assert all(len(d) >= 1999 for d in docs[:-1]) and all(len(d) < 2000 + 1500 for d in docs)
-    assert len(docs) > 5
-
-
-def test_corpus_streams(tmp_path):
-    path = tmp_path / "a.jsonl"
-    path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(50)) + "{broken\n")
-    docs = data.corpus(str(path))
-    gen = docs(0)
-    assert inspect.isgenerator(gen)
-    first = next(gen)  # reading stops before the broken last line: one document at a time
-    assert first.startswith("doc ")
-    with pytest.raises(ValueError, match=":51:"):
-        list(gen)
-    txt = tmp_path / "b.txt"
-    txt.write_text("one\n")
-    gen = data.corpus(str(txt))(0)
-    txt.write_text("two\n")  # nothing was read until the first document was asked for
-    assert list(gen) == ["two"]
-    lines = [f"line {i} of a file without blank lines\n" for i in range(3000)]  # ~115K chars
-    txt.write_text("".join(lines))
-    docs = list(data.corpus(str(txt))(0))
-    # cut at line ends past 20,000 chars, nothing lost
-    assert len(docs) == 6 and max(map(len, docs)) < 20100
-    assert sorted(line for d in docs for line in d.split("\n")) == sorted(line[:-1] for line in lines)
-
-
-def test_corpus_bad_inputs(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no such file or directory"):
-        data.corpus(str(tmp_path / "missing.txt"))
-    with pytest.raises(FileNotFoundError, match="matches no"):
-        data.corpus(str(tmp_path / "*.jsonl"))
-    (tmp_path / "x.csv").write_text("a,b\n")
-    with pytest.raises(ValueError, match="unsupported file type"):
-        data.corpus(str(tmp_path / "x.csv"))
-    (tmp_path / "empty_dir").mkdir()
-    (tmp_path / "empty_dir" / "readme.md").write_text("not a corpus")
-    with pytest.raises(ValueError, match="no .txt, .jsonl or .parquet files in this directory"):
-        data.corpus(str(tmp_path / "empty_dir"))
-    # an empty corpus: no documents, and packing says so
-    (tmp_path / "empty.txt").write_text("\n\n   \n")
-    docs = data.corpus(str(tmp_path / "empty.txt"))
-    assert list(docs(0)) == []
-    with pytest.raises(ValueError, match="no documents"):
-        next(data.pretrain_batches(data.byte_tokenizer(), docs, 1, 8))
-    # invalid UTF-8: replaced by U+FFFD, with one warning per file that counts the bad sequences
-    raw = "ok\n".encode() + "bad \ufffd is text, ".encode() + b"\xff\xfe are not\n\nthen \xc3 cut\n"
-    (tmp_path / "bad.txt").write_bytes(raw)
-    with pytest.warns(UserWarning, match=r"bad.txt: replaced 3 invalid UTF-8 sequences"):
-        out = list(data.corpus(str(tmp_path / "bad.txt"))(0)) + list(data.corpus(str(tmp_path / "bad.txt"), "val")(0))
-    assert out == [raw.decode("utf-8", "replace").strip()] and out[0].count("\ufffd") == 4
-    # malformed .jsonl lines name the file and the line
-    (tmp_path / "b.jsonl").write_text('{"text": "fine"}\n\n{"text": 5}\n')
-    with pytest.raises(ValueError,
-                       match=re.escape(f"{tmp_path / 'b.jsonl'}:3: expected a JSON object")):
-        list(data.corpus(str(tmp_path / "b.jsonl"))(0))
-    for line in ("not json", '["text"]', '{"txt": "a"}'):
-        (tmp_path / "c.jsonl").write_text(line + "\n")
-        with pytest.raises(ValueError, match="c.jsonl:1:"):
-            list(data.corpus(str(tmp_path / "c.jsonl"))(0))
-
-
-def test_parquet_needs_pyarrow(tmp_path, monkeypatch):
-    # as if not installed (requirements-dev has it)
-    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    (tmp_path / "shard.parquet").write_bytes(b"PAR1 not really")
-    docs = data.corpus(str(tmp_path / "shard.parquet"))
-    with pytest.raises(ImportError, match="pip install pyarrow"):
-        list(docs(0))
-
-
-def test_parquet_shards(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
-    texts = [f"shard text {i} " + "é" * (i % 4) for i in range(40)]
-    for k in range(2):
-        table = pa.table({"text": texts[20 * k:20 * (k + 1)], "id": list(range(20))})
-        pq.write_table(table, tmp_path / f"shard_{k:05d}.parquet", row_group_size=6)
-    assert pq.ParquetFile(tmp_path / "shard_00000.parquet").num_row_groups == 4
-    assert_split(str(tmp_path), texts)
-    assert_split(str(tmp_path / "shard_*.parquet"), texts)
-    pq.write_table(pa.table({"text": ["kept", None]}), tmp_path / "nulls.parquet")
-    # null texts are skipped
-    assert list(data.corpus(str(tmp_path / "nulls.parquet"))(0)) == ["kept"]
-    pq.write_table(pa.table({"content": ["x"]}), tmp_path / "other.parquet")
-    with pytest.raises(ValueError, match='no "text" column'):
-        list(data.corpus(str(tmp_path / "other.parquet"))(0))
-
-
-# --------------------------------------------------------------------------------------------------
-# Packing
-
-def make_docs(n, T, seed=0):
-    """n texts whose byte-level lengths range from a few tokens to ~2 rows of T+1 (so some are
-    cropped)."""
-    rng = random.Random(seed)
-    alphabet = "abcdefghij klmnop é東🙂\n"
-    docs = []
-    for _ in range(n):
-        length = rng.choice([rng.randint(0, T // 4), rng.randint(T // 4, T), rng.randint(T, 2 * T)])
-        docs.append("".join(rng.choice(alphabet) for _ in range(length)))
-    return docs
-
-
-def ordered(docs):
-    return lambda epoch: iter(docs)
-
-
-def nanochat_bestfit(tok, documents, B, T, n_batches, buffer_size):
-    """nanochat/dataloader.py's BOS-aligned best fit, transcribed line by line (the buffer refills
-    one document at a time instead of 128, and the crop tails are counted): [(inputs, targets,
-    dropped)] for n_batches."""
-    row_capacity = T + 1
-    batches = (doc for epoch in itertools.count() for doc in documents(epoch))
-    doc_buffer, dropped, out = [], 0, []
-    for _ in range(n_batches):
-        rows = []
-        for _ in range(B):
-            row = []
-            while len(row) < row_capacity:
-                while len(doc_buffer) < buffer_size:
-                    doc_buffer.append([tok.bos] + tok.encode(next(batches)))
-                remaining = row_capacity - len(row)
-                best_idx, best_len = -1, 0
-                for i, doc in enumerate(doc_buffer):
-                    doc_len = len(doc)
-                    if doc_len <= remaining and doc_len > best_len:
-                        best_idx, best_len = i, doc_len
-                if best_idx >= 0:
-                    doc = doc_buffer.pop(best_idx)
-                    row.extend(doc)
-                else:
-                    shortest_idx = min(range(len(doc_buffer)), key=lambda i: len(doc_buffer[i]))
-                    doc = doc_buffer.pop(shortest_idx)
-                    row.extend(doc[:remaining])
-                    dropped += len(doc) - remaining
-            rows.append(row[:row_capacity])
-        rows = np.array(rows, np.int32)
-        out.append((rows[:, :-1], rows[:, 1:], dropped))
-    return out
-
-
-def nanochat_sft_bestfit(tok, conversations, B, T, n_batches, buffer_size):
-    """scripts/chat_sft.py's sft_data_generator_bos_bestfit, transcribed line by line (renders
-    truncated to a row, single rank): [(inputs, targets)] for n_batches."""
-    row_capacity = T + 1
-    dataset = (conv for epoch in itertools.count() for conv in conversations(epoch))
-    conv_buffer, out = [], []
-    for _ in range(n_batches):
-        rows, mask_rows, row_lengths = [], [], []
-        for _ in range(B):
-            row, mask_row, padded = [], [], False
-            while len(row) < row_capacity:
-                while len(conv_buffer) < buffer_size:
-                    conv_buffer.append(data.render_conversation(tok, next(dataset), max_tokens=row_capacity))
-                remaining = row_capacity - len(row)
-                best_idx, best_len = -1, 0
-                for i, (conv, _) in enumerate(conv_buffer):
-                    conv_len = len(conv)
-                    if conv_len <= remaining and conv_len > best_len:
-                        best_idx, best_len = i, conv_len
-                if best_idx >= 0:
-                    conv, conv_mask = conv_buffer.pop(best_idx)
-                    row.extend(conv)
-                    mask_row.extend(conv_mask)
-                else:
-                    content_len = len(row)
-                    row.extend([tok.bos] * remaining)
-                    mask_row.extend([0] * remaining)
-                    padded = True
-                    break
-            row_lengths.append(content_len if padded else row_capacity)
-            rows.append(row[:row_capacity])
-            mask_rows.append(mask_row[:row_capacity])
-        batch, masks = np.array(rows, np.int32), np.array(mask_rows, np.int8)
-        inputs, targets = batch[:, :-1], batch[:, 1:].copy()
-        targets[masks[:, 1:] == 0] = -1
-        for i, content_len in enumerate(row_lengths):
-            if content_len < row_capacity:
-                targets[i, content_len - 1:] = -1
-        out.append((inputs, targets, row_lengths))
-    return out
-
-
-def test_pretrain_packing_invariants(btok):
-    B, T, n, buffer_size = 4, 64, 15, 16
-    docs = make_docs(120, T, seed=1)
-    documents = data.shuffled(docs, seed=5)
-    got = list(itertools.islice(data.pretrain_batches(btok, documents, B, T, buffer_size=buffer_size), n))
-    ref = nanochat_bestfit(btok, documents, B, T, n, buffer_size)
-    encoded = {tuple([btok.bos] + btok.encode(d)) for d in docs}
-    n_segments = 0
-    for (x, y, state), (rx, ry, rdropped) in zip(got, ref):
-        assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == np.int32
-        np.testing.assert_array_equal(x, rx)
-        np.testing.assert_array_equal(y, ry)
-        assert state["dropped"] == rdropped
-        np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
-        assert (x[:, 0] == btok.bos).all()  # every row starts with BOS
-        # rows of T+1: whole documents, then one crop
-        for row in np.concatenate([x, y[:, -1:]], axis=1).tolist():
-            starts = [i for i, t in enumerate(row) if t == btok.bos] + [len(row)]
-            segments = [tuple(row[a:b]) for a, b in zip(starts, starts[1:])]
-            assert all(s in encoded for s in segments[:-1])
-            assert any(e[:len(segments[-1])] == segments[-1] for e in encoded)
-            n_segments += len(segments)
-    # accounting: every token of every consumed document is in a row, except the crop tails counted
-    # in "dropped"
-    state = got[-1][2]
-    # refilled before the next pick
-    assert state["dropped"] > 0 and len(state["buffer"]) == buffer_size - 1
-    assert n_segments > 1.5 * n * B  # rows hold several documents
-    stream = [([e, i], d) for e in range(state["epoch"] + 1) for i, d in enumerate(documents(e))
-              if (e, i) < (state["epoch"], state["index"])]
-    consumed = [d for key, d in stream if key not in state["buffer"]]
-    assert len(consumed) == n_segments
-    assert sum(1 + len(d.encode()) for d in consumed) == n * B * (T + 1) + state["dropped"]
-    with pytest.raises(ValueError, match="must be positive"):
-        next(data.pretrain_batches(btok, documents, 0, T))
-
-
-def test_pretrain_resume_is_exact(btok):
-    B, T, n, buffer_size = 2, 32, 30, 8
-    docs = make_docs(40, T, seed=2)  # small: the stream wraps into new epochs every few batches
-    documents = data.shuffled(docs, seed=3)
-    full = list(itertools.islice(data.pretrain_batches(btok, documents, B, T, buffer_size=buffer_size), n))
-    assert full[-1][2]["epoch"] >= 2
-    ref = nanochat_bestfit(btok, documents, B, T, n, buffer_size)
-    for (x, y, st), (rx, ry, rdropped) in zip(full, ref):
-        np.testing.assert_array_equal(x, rx)
-        assert st["dropped"] == rdropped
-    straddles = 0
-    for k in range(1, n):
-        state = json.loads(json.dumps(full[k - 1][2]))  # states are plain JSON
-        straddles += any(e < state["epoch"] for e, _ in state["buffer"])
-        resumed = data.pretrain_batches(btok, documents, B, T, state=state, buffer_size=buffer_size)
-        for (x, y, st), (x2, y2, st2) in zip(full[k:], itertools.islice(resumed, n - k)):
-            np.testing.assert_array_equal(x, x2)
-            np.testing.assert_array_equal(y, y2)
-            assert st == st2
-    assert straddles > 0  # some saved buffers held documents of an epoch before the next position's
-    # resuming on a different (here: shorter) corpus is refused
-    state = full[-1][2]
-    with pytest.raises(ValueError, match="corpus changed"):
-        next(data.pretrain_batches(btok, ordered(docs[:2]), B, T, state=state,
-                                   buffer_size=buffer_size))
-
-
-def test_pretrain_crops_long_documents(btok):
-    T, cap, bos = 16, 17, btok.bos
-    # nothing fits: the shortest buffered document is cropped, its tail dropped
-    docs = ["L" * 40, "m" * 29, "s" * 5]
-    batches = data.pretrain_batches(btok, ordered(docs), 1, T, buffer_size=2)
-    x, y, state = next(batches)
-    row = [bos] + [ord("m")] * 16
-    assert x[0].tolist() == row[:-1] and y[0].tolist() == row[1:]
-    assert state == {"epoch": 0, "index": 2, "buffer": [[0, 0]], "dropped": 30 - 17}
-    # "s" fits whole; then the two "L"s tie and the first one is cropped
-    x, y, state = next(batches)
-    row = [bos] + [ord("s")] * 5 + [bos] + [ord("L")] * 10
-    assert x[0].tolist() == row[:-1] and y[0].tolist() == row[1:]
-    assert state == {"epoch": 1, "index": 1, "buffer": [[1, 0]], "dropped": 13 + 41 - 11}
-    # a document longer than every row: each row is its cropped head
-    x, y, state = next(data.pretrain_batches(btok, ordered(["x" * 40]), 3, T, buffer_size=1))
-    assert (x == [bos] + [ord("x")] * 15).all() and (y[:, -1] == ord("x")).all()
-    assert state["dropped"] == 3 * (41 - cap)
-    long_docs = ["y" * (20 + 7 * i) for i in range(10)]
-    got = list(itertools.islice(data.pretrain_batches(btok, data.shuffled(long_docs), 2, T, buffer_size=3), 6))
-    for (gx, gy, gs), (rx, ry, rd) in zip(got,
-                                          nanochat_bestfit(btok, data.shuffled(long_docs), 2, T, 6, 3)):
-        np.testing.assert_array_equal(gx, rx)
-        assert gs["dropped"] == rd
-        assert (gx[:, 0] == bos).all() and (gx[:, 1:] != bos).all()  # one cropped document per row
-
-
-def test_sft_packing_pads_and_masks(btok):
-    B, T, n, buffer_size = 3, 160, 12, 10
-    convs = [m for task in tasks.TASKS[:4] for m in itertools.islice(tasks.task_conversations(task, "train", seed=4), 12)]
-    convs.append([{"role": "user", "content": "long " * 10},
-                  {"role": "assistant", "content": "ok " * 60}])
-    conversations = data.shuffled(convs, seed=6)
-    got = list(itertools.islice(data.sft_batches(btok, conversations, B, T,
-                                                 buffer_size=buffer_size), n))
-    ref = nanochat_sft_bestfit(btok, conversations, B, T, n, buffer_size)
-    sp, padded_rows = btok.special, 0
-    for (x, y, state), (rx, ry, lengths) in zip(got, ref):
-        assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == np.int32
-        np.testing.assert_array_equal(x, rx)
-        np.testing.assert_array_equal(y, ry)
-        assert (x[:, 0] == btok.bos).all()
-        assert ((y == -1) | (y[:, :] == np.concatenate([x[:, 1:], y[:, -1:]], axis=1))).all()
-        assert not np.isin(y, [sp[s] for s in ("<|bos|>", "<|user_start|>", "<|user_end|>",
-                                               "<|assistant_start|>",
-                                               "<|output_start|>", "<|output_end|>")]).any()
-        assert (y != -1).any(axis=1).all() and state["dropped"] == 0
-        for b, content_len in enumerate(lengths):
-            # padded with BOS, and nothing supervised from the last content token on
-            if content_len <= T:
-                padded_rows += 1
-                assert (x[b, content_len:] == btok.bos).all()
-                assert (y[b, content_len - 1:] == -1).all()
-    assert padded_rows > 0
-    rendered = [data.render_conversation(btok, m, max_tokens=T + 1) for m in convs]
-    assert max(len(r[0]) for r in rendered) == T + 1  # the long conversation was truncated to a row
-    # resume exactly, from any state
-    for k in (1, 4, 9):
-        state = json.loads(json.dumps(got[k - 1][2]))
-        resumed = data.sft_batches(btok, conversations, B, T, state=state, buffer_size=buffer_size)
-        for (x, y, st), (x2, y2, st2) in zip(got[k:], itertools.islice(resumed, n - k)):
-            np.testing.assert_array_equal(x, x2)
-            np.testing.assert_array_equal(y, y2)
-            assert st == st2
-
-
-def test_write_atomic_keeps_the_old_file_when_a_write_fails(tmp_path):
-    """A write that fails midway (here a str that UTF-8 cannot encode) leaves the old file as it
-    was and no temporary file beside it; one that succeeds replaces it whole."""
-    path = tmp_path / "f.json"
-    data.write_atomic(path, "old")
-    with pytest.raises(UnicodeEncodeError):
-        data.write_atomic(path, "new \ud800")
-    assert path.read_text() == "old" and os.listdir(tmp_path) == ["f.json"]
-    data.write_atomic(path, b"new")
-    assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["f.json"]
-
-
-def test_process_batches_split_one_batch_between_processes():
-    """Two processes, each packing its own document shard, hold between them the rows one
-    process packs from the same two shards, side by side; and each process's loader states
-    resume its own shard from the checkpoint's list of every shard's state."""
-    tok = data.byte_tokenizer()
-    docs = data.corpus()
-    shape = (2, 4, 32)  # 2 micro-batches of 4 rows of 32 tokens
-    one, states = data.process_batches(data.pretrain_batches, tok, docs, shape, data_shards=2)
-    parts = [data.process_batches(data.pretrain_batches, tok, docs, shape, process=(i, 2))[0]
-             for i in range(2)]
-    for _ in range(3):
-        inputs, targets, saved = next(one)
-        halves = [next(part) for part in parts]
-        assert inputs.shape == (2, 4, 32) and halves[0][0].shape == (2, 2, 32)
-        np.testing.assert_array_equal(inputs, np.concatenate([h[0] for h in halves], axis=1))
-        np.testing.assert_array_equal(targets, np.concatenate([h[1] for h in halves], axis=1))
-        assert saved == halves[0][2] + halves[1][2]
-    # process 1 resumed from the whole list: the next batch of its shard
-    resumed, own = data.process_batches(data.pretrain_batches, tok, docs, shape, process=(1, 2),
-                                        states=saved)
-    assert own == saved[1:]
-    np.testing.assert_array_equal(next(resumed)[0], next(one)[0][:, 2:])
-    with pytest.raises(ValueError, match="--data-shards 3 must be a multiple of the 2"):
-        data.process_batches(data.pretrain_batches, tok, docs, shape, process=(0, 2),
-                             data_shards=3)
-
-
-# --------------------------------------------------------------------------------------------------
-# Inference: the KV-cache engine, tool use, chat.py's CLI and web server, nanochat checkpoint import
-
-GEN_CFG = nc.Config(sequence_len=512, vocab_size=300, n_layer=4, n_head=2, n_kv_head=1, n_embd=64,
-                    window_pattern="SL")
-WINDOW_CFG = nc.Config(sequence_len=256, vocab_size=100, n_layer=2, n_head=2, n_kv_head=1,
-                       n_embd=32,
-                       # windows [128, 256]: a 160-token generation crosses the short one
-                       window_pattern="SL")
-CHAT_CFG = nc.Config(sequence_len=256, vocab_size=265, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
-                     window_pattern="L")  # the byte tokenizer's vocab
-full_forward = jax.jit(nc.forward, static_argnames="cfg")
-GREEDY = (0.0, 0, 1.0)  # engine.prefill's and decode's settings: temperature, top_k, top_p
-
-
-def random_params(cfg, seed):
-    """Random params with every path alive, drawn in numpy (no init compile): matrices N(0,
-    1/fan_in)."""
-    rng = np.random.default_rng(seed)
-    draw = lambda s: rng.normal(0, s.shape[-2] ** -0.5 if len(s.shape) > 1 else 0.3, s.shape).astype(np.float32)
-    params = jax.tree.map(draw, nc.param_shapes(cfg))
-    params["resid_lambdas"] += 1.0
-    return jax.tree.map(jnp.asarray, params)
-
-
-def generated(params, cfg, prompt, num_samples=1, tool=None, **sampling):
-    """(token columns, mask columns) of one generate call, as (steps, num_samples) arrays; sampling:
-    engine.Sampling's fields (greedy, 24 tokens unless given)."""
-    sampling = engine.Sampling(**{"max_tokens": 24, "temperature": 0.0, **sampling})
-    steps = list(engine.generate(params, cfg, list(prompt), sampling, num_samples=num_samples,
-                                 tool=tool))
-    return np.array([c for c, _ in steps]), np.array([m for _, m in steps])
-
-# --------------------------------------------------------------------------------------------------
-# The engine
-
-
-@pytest.fixture(scope="module")
-def gen_golden():
-    g = np.load(TESTDATA / "nanochat_golden.npz")
-    params = checkpoint.from_nanochat_state_dict({k[6:]: g[k] for k in g.files if k.startswith("param/")}, GEN_CFG)
-    return params, np.load(TESTDATA / "nanochat_generate.npz")
-
-
-def stepped(params, cfg, prompt, bucket, max_len, feed):
-    """Logits of prefill (prompt padded to `bucket`) and of each decode step fed `feed`, through the
-    jitted steps that `generate` runs with the same shapes (so nothing compiles twice)."""
-    padded = np.zeros((1, bucket), np.int32)
-    padded[0, :len(prompt)] = prompt
-    key, p = jax.random.key(0), nc.unstack(params, cfg)
-    _, logits, cache = engine.prefill(p, padded, len(prompt), key, GREEDY, cfg=cfg, max_len=max_len)
-    out = [logits[0]]
-    for t in feed:
-        _, logits, cache = engine.decode(p, np.array([t], np.int32), cache, key, GREEDY, cfg=cfg)
-        out.append(logits[0])
-    return np.array(out), cache
-
-
-def test_golden_generate_equals_nanochat_engine(gen_golden):
-    params, g = gen_golden
-    # 17 + 24 tokens: prefill bucket 32, cache 64
-    tokens, masks = generated(params, GEN_CFG, g["prompt"])
-    assert tokens[:, 0].tolist() == g["engine_tokens"].tolist() == g["naive_tokens"].tolist()
-    assert masks.all()
-    logits, cache = stepped(params, GEN_CFG, g["prompt"], 32, 64, g["engine_tokens"])
-    np.testing.assert_allclose(logits[0], g["prefill_last_logits"], rtol=0, atol=2e-5)
-    # the step after the last too
-    np.testing.assert_allclose(logits[1:], g["decode_logits"], rtol=0, atol=2e-5)
-    assert cache["pos"].tolist() == [17 + 24]
-
-
-@pytest.fixture(scope="module")
-def window_model():
-    params = random_params(WINDOW_CFG, 3)
-    prompt = np.random.default_rng(4).integers(0, WINDOW_CFG.vocab_size, 260)
-    return params, prompt
-
-
-@pytest.mark.slow  # a 256-token cache and programs of its own (the golden test checks decode)
-def test_kv_decode_equals_full_forward_with_sliding_window(window_model):
-    params, prompt = window_model
-    assert nc.window_sizes(WINDOW_CFG) == [128, 256]
-    # prefill bucket 128, cache 256
-    tokens, _ = generated(params, WINDOW_CFG, prompt[:100], max_tokens=60)
-    # 160 tokens: layer 0's 128-token window binds
-    seq = np.concatenate([prompt[:100], tokens[:, 0]])[None]
-    full = np.asarray(full_forward(params, seq, WINDOW_CFG))[0]
-    # greedy with the cache = naive greedy
-    assert full[99:159].argmax(-1).tolist() == tokens[:, 0].tolist()
-    logits, _ = stepped(params, WINDOW_CFG, prompt[:100], 128, 256, tokens[:-1, 0])
-    np.testing.assert_allclose(logits, full[99:159], rtol=0, atol=2e-5)
-    # the window matters: full attention gives other logits past 128 tokens, so the cache really
-    # honoured it
-    unwindowed = nc.Config(**{**WINDOW_CFG.__dict__, "window_pattern": "L"})
-    other = np.asarray(full_forward(params, seq, unwindowed))[0]
-    np.testing.assert_allclose(other[:129], full[:129], rtol=0, atol=1e-5)
-    assert np.abs(other[140:] - full[140:]).max() > 1e-3
-
-
-def test_prompt_buckets_do_not_change_results_or_recompile(window_model):
-    params, prompt = window_model
-    key, p = jax.random.key(0), nc.unstack(params, WINDOW_CFG)
-    # junk after the prompt
-    padded = np.pad(prompt[None, :100], ((0, 0), (0, 28)), constant_values=7)
-    _, bucketed, c2 = engine.prefill(p, padded, 100, key, GREEDY, cfg=WINDOW_CFG, max_len=256)
-    _, exact, c1 = engine.prefill(p, prompt[None, :100], 100, key, GREEDY, cfg=WINDOW_CFG, max_len=256)
-    np.testing.assert_allclose(bucketed, exact, rtol=0, atol=1e-5)
-    assert c1["pos"].tolist() == c2["pos"].tolist() == [100]
-    np.testing.assert_array_equal(c1["prev"], c2["prev"])  # the smear carries the last real token
-    for (k1, _), (k2, _) in zip(c1["layers"], c2["layers"]):  # (B, K, S, D)
-        np.testing.assert_allclose(k1[:, :, :100], k2[:, :, :100], rtol=0, atol=1e-5)
-    _, after_exact, _ = engine.decode(p, np.array([5], np.int32), c1, key, GREEDY, cfg=WINDOW_CFG)
-    _, after_bucketed, _ = engine.decode(p, np.array([5], np.int32), c2, key, GREEDY, cfg=WINDOW_CFG)
-    # the junk slot 100 is overwritten
-    np.testing.assert_allclose(after_bucketed, after_exact, rtol=0, atol=1e-5)
-    generated(params, WINDOW_CFG, prompt[:100], max_tokens=60)  # generate's own programs
-    compiled = engine.prefill._cache_size(), engine.decode._cache_size()
-    # one prompt bucket (128) and one cache size (256): a growing chat does not recompile
-    for n in (97, 110, 120):
-        generated(params, WINDOW_CFG, prompt[:n], max_tokens=60)
-    assert (engine.prefill._cache_size(), engine.decode._cache_size()) == compiled
-
-
-def test_sampling_keys_rows_and_top_k(window_model):
-    params, prompt = window_model
-    sample = lambda seed, **kw: generated(params, WINDOW_CFG, prompt[:20], max_tokens=12,
-                                          seed=seed,
-                                          **{"temperature": 1.0, "num_samples": 4, **kw})[0]
-    a, b, c = sample(1), sample(1), sample(2)
-    assert a.shape == (12, 4)
-    np.testing.assert_array_equal(a, b)  # same key, same samples
-    assert not np.array_equal(a, c)  # another key, other samples
-    assert len({tuple(r) for r in a.T}) > 1  # rows sample independently
-    greedy = sample(3, temperature=0.0)
-    assert (greedy == greedy[:, :1]).all()
-    # top-k 1 is greedy at any temperature
-    np.testing.assert_array_equal(sample(4, top_k=1), greedy)
-
-
-def test_sample_top_k_and_top_p_are_traced():
-    """top_k and top_p truncate the distribution as HF does (top-k first, then the smallest set
-    holding top_p of what remains; 0 and 1 turn them off); being traced, 40 settings share one
-    compiled sampler."""
-    probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04] + [0.0] * 300)  # V 306 > TOP_K_MAX
-    logits = jnp.log(jnp.asarray(probs, jnp.float32) + 1e-30)[None]
-    draw = jax.jit(jax.vmap(lambda key, t, k, p: engine.sample_next_token(logits, key[None], t, k, p)[0],
-                            (0, None, None, None)))
-    keys = jax.random.split(jax.random.key(0), 20000)
-    freq = lambda t, k, p: np.bincount(np.asarray(draw(keys, t, k, p)), minlength=306)[:8] / len(keys)
-    for k, p, kept in ((0, 1.0, 6), (3, 1.0, 3), (0, 0.5, 2), (0, 0.8, 4), (4, 0.75, 3),
-                       (4, 0.7, 2), (1, 1.0, 1), (300, 1.0, 6)):
-        want = np.zeros(8)
-        want[:kept] = probs[:kept] / probs[:kept].sum()
-        np.testing.assert_allclose(freq(1.0, k, p), want, atol=0.012,
-                                   err_msg=f"top_k {k}, top_p {p}")
-    np.testing.assert_array_equal(freq(0.0, 0, 0.3), np.eye(8)[0])  # temperature 0: argmax
-    for k, p in itertools.product((0, 1, 2, 50, 256), (1.0, 0.9, 0.5, 0.1)):
-        draw(keys, 0.7, k, p)
-    assert draw._cache_size() == 1
-
-
-def test_stops_and_limits(window_model):
-    params, prompt = window_model
-    run = lambda **kw: generated(params, WINDOW_CFG, prompt[:20], max_tokens=12, num_samples=4,
-                                 **kw)[0]
-    greedy = run()[:, 0].tolist()
-    stopped = run(stop_ids=[greedy[3]])
-    # the stop token comes, then the end
-    assert stopped[:, 0].tolist() == greedy[:greedy.index(greedy[3]) + 1]
-    rows = run(temperature=1.0, stop_ids=[greedy[0]])
-    # rows keep going until every row is done
-    assert len(rows) == 12 or all(greedy[0] in r for r in rows.T)
-    # the context is full
-    assert len(generated(params, WINDOW_CFG, prompt[:250], max_tokens=100)[0]) == 6
-    with pytest.raises(ValueError, match="context"):
-        generated(params, WINDOW_CFG, np.tile(prompt, 2)[:256])
-
-
-def test_calculator_tool_state_machine():
-    bt = data.byte_tokenizer()
-    sp = bt.special
-    tool = data.calculator_tool(bt)
-    call = lambda row, expr: [tool(row, t) for t in [sp["<|python_start|>"], *bt.encode(expr), sp["<|python_end|>"]]]
-    # outside a block: nothing
-    assert tool(0, bt.encode("a")[0]) == [] and tool(0, sp["<|python_end|>"]) == []
-    *before, out = call(0, "12*34")
-    assert not any(before) and out == [sp["<|output_start|>"], *bt.encode("408"),
-                                       sp["<|output_end|>"]]
-    assert call(1, "'strawberry'.count('r')")[-1][1:-1] == bt.encode("3")
-    # not a calculator expression: nothing is forced
-    assert call(0, "__import__('os').system('true')")[-1] == []
-    assert call(0, "2**1000000")[-1] == []
-    # rows are independent: row 1 opens a block while row 0 is inside another
-    tool(0, sp["<|python_start|>"])
-    tool(0, bt.encode("7")[0])
-    tool(1, sp["<|python_start|>"])
-    tool(1, bt.encode("1")[0])
-    assert tool(0, sp["<|python_end|>"])[1:-1] == bt.encode("7")
-    assert tool(1, sp["<|python_end|>"])[1:-1] == bt.encode("1")
-
-
-def test_tool_output_is_forced_with_mask_zero(chat_model):
-    params, cfg, bt, _ = chat_model
-    sp = bt.special
-    calculator = data.calculator_tool(bt)
-    script = [sp["<|python_start|>"], *bt.encode("6*7"), sp["<|python_end|>"]]
-    seen = []
-
-    # a model that writes a python block after its first token, fed to the real calculator
-    def tool(row, token):
-        seen.append(token)
-        return (script if len(seen) == 1 else []) + calculator(row, token)
-
-    tokens, masks = generated(params, cfg, chat_prompt(bt, HI), max_tokens=32, top_k=50, tool=tool)
-    forced = script + [sp["<|output_start|>"], *bt.encode("42"), sp["<|output_end|>"]]
-    assert tokens[1:1 + len(forced), 0].tolist() == forced
-    assert masks[:, 0].tolist() == [1] + [0] * len(forced) + [1] * (32 - 1 - len(forced))
-    assert seen == tokens[:, 0].tolist()  # the tool saw every emitted token
-
-
-def test_decode_donates_its_cache(chat_model):
-    params, cfg, _, _ = chat_model
-    key, p = jax.random.key(0), nc.unstack(params, cfg)
-    # the shapes of the generate call above (prompt bucket 16, cache 64): nothing compiles again
-    _, _, cache = engine.prefill(p, np.zeros((1, 16), np.int32), 3, key, GREEDY, cfg=cfg, max_len=64)
-    _, _, new = engine.decode(p, np.array([5], np.int32), cache, key, GREEDY, cfg=cfg)
-    # written in place: no second cache
-    assert all(a.is_deleted() for a in jax.tree.leaves(cache["layers"]))
-    assert new["pos"].tolist() == [4]
-
-# --------------------------------------------------------------------------------------------------
-# The slot engine: many requests at once, each equal to the reference `generate` alone
-
-
-def solo(params, cfg, prompt, **kwargs):
-    """(tokens, masks) of the first row of the reference engine.generate, greedy by default."""
-    tokens, masks = generated(params, cfg, prompt, **kwargs)
-    return tokens[:, 0].tolist(), masks[:, 0].tolist()
-
-
-def greedy(max_tokens, **kwargs):
-    return engine.Sampling(max_tokens=max_tokens, temperature=0.0, **kwargs)
-
-
-def test_engine_golden_prompt_among_others(gen_golden):
-    """nanochat's golden prompt, admitted into a slot while the other slots decode other prompts,
-    gives nanochat's Engine tokens exactly and its logits (as log-probabilities) within the golden
-    tolerance."""
-    params, g = gen_golden
-    eng = engine.Engine(params, GEN_CFG, slots=4, kmax=4)
-    rng = np.random.default_rng(5)
-    others = [eng.submit(rng.integers(0, 300, n).tolist(), greedy(40)) for n in (9, 30)]
-    eng.step()
-    eng.step()  # the others are 5 tokens in
-    golden = eng.submit(g["prompt"].tolist(), greedy(24, logprobs=True), stream=True)
-    eng.drain()
-    assert golden.tokens[0] == g["engine_tokens"].tolist() and golden.finish == ["length"]
-    assert golden.masks[0] == [1] * 24 and all(len(r.tokens[0]) == 40 for r in others)
-    # each token's log-probabilities: the golden logits that chose it, log-softmaxed
-    logits = np.concatenate([g["prefill_last_logits"][None], g["decode_logits"][:23]])
-    want = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
-    for step, event in enumerate(list(golden)[:-1]):
-        chosen, likeliest = event.logprobs
-        ids = [i for i, _ in likeliest]
-        assert ids[0] == event.token and len(ids) == engine.TOP_LOGPROBS
-        np.testing.assert_allclose([lp for _, lp in likeliest], want[step, ids], rtol=0, atol=4e-5)
-        assert chosen == pytest.approx(float(want[step, event.token]), abs=4e-5)
-
-
-def test_engine_staggered_requests_equal_each_alone(window_model):
-    """Six prompts of different lengths arrive at different steps into four slots (two reused
-    after long requests); slots cross the 128-token sliding window at different steps. Every
-    stream equals its prompt's solo greedy `generate`."""
-    params, prompt = window_model
-    lengths = (5, 100, 40, 120, 3, 60)
-    budgets = (150, 100, 100, 120, 130, 150)  # past 128 in all: generate's cache is 256 for each
-    eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8)
-    arrivals = {0: [0, 1], 1: [2], 3: [3, 4], 6: [5]}  # round -> the requests that come then
-    requests = {}
-    for round_ in range(200):
-        for i in arrivals.get(round_, []):
-            requests[i] = eng.submit(prompt[:lengths[i]].tolist(), greedy(budgets[i]))
-        if not eng.step() and round_ > max(arrivals):
-            break
-    assert eng.stats["chunks"] > 20  # long enough to reuse slots
-    for i, request in sorted(requests.items()):
-        want = min(budgets[i], WINDOW_CFG.sequence_len - lengths[i])
-        tokens, masks = solo(params, WINDOW_CFG, prompt[:lengths[i]], max_tokens=want)
-        assert request.tokens[0] == tokens and request.masks[0] == masks == [1] * want, i
-        assert request.finish == ["length"]
-    # the two that crossed the window did so at different steps
-    crossings = [128 - lengths[i] for i in (1, 3)]
-    assert crossings[0] != crossings[1] and all(0 < c < budgets[i] for c, i in zip(crossings, (1, 3)))
-
-
-def block_tool(start, end, result):
-    """The calculator's state machine on ids start and end (data.calculator_tool's): after start,
-    ids, end it forces result(ids)."""
-    blocks = {}
-
-    def tool(row, token):
-        if token == start:
-            blocks[row] = []
-        elif row in blocks and token == end:
-            return list(result(blocks.pop(row)))
-        elif row in blocks:
-            blocks[row].append(token)
-        return []
-    return tool
-
-
-@pytest.mark.parametrize("forced", [[7, 8, 9], []], ids=["result", "nothing"])
-def test_engine_calculator_hops_and_forced_tokens(window_model, forced):
-    """A python block the model writes hands the slot to the host, which runs the tool and queues
-    its ids: the same tokens and masks as `generate` with that tool, one hop per closed block; a
-    tool that gives nothing (an empty or failing expression) forces nothing."""
-    params, prompt = window_model
-    # prompts and lengths whose shapes the staggered test compiled
-    plain, _ = solo(params, WINDOW_CFG, prompt[:40], max_tokens=125)
-    start = plain[2]  # tokens this model writes: its greedy stream opens and closes a block
-    end = next(t for t in plain[4:] if t != start)
-    want, masks = solo(params, WINDOW_CFG, prompt[:40], max_tokens=125,
-                       tool=block_tool(start, end, lambda ids: forced))
-    eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8, python_ids=(start, end))
-    others = [eng.submit(prompt[:n].tolist(), greedy(125)) for n in (7, 33)]
-    request = eng.submit(prompt[:40].tolist(), greedy(125),
-                         tool=block_tool(start, end, lambda ids: forced))
-    eng.drain()
-    assert request.tokens[0] == want and request.masks[0] == masks
-    assert (0 in masks) == bool(forced)
-    streams = [want]
-    for r, n in zip(others, (7, 33)):  # the others, without a tool, resume sampling at once
-        streams.append(solo(params, WINDOW_CFG, prompt[:n], max_tokens=125,
-                            tool=block_tool(start, end, lambda ids: []))[0])
-        assert r.tokens[0] == streams[-1]
-    # a block closed by a choice's last token needs no hop: the choice ends
-    assert eng.stats["hops"] == sum(closed_blocks(s[:-1], start, end) for s in streams)
-    assert closed_blocks(want[:-1], start, end) >= 1
-
-
-def closed_blocks(tokens, start, end):
-    """The python blocks a stream closes, counted as nanochat's Engine does."""
-    closed = 0
-    inside = False
-    for t in tokens:
-        if t == start:
-            inside = True
-        elif t == end and inside:
-            inside = False
-            closed += 1
-    return closed
-
-
-def test_engine_stops_limits_choices_and_seeds(window_model):
-    """Stop ids, max_tokens and a full context end a choice as in `generate`; n choices share one
-    prefill and equal generate's rows; a seeded request gives the same tokens alone and among
-    seven others."""
-    params, prompt = window_model
-    eng = engine.Engine(params, WINDOW_CFG, slots=8, kmax=8)
-    plain, _ = solo(params, WINDOW_CFG, prompt[:20], max_tokens=12)
-    stopped = eng.submit(prompt[:20].tolist(), greedy(12, stop_ids=(plain[3],)))
-    limited = eng.submit(prompt[:20].tolist(), greedy(5))
-    full = eng.submit(prompt[:250].tolist(), greedy(100))
-    eng.drain()
-    assert stopped.tokens[0] == plain[:plain.index(plain[3]) + 1] and stopped.finish == ["stop"]
-    assert limited.tokens[0] == plain[:5] and limited.finish == ["length"]
-    assert len(full.tokens[0]) == 6 and full.finish == ["length"]  # the context is full
-    # four choices from one prefill: generate's four rows, whose keys are fold_in(key(seed), row)
-    admits = eng.stats["admits"]
-    sampled = engine.Sampling(max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=11)
-    choices = eng.submit(prompt[:20].tolist(), sampled, n=4)
-    eng.drain()
-    rows, _ = generated(params, WINDOW_CFG, prompt[:20], max_tokens=12, seed=11,
-                        temperature=1.0, top_k=50, top_p=0.9, num_samples=4)
-    assert choices.tokens == rows.T.tolist() and len({tuple(c) for c in choices.tokens}) > 1
-    assert eng.stats["admits"] == admits + 1  # one prefill for the four
-    alone = eng.submit(prompt[:30].tolist(), sampled)
-    eng.drain()
-    crowd = [eng.submit(prompt[:n].tolist(), dataclasses.replace(sampled, seed=n))
-             for n in (3, 9, 15, 21, 40, 50, 60)]
-    among = eng.submit(prompt[:30].tolist(), sampled)
-    eng.drain()
-    assert among.tokens == alone.tokens and all(len(r.tokens[0]) == 12 for r in crowd)
-    with pytest.raises(ValueError, match="context"):
-        eng.submit(prompt[:256].tolist(), sampled)
-    with pytest.raises(ValueError, match="top_k"):
-        eng.submit(prompt[:5].tolist(), dataclasses.replace(sampled, top_k=257))
-
-
-def test_engine_never_recompiles_after_warm_up_and_donates(window_model, recwarn):
-    """After warm_up, prompts of every bucket, any number of concurrent requests, chunks of any
-    row count, calculator hops, logprobs and cancellations compile nothing; each call donates the
-    state (no second cache)."""
-    params, prompt = window_model
-    plain, _ = solo(params, WINDOW_CFG, prompt[:20], max_tokens=8)
-    eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8, python_ids=(plain[2], plain[5]))
-    eng.warm_up()
-    compiles = []
-
-    def listen(event, *_, **__):
-        if event == LOWERED:
-            compiles.append(event)
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        rng = np.random.default_rng(0)
-        for wave in range(4):
-            requests = []
-            for i in range(1 + 3 * wave):
-                n = int(rng.integers(1, 255))
-                sampling = engine.Sampling(max_tokens=int(rng.integers(1, 40)),
-                                           temperature=float(rng.uniform(0, 2)),
-                                           top_k=int(rng.integers(0, 257)),
-                                           top_p=float(rng.uniform(0.1, 1)),
-                                           seed=int(rng.integers(0, 2**32)),
-                                           logprobs=bool(i % 2),
-                                           stop_ids=tuple(rng.integers(0, 100, i % 3).tolist()))
-                tool = block_tool(plain[2], plain[5], lambda ids: ids[:2])
-                requests.append(eng.submit(rng.integers(0, 100, n).tolist(), sampling,
-                                           n=1 + i % 3, tool=tool))
-            old = eng.state
-            eng.step()
-            assert all(a.is_deleted() for a in jax.tree.leaves(old["cache"]))
-            requests[0].cancel()
-            eng.drain()
-            assert all(r.done for r in requests[1:]) and requests[0].cancelled
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    assert compiles == [] and eng.stats["hops"] > 0
-    assert not [w for w in recwarn if "donated" in str(w.message)]
-    assert all(owner is None for owner in eng.owner)  # every slot free again
-
-# --------------------------------------------------------------------------------------------------
-# Real nanochat checkpoints
-
-
-def test_nanochat_checkpoint_import():
-    root = TESTDATA / "nanochat_checkpoint"
-    e = np.load(root / "expected.npz")
-    # the NANOCHAT_BASE_DIR: finds base_checkpoints/d2
-    params, cfg, tk = checkpoint.load_nanochat(str(root))
-    assert cfg == nc.Config(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=1,
-                            n_embd=64,
-                            window_pattern="L")
-    assert [tk.bos] + tk.encode("Return the") == e["prompt_ids"][0].tolist() and tk.bos == 503
-    # causal: pads are harmless
-    batch = np.concatenate([e["text_ids"], np.pad(e["prompt_ids"], ((0, 0), (0, 59)))])
-    logits = np.asarray(full_forward(params, batch, cfg))
-    np.testing.assert_allclose(logits[1:, :5], e["logits"], rtol=0, atol=5e-5)
-    np.testing.assert_allclose(logits[:1], e["text_logits"], rtol=0, atol=5e-5)
-    lse = np.log(np.exp(logits[0, :-1].astype(np.float64)).sum(-1))
-    nll = lse - logits[0, np.arange(63), e["text_ids"][0, 1:]]
-    np.testing.assert_allclose(nll.mean(), e["text_loss"], rtol=0, atol=1e-5)
-    tokens, _ = generated(params, cfg, e["prompt_ids"][0], max_tokens=20)
-    assert tokens[:, 0].tolist() == e["greedy_ids"].tolist() == e["naive_greedy_ids"].tolist()
-    assert tk.decode(e["prompt_ids"][0].tolist() + tokens[:, 0].tolist()) == \
-        "<|bos|>Return the string obtained by replacing the leftmost\nnon"
-    model_dir = root / "base_checkpoints" / "d2"  # the model directory itself works too
-    again, _, _ = checkpoint.load_nanochat(str(model_dir))
-    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, again, params)))
-    sd = torch_files.read_torch_state_dict(model_dir / "model_000100.pt")
-    assert sd["transformer.wte.weight"].dtype.name == "bfloat16" and sd["lm_head.weight"].dtype == np.float32
-
+# torch_files.py: nanochat's .pt files read without running their pickles
 
 class _Evil:
     def __init__(self, marker):
@@ -3029,22 +1920,23 @@ def test_malicious_pickles_are_refused(tmp_path):
     (tmp_path / "tokenizer" / "tokenizer.pkl").write_bytes(pickle.dumps(_Evil(marker)))
     with pytest.raises(pickle.UnpicklingError, match="refusing"):
         checkpoint.load_nanochat_tokenizer(tmp_path / "tokenizer" / "tokenizer.pkl")
-    (tmp_path / "meta_000001.json").write_text(json.dumps({"model_config": dataclasses.asdict(CHAT_CFG)}))
+    meta = {"model_config": dataclasses.asdict(CHAT_CFG)}
+    (tmp_path / "meta_000001.json").write_text(json.dumps(meta))
     code, _, err = run_chat(["--nanochat-checkpoint", str(tmp_path)])
     assert code == 1 and "refusing to load posix.system" in err and len(err.splitlines()) == 1
     assert not marker.exists()  # nothing ran
 
+
 def test_damaged_torch_checkpoints_are_one_line_errors(tmp_path):
     """Each way a nanochat .pt can be broken, built here from the real one: a ValueError naming the
     file (chat.py prints it as one line), never a traceback or a half-read model."""
-    real = TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"
-    with zipfile.ZipFile(real / "model_000100.pt") as z:
+    with zipfile.ZipFile(NANOCHAT_D2 / "model_000100.pt") as z:
         files = {n: z.read(n) for n in z.namelist()}
 
     def broken(name, change=None, drop=None, raw=None):
         d = tmp_path / name
         d.mkdir()
-        shutil.copy(real / "meta_000100.json", d)
+        shutil.copy(NANOCHAT_D2 / "meta_000100.json", d)
         if raw is not None:
             (d / "model_000100.pt").write_bytes(raw)
         else:
@@ -3059,9 +1951,9 @@ def test_damaged_torch_checkpoints_are_one_line_errors(tmp_path):
              (broken("nopkl", drop=pkl), "not a torch zip checkpoint (no data.pkl)"),
              (broken("big", lambda n, b: b"big" if n.endswith("byteorder") else b),
               "a big-endian checkpoint"),
-             (broken("kind", lambda n,
-                     b: b.replace(b"torch\nFloatStorage", b"collections\nOrderedDict") if n == pkl
-                     else b), "a storage of unknown type"),
+             (broken("kind", lambda n, b: b if n != pkl else
+                     b.replace(b"torch\nFloatStorage", b"collections\nOrderedDict")),
+              "a storage of unknown type"),
              (broken("short", lambda n, b: b[:-4] if n == store else b),
               "storage 0 is shorter than its"),
              (broken("gone", drop=store), "a damaged torch checkpoint (KeyError"),
@@ -3089,10 +1981,165 @@ def test_damaged_torch_checkpoints_are_one_line_errors(tmp_path):
     assert code == 1 and err.count("\n") == 1 and "storage 0 is shorter" in err
 
 
+# --------------------------------------------------------------------------------------------------
+# checkpoint.py: nanochat's state_dict, our checkpoints, real nanochat checkpoints, export
+
+def test_state_dict_round_trip():
+    params = random_params(TINY, 0)
+    sd = checkpoint.to_nanochat_state_dict(params, TINY)
+    assert sd["transformer.h.0.attn.c_k.weight"].shape == (16, 32)  # (out, in)
+    assert sd["lm_head.weight"].shape == (128, 32) and "value_embeds.1.weight" not in sd
+    back = checkpoint.from_nanochat_state_dict({"_orig_mod." + k: v for k, v in sd.items()}, TINY)
+    assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, back, params)))
+    again = checkpoint.to_nanochat_state_dict(back, TINY)
+    assert all(np.array_equal(again[k], sd[k]) for k in sd)
+
+
+def test_state_dict_errors():
+    sd = checkpoint.to_nanochat_state_dict(random_params(TINY, 0), TINY)
+    with pytest.raises(ValueError, match="missing .*lm_head"):
+        checkpoint.from_nanochat_state_dict({k: v for k, v in sd.items() if k != "lm_head.weight"},
+                                            TINY)
+    with pytest.raises(ValueError, match="shape"):
+        checkpoint.from_nanochat_state_dict({**sd, "transformer.wte.weight": np.zeros((64, 32))},
+                                            TINY)
+
+
+def test_checkpoint_round_trip_and_atomic(tmp_path):
+    tiny = random_params(TINY, 0)
+    opt = init_opt(tiny)
+    for step in (1, 2, 3, 4):
+        path = checkpoint.save_checkpoint(str(tmp_path), step, tiny, opt, {"step": step},
+                                          keep=2)
+    kept = [os.path.basename(d) for d in checkpoint.checkpoint_dirs(str(tmp_path))]
+    assert kept == ["step_000003", "step_000004"]
+    params, opt2, meta = checkpoint.load_checkpoint(path)
+    assert meta == {"step": 4} and all(jax.tree.leaves(jax.tree.map(np.array_equal, params, tiny)))
+    assert int(opt2["step"]) == 0 and all(jax.tree.leaves(jax.tree.map(np.array_equal, opt2, opt)))
+    # a write that dies midway leaves the previous checkpoint intact
+    with pytest.raises(TypeError):
+        checkpoint.save_checkpoint(str(tmp_path), 5, {"bad": object()}, None, {})
+    # no half-written step 5 left
+    assert sorted(os.listdir(tmp_path)) == ["step_000003", "step_000004"]
+    unwritable = lambda p: open(os.path.join(p, "no_such_dir", "tokenizer.json"), "w")
+    # nor when an extra file (train.py's tokenizer.json) fails
+    with pytest.raises(FileNotFoundError):
+        checkpoint.save_checkpoint(str(tmp_path), 5, tiny, None, {},
+                                   files={"tokenizer.json": unwritable})
+    assert sorted(os.listdir(tmp_path)) == ["step_000003", "step_000004"]
+    assert checkpoint.latest_checkpoint(str(tmp_path), ("",)) == path
+    assert checkpoint.load_checkpoint(path)[2] == {"step": 4}
+    with pytest.raises(FileNotFoundError, match="not a checkpoint"):
+        checkpoint.load_checkpoint(str(tmp_path))
+
+
+def test_a_checkpoint_is_found_from_a_step_a_stage_or_a_root(tmp_path):
+    """checkpoint.load_model (chat.py's and evaluate.py's --checkpoint) takes a step directory, a
+    stage folder (its newest step) or a root (the newest step of its last stage: RL, then SFT, then
+    base)."""
+    tiny = random_params(TINY, 0)
+    tok, root = data.byte_tokenizer(), tmp_path / "checkpoints"
+    meta = {"config": dataclasses.asdict(TINY), "tokenizer": "tokenizer.json"}
+    for stage, step in (("base", 5), ("base", 9), ("sft", 3)):
+        scaled = jax.tree.map(lambda w: w * step, tiny)  # each step's weights tell it apart
+        checkpoint.save_checkpoint(str(root / stage), step, scaled, None, meta,
+                                   files={"tokenizer.json": tok.save})
+    for where, step in ((root / "base" / "step_000005", 5), (root / "base", 9), (root, 3)):
+        assert checkpoint.find_step(str(where)).endswith(f"step_{step:06d}")
+        params, cfg, loaded = checkpoint.load_model(str(where))
+        np.testing.assert_array_equal(params["wte"], tiny["wte"] * step)
+        assert cfg == TINY and loaded.tokens == tok.tokens
+    with pytest.raises(FileNotFoundError,
+                       match=r"no checkpoint in .*empty/: pass a step directory, a stage folder"):
+        checkpoint.load_model(str(tmp_path / "empty"))
+
+
+@pytest.mark.slow  # five saving processes, each killed after a wait
+def test_damaged_checkpoint_is_skipped_by_resume_and_kill9_never_leaves_half_a_step(tmp_path):
+    """A damaged params.msgpack or meta.json is a one-line error, and --resume's loader falls back
+    to the previous step; a process killed at random moments while saving (kill -9) leaves every
+    step_* complete or absent."""
+    tiny = random_params(TINY, 0)
+    root = str(tmp_path / "ck")
+    for step in (1, 2):
+        checkpoint.save_checkpoint(root, step, tiny, None, {"step": step})
+    newest = os.path.join(root, "step_000002")
+    raw = open(os.path.join(newest, "params.msgpack"), "rb").read()
+    # truncated; a byte msgpack never uses
+    for damage in (raw[:len(raw) // 2], raw[:100] + b"\xc1" + raw[101:]):
+        open(os.path.join(newest, "params.msgpack"), "wb").write(damage)
+        with pytest.raises(ValueError,
+                           match="params.msgpack: damaged .*; use an earlier checkpoint"):
+            checkpoint.load_checkpoint(newest)
+        said = []
+        path, params, _, meta = checkpoint.load_newest(root, log=said.append)
+        assert path.endswith("step_000001") and meta == {"step": 1}
+        assert said[0].startswith(f"skipping {newest}")
+    open(os.path.join(root, "step_000001", "meta.json"), "w").write('{"step": ')
+    with pytest.raises(ValueError, match="meta.json: damaged"):
+        checkpoint.load_checkpoint(os.path.join(root, "step_000001"))
+    assert checkpoint.load_newest(root, log=lambda *_: None) is None
+    unknown = r"meta.json: config fields \['n_expert'\] are unknown to this version"
+    with pytest.raises(ValueError, match=unknown):
+        checkpoint.config_from({**dataclasses.asdict(TINY), "n_expert": 8}, "ck/meta.json")
+    saver = (f"import checkpoint, numpy as np\n"
+             f"big = {{'w': np.arange(4_000_000, dtype=np.float32)}}\n"
+             f"for step in range(10**6):\n"
+             f"    checkpoint.save_checkpoint({root!r}, step % 3 + 10, big, big, "
+             f"{{'step': step}})\n")
+    shutil.rmtree(root)
+    for delay in (0.6, 0.9, 1.3, 1.7, 2.2, None):
+        p = subprocess.Popen([sys.executable, "-c", saver], cwd=pathlib.Path(__file__).parent)
+        if delay is None:  # the last one once a save is whole: a loaded machine imports slowly
+            deadline = time.time() + 120
+            while not checkpoint.checkpoint_dirs(root) and time.time() < deadline:
+                time.sleep(0.05)
+        else:
+            time.sleep(delay)
+        p.kill()  # SIGKILL, wherever the save is
+        p.wait()
+        for step_dir in checkpoint.checkpoint_dirs(root):  # whatever is there is whole
+            params, opt, meta = checkpoint.load_checkpoint(step_dir)
+            assert params["w"].shape == (4_000_000,) and float(params["w"][-1]) == 3_999_999
+            assert opt is not None
+    assert checkpoint.checkpoint_dirs(root)  # some saves completed
+    # the next save sweeps what the killed ones left
+    checkpoint.save_checkpoint(root, 99, tiny, None, {})
+    assert all(re.fullmatch(r"step_\d{6}", n) for n in os.listdir(root))
+
+
+# --------------------------------------------------------------------------------------------------
+# Real nanochat checkpoints
+
+def test_nanochat_checkpoint_import():
+    root = TESTDATA / "nanochat_checkpoint"
+    e = np.load(root / "expected.npz")
+    # the NANOCHAT_BASE_DIR: finds base_checkpoints/d2
+    params, cfg, tk = checkpoint.load_nanochat(str(root))
+    assert cfg == NANOCHAT_D2_CFG
+    assert [tk.bos] + tk.encode("Return the") == e["prompt_ids"][0].tolist() and tk.bos == 503
+    # causal: pads are harmless
+    batch = np.concatenate([e["text_ids"], np.pad(e["prompt_ids"], ((0, 0), (0, 59)))])
+    logits = np.asarray(forward(params, batch, cfg))
+    np.testing.assert_allclose(logits[1:, :5], e["logits"], rtol=0, atol=5e-5)
+    np.testing.assert_allclose(logits[:1], e["text_logits"], rtol=0, atol=5e-5)
+    lse = np.log(np.exp(logits[0, :-1].astype(np.float64)).sum(-1))
+    nll = lse - logits[0, np.arange(63), e["text_ids"][0, 1:]]
+    np.testing.assert_allclose(nll.mean(), e["text_loss"], rtol=0, atol=1e-5)
+    tokens, _ = generated(params, cfg, e["prompt_ids"][0], max_tokens=20)
+    assert tokens[:, 0].tolist() == e["greedy_ids"].tolist() == e["naive_greedy_ids"].tolist()
+    assert tk.decode(e["prompt_ids"][0].tolist() + tokens[:, 0].tolist()) == \
+        "<|bos|>Return the string obtained by replacing the leftmost\nnon"
+    # the model directory itself works too
+    again, _, _ = checkpoint.load_nanochat(str(NANOCHAT_D2))
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, again, params)))
+    sd = torch_files.read_torch_state_dict(NANOCHAT_D2 / "model_000100.pt")
+    assert sd["transformer.wte.weight"].dtype.name == "bfloat16"
+    assert sd["lm_head.weight"].dtype == np.float32
+
+
+# --------------------------------------------------------------------------------------------------
 # Export to nanochat: python checkpoint.py export SOURCE DEST (docs/export.md)
-
-NANOCHAT_D2 = TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"
-
 
 def pickle_globals(raw):
     """The (module, name) of each GLOBAL and STACK_GLOBAL in a pickle (STACK_GLOBAL's from the
@@ -3114,8 +2161,7 @@ def test_export_round_trips_our_checkpoint(tmp_path, bpe_golden):
     export` does, reads back with load_nanochat bit for bit: weights, tokenizer, logits, greedy
     reply; the meta holds nanochat's GPTConfig and what its scripts read. --embeddings bfloat16
     rounds only wte and value_embeds, and says so."""
-    cfg = nc.Config(sequence_len=128, vocab_size=512, n_layer=2, n_head=2, n_kv_head=1, n_embd=64,
-                    window_pattern="L")
+    cfg = NANOCHAT_D2_CFG
     tok = data.train_tokenizer([bpe_golden["text"], MULTILINGUAL], cfg.vocab_size)
     params = random_params(cfg, 11)
     flags = {"device_batch_size": 4, "total_batch_size": -1, "embedding_lr": 0.3}
@@ -3134,11 +2180,11 @@ def test_export_round_trips_our_checkpoint(tmp_path, bpe_golden):
         (tok.tokens, tok.pat_str, tok.special)
     assert any(t[0] >= 0x80 for t in tok.tokens[256:])  # merges of UTF-8 bytes, as bytes
     written = json.loads((dest / "chatsft_checkpoints" / "d2" / "meta_000007.json").read_text())
-    config = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "compute_dtype"}
-    assert written == {"step": 7, "val_bpb": 1.25, "model_config": config, "user_config": flags,
+    gpt_config = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "compute_dtype"}
+    assert written == {"step": 7, "val_bpb": 1.25, "model_config": gpt_config, "user_config": flags,
                        "device_batch_size": 4, "max_seq_len": 128}  # no -1 batch: unknown
     ids = np.array([[tok.bos, *tok.encode("Réponse courte, 東京 " * 9)][:64]] * 2)
-    np.testing.assert_array_equal(full_forward(got, ids, cfg), full_forward(params, ids, cfg))
+    np.testing.assert_array_equal(forward(got, ids, cfg), forward(params, ids, cfg))
     prompt = [tok.bos, *tok.encode("Return the string")][:5]  # 5 tokens, as the import test's
     reply = generated(got, cfg, prompt, max_tokens=20)[0][:, 0].tolist()
     assert reply == generated(params, cfg, prompt, max_tokens=20)[0][:, 0].tolist()
@@ -3291,56 +2337,169 @@ def test_export_cli(tmp_path):
         assert sorted((p, p.stat().st_mtime_ns) for p in dest.rglob("*")) == listing
 
 
-@pytest.mark.slow  # five saving processes, each killed after a wait
-def test_damaged_checkpoint_is_skipped_by_resume_and_kill9_never_leaves_half_a_step(tmp_path, tiny_params):
-    """A damaged params.msgpack or meta.json is a one-line error, and --resume's loader falls back
-    to the previous step; a process killed at random moments while saving (kill -9) leaves every
-    step_* complete or absent."""
-    root = str(tmp_path / "ck")
-    for step in (1, 2):
-        checkpoint.save_checkpoint(root, step, tiny_params, None, {"step": step})
-    newest = os.path.join(root, "step_000002")
-    raw = open(os.path.join(newest, "params.msgpack"), "rb").read()
-    # truncated; a byte msgpack never uses
-    for damage in (raw[:len(raw) // 2], raw[:100] + b"\xc1" + raw[101:]):
-        open(os.path.join(newest, "params.msgpack"), "wb").write(damage)
-        with pytest.raises(ValueError,
-                           match="params.msgpack: damaged .*; use an earlier checkpoint"):
-            checkpoint.load_checkpoint(newest)
-        said = []
-        path, params, _, meta = checkpoint.load_newest(root, log=said.append)
-        assert path.endswith("step_000001") and meta == {"step": 1} and said[0].startswith(f"skipping {newest}")
-    open(os.path.join(root, "step_000001", "meta.json"), "w").write('{"step": ')
-    with pytest.raises(ValueError, match="meta.json: damaged"):
-        checkpoint.load_checkpoint(os.path.join(root, "step_000001"))
-    assert checkpoint.load_newest(root, log=lambda *_: None) is None
-    with pytest.raises(ValueError,
-                       match=r"meta.json: config fields \['n_expert'\] are unknown to this version"):
-        checkpoint.config_from({**dataclasses.asdict(TINY), "n_expert": 8}, "ck/meta.json")
-    saver = (f"import checkpoint, numpy as np\nbig = {{'w': np.arange(4_000_000, dtype=np.float32)}}\n"
-             f"for step in range(10**6):\n"
-             f"    checkpoint.save_checkpoint({root!r}, step % 3 + 10, big, big, {{'step': step}})\n")
-    shutil.rmtree(root)
-    for delay in (0.6, 0.9, 1.3, 1.7, 2.2, None):
-        p = subprocess.Popen([sys.executable, "-c", saver], cwd=pathlib.Path(__file__).parent)
-        if delay is None:  # the last one once a save is whole: a loaded machine imports slowly
-            deadline = time.time() + 120
-            while not checkpoint.checkpoint_dirs(root) and time.time() < deadline:
-                time.sleep(0.05)
-        else:
-            time.sleep(delay)
-        p.kill()  # SIGKILL, wherever the save is
-        p.wait()
-        for step_dir in checkpoint.checkpoint_dirs(root):  # whatever is there is whole
-            params, opt, meta = checkpoint.load_checkpoint(step_dir)
-            assert params["w"].shape == (4_000_000,) and float(params["w"][-1]) == 3_999_999 and opt is not None
-    assert checkpoint.checkpoint_dirs(root)  # some saves completed
-    # the next save sweeps what the killed ones left
-    checkpoint.save_checkpoint(root, 99, tiny_params, None, {})
-    assert all(re.fullmatch(r"step_\d{6}", n) for n in os.listdir(root))
-
 # --------------------------------------------------------------------------------------------------
-# chat.py: terminal and web
+# engine.py: the reference generate (a KV cache, sampling, tools) against nanochat's Engine
+# and the full forward
+
+# windows [128, 256]: a 160-token generation crosses the short one
+WINDOW_CFG = config(sequence_len=256, n_layer=2, n_head=2, n_kv_head=1)
+GREEDY = (0.0, 0, 1.0)  # engine.prefill's and decode's settings: temperature, top_k, top_p
+
+
+def generated(params, cfg, prompt, num_samples=1, tool=None, **sampling):
+    """(token columns, mask columns) of one generate call, as (steps, num_samples) arrays; sampling:
+    engine.Sampling's fields (greedy, 24 tokens unless given)."""
+    sampling = engine.Sampling(**{"max_tokens": 24, "temperature": 0.0, **sampling})
+    steps = list(engine.generate(params, cfg, list(prompt), sampling, num_samples=num_samples,
+                                 tool=tool))
+    return np.array([c for c, _ in steps]), np.array([m for _, m in steps])
+
+
+@pytest.fixture(scope="session")
+def golden_generate(golden):
+    """The golden params and what nanochat's Engine generated with them (nanochat_generate.npz)."""
+    return golden_tree(golden, "param"), np.load(TESTDATA / "nanochat_generate.npz")
+
+
+def stepped(params, cfg, prompt, bucket, max_len, feed):
+    """Logits of prefill (prompt padded to `bucket`) and of each decode step fed `feed`, through the
+    jitted steps that `generate` runs with the same shapes (so nothing compiles twice)."""
+    padded = np.zeros((1, bucket), np.int32)
+    padded[0, :len(prompt)] = prompt
+    key, p = jax.random.key(0), nc.unstack(params, cfg)
+    _, logits, cache = engine.prefill(p, padded, len(prompt), key, GREEDY, cfg=cfg, max_len=max_len)
+    out = [logits[0]]
+    for t in feed:
+        _, logits, cache = engine.decode(p, np.array([t], np.int32), cache, key, GREEDY, cfg=cfg)
+        out.append(logits[0])
+    return np.array(out), cache
+
+
+def test_golden_generate_equals_nanochat_engine(golden_generate):
+    params, g = golden_generate
+    # 17 + 24 tokens: prefill bucket 32, cache 64
+    tokens, masks = generated(params, GOLDEN_CFG, g["prompt"])
+    assert tokens[:, 0].tolist() == g["engine_tokens"].tolist() == g["naive_tokens"].tolist()
+    assert masks.all()
+    logits, cache = stepped(params, GOLDEN_CFG, g["prompt"], 32, 64, g["engine_tokens"])
+    np.testing.assert_allclose(logits[0], g["prefill_last_logits"], rtol=0, atol=2e-5)
+    # the step after the last too
+    np.testing.assert_allclose(logits[1:], g["decode_logits"], rtol=0, atol=2e-5)
+    assert cache["pos"].tolist() == [17 + 24]
+
+
+@pytest.fixture(scope="module")
+def window_model():
+    params = random_params(WINDOW_CFG, 3)
+    prompt = np.random.default_rng(4).integers(0, WINDOW_CFG.vocab_size, 260)
+    return params, prompt
+
+
+@pytest.mark.slow  # a 256-token cache and programs of its own (the golden test checks decode)
+def test_kv_decode_equals_full_forward_with_sliding_window(window_model):
+    params, prompt = window_model
+    assert nc.window_sizes(WINDOW_CFG) == [128, 256]
+    # prefill bucket 128, cache 256
+    tokens, _ = generated(params, WINDOW_CFG, prompt[:100], max_tokens=60)
+    # 160 tokens: layer 0's 128-token window binds
+    seq = np.concatenate([prompt[:100], tokens[:, 0]])[None]
+    full = np.asarray(forward(params, seq, WINDOW_CFG))[0]
+    # greedy with the cache = naive greedy
+    assert full[99:159].argmax(-1).tolist() == tokens[:, 0].tolist()
+    logits, _ = stepped(params, WINDOW_CFG, prompt[:100], 128, 256, tokens[:-1, 0])
+    np.testing.assert_allclose(logits, full[99:159], rtol=0, atol=2e-5)
+    # the window matters: full attention gives other logits past 128 tokens, so the cache really
+    # honoured it
+    unwindowed = dataclasses.replace(WINDOW_CFG, window_pattern="L")
+    other = np.asarray(forward(params, seq, unwindowed))[0]
+    np.testing.assert_allclose(other[:129], full[:129], rtol=0, atol=1e-5)
+    assert np.abs(other[140:] - full[140:]).max() > 1e-3
+
+
+def test_prompt_buckets_do_not_change_results_or_recompile(window_model):
+    params, prompt = window_model
+    key, p = jax.random.key(0), nc.unstack(params, WINDOW_CFG)
+    # junk after the prompt
+    padded = np.pad(prompt[None, :100], ((0, 0), (0, 28)), constant_values=7)
+    _, bucketed, c2 = engine.prefill(p, padded, 100, key, GREEDY, cfg=WINDOW_CFG, max_len=256)
+    _, exact, c1 = engine.prefill(p, prompt[None, :100], 100, key, GREEDY, cfg=WINDOW_CFG,
+                                  max_len=256)
+    np.testing.assert_allclose(bucketed, exact, rtol=0, atol=1e-5)
+    assert c1["pos"].tolist() == c2["pos"].tolist() == [100]
+    np.testing.assert_array_equal(c1["prev"], c2["prev"])  # the smear carries the last real token
+    for (k1, _), (k2, _) in zip(c1["layers"], c2["layers"]):  # (B, K, S, D)
+        np.testing.assert_allclose(k1[:, :, :100], k2[:, :, :100], rtol=0, atol=1e-5)
+    five = np.array([5], np.int32)
+    _, after_exact, _ = engine.decode(p, five, c1, key, GREEDY, cfg=WINDOW_CFG)
+    _, after_bucketed, _ = engine.decode(p, five, c2, key, GREEDY, cfg=WINDOW_CFG)
+    # the junk slot 100 is overwritten
+    np.testing.assert_allclose(after_bucketed, after_exact, rtol=0, atol=1e-5)
+    generated(params, WINDOW_CFG, prompt[:100], max_tokens=60)  # generate's own programs
+    compiled = engine.prefill._cache_size(), engine.decode._cache_size()
+    # one prompt bucket (128) and one cache size (256): a growing chat does not recompile
+    for n in (97, 110, 120):
+        generated(params, WINDOW_CFG, prompt[:n], max_tokens=60)
+    assert (engine.prefill._cache_size(), engine.decode._cache_size()) == compiled
+
+
+def test_sampling_keys_rows_and_top_k(window_model):
+    params, prompt = window_model
+    sample = lambda seed, **kw: generated(params, WINDOW_CFG, prompt[:20], max_tokens=12,
+                                          seed=seed,
+                                          **{"temperature": 1.0, "num_samples": 4, **kw})[0]
+    a, b, c = sample(1), sample(1), sample(2)
+    assert a.shape == (12, 4)
+    np.testing.assert_array_equal(a, b)  # same key, same samples
+    assert not np.array_equal(a, c)  # another key, other samples
+    assert len({tuple(r) for r in a.T}) > 1  # rows sample independently
+    greedy = sample(3, temperature=0.0)
+    assert (greedy == greedy[:, :1]).all()
+    # top-k 1 is greedy at any temperature
+    np.testing.assert_array_equal(sample(4, top_k=1), greedy)
+
+
+def test_sample_top_k_and_top_p_are_traced():
+    """top_k and top_p truncate the distribution as HF does (top-k first, then the smallest set
+    holding top_p of what remains; 0 and 1 turn them off); being traced, 40 settings share one
+    compiled sampler."""
+    probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04] + [0.0] * 300)  # V 306 > TOP_K_MAX
+    logits = jnp.log(jnp.asarray(probs, jnp.float32) + 1e-30)[None]
+    def draw_one(key, t, k, p):
+        return engine.sample_next_token(logits, key[None], t, k, p)[0]
+
+    draw = jax.jit(jax.vmap(draw_one, (0, None, None, None)))
+    keys = jax.random.split(jax.random.key(0), 20000)
+
+    def freq(t, k, p):
+        return np.bincount(np.asarray(draw(keys, t, k, p)), minlength=306)[:8] / len(keys)
+
+    for k, p, kept in ((0, 1.0, 6), (3, 1.0, 3), (0, 0.5, 2), (0, 0.8, 4), (4, 0.75, 3),
+                       (4, 0.7, 2), (1, 1.0, 1), (300, 1.0, 6)):
+        want = np.zeros(8)
+        want[:kept] = probs[:kept] / probs[:kept].sum()
+        np.testing.assert_allclose(freq(1.0, k, p), want, atol=0.012,
+                                   err_msg=f"top_k {k}, top_p {p}")
+    np.testing.assert_array_equal(freq(0.0, 0, 0.3), np.eye(8)[0])  # temperature 0: argmax
+    for k, p in itertools.product((0, 1, 2, 50, 256), (1.0, 0.9, 0.5, 0.1)):
+        draw(keys, 0.7, k, p)
+    assert draw._cache_size() == 1
+
+
+def test_stops_and_limits(window_model):
+    params, prompt = window_model
+    run = lambda **kw: generated(params, WINDOW_CFG, prompt[:20], max_tokens=12, num_samples=4,
+                                 **kw)[0]
+    greedy = run()[:, 0].tolist()
+    stopped = run(stop_ids=[greedy[3]])
+    # the stop token comes, then the end
+    assert stopped[:, 0].tolist() == greedy[:greedy.index(greedy[3]) + 1]
+    rows = run(temperature=1.0, stop_ids=[greedy[0]])
+    # rows keep going until every row is done
+    assert len(rows) == 12 or all(greedy[0] in r for r in rows.T)
+    # the context is full
+    assert len(generated(params, WINDOW_CFG, prompt[:250], max_tokens=100)[0]) == 6
+    with pytest.raises(ValueError, match="context"):
+        generated(params, WINDOW_CFG, np.tile(prompt, 2)[:256])
 
 
 @pytest.fixture(scope="module")
@@ -3357,12 +2516,1341 @@ def chat_model(tmp_path_factory):
 
 
 HI = [{"role": "user", "content": "hello"}]
-# <= 16 tokens, as HI
-HELLO = [{"role": "system", "content": "Hi."}, {"role": "user", "content": "hello"}]
 
 
 def chat_prompt(bt, messages):
     return data.render_conversation(bt, messages)[0] + [bt.special["<|assistant_start|>"]]
+
+
+def test_tool_output_is_forced_with_mask_zero(chat_model):
+    params, cfg, bt, _ = chat_model
+    sp = bt.special
+    calculator = data.calculator_tool(bt)
+    script = [sp["<|python_start|>"], *bt.encode("6*7"), sp["<|python_end|>"]]
+    seen = []
+
+    # a model that writes a python block after its first token, fed to the real calculator
+    def tool(row, token):
+        seen.append(token)
+        return (script if len(seen) == 1 else []) + calculator(row, token)
+
+    tokens, masks = generated(params, cfg, chat_prompt(bt, HI), max_tokens=32, top_k=50, tool=tool)
+    forced = script + [sp["<|output_start|>"], *bt.encode("42"), sp["<|output_end|>"]]
+    assert tokens[1:1 + len(forced), 0].tolist() == forced
+    assert masks[:, 0].tolist() == [1] + [0] * len(forced) + [1] * (32 - 1 - len(forced))
+    assert seen == tokens[:, 0].tolist()  # the tool saw every emitted token
+
+
+def test_decode_donates_its_cache(chat_model):
+    params, cfg, _, _ = chat_model
+    key, p = jax.random.key(0), nc.unstack(params, cfg)
+    # the shapes of the generate call above (prompt bucket 16, cache 64): nothing compiles again
+    prompt = np.zeros((1, 16), np.int32)
+    _, _, cache = engine.prefill(p, prompt, 3, key, GREEDY, cfg=cfg, max_len=64)
+    _, _, new = engine.decode(p, np.array([5], np.int32), cache, key, GREEDY, cfg=cfg)
+    # written in place: no second cache
+    assert all(a.is_deleted() for a in jax.tree.leaves(cache["layers"]))
+    assert new["pos"].tolist() == [4]
+
+
+# --------------------------------------------------------------------------------------------------
+# The slot engine: many requests at once, each equal to the reference `generate` alone
+
+def solo(params, cfg, prompt, **kwargs):
+    """(tokens, masks) of the first row of the reference engine.generate, greedy by default."""
+    tokens, masks = generated(params, cfg, prompt, **kwargs)
+    return tokens[:, 0].tolist(), masks[:, 0].tolist()
+
+
+def greedy(max_tokens, **kwargs):
+    return engine.Sampling(max_tokens=max_tokens, temperature=0.0, **kwargs)
+
+
+def test_engine_golden_prompt_among_others(golden_generate):
+    """nanochat's golden prompt, admitted into a slot while the other slots decode other prompts,
+    gives nanochat's Engine tokens exactly and its logits (as log-probabilities) within the golden
+    tolerance."""
+    params, g = golden_generate
+    eng = engine.Engine(params, GOLDEN_CFG, slots=4, kmax=4)
+    rng = np.random.default_rng(5)
+    others = [eng.submit(rng.integers(0, 300, n).tolist(), greedy(40)) for n in (9, 30)]
+    eng.step()
+    eng.step()  # the others are 5 tokens in
+    golden = eng.submit(g["prompt"].tolist(), greedy(24, logprobs=True), stream=True)
+    eng.drain()
+    assert golden.tokens[0] == g["engine_tokens"].tolist() and golden.finish == ["length"]
+    assert golden.masks[0] == [1] * 24 and all(len(r.tokens[0]) == 40 for r in others)
+    # each token's log-probabilities: the golden logits that chose it, log-softmaxed
+    logits = np.concatenate([g["prefill_last_logits"][None], g["decode_logits"][:23]])
+    want = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    for step, event in enumerate(list(golden)[:-1]):
+        chosen, likeliest = event.logprobs
+        ids = [i for i, _ in likeliest]
+        assert ids[0] == event.token and len(ids) == engine.TOP_LOGPROBS
+        np.testing.assert_allclose([lp for _, lp in likeliest], want[step, ids], rtol=0, atol=4e-5)
+        assert chosen == pytest.approx(float(want[step, event.token]), abs=4e-5)
+
+
+def test_engine_staggered_requests_equal_each_alone(window_model):
+    """Six prompts of different lengths arrive at different steps into four slots (two reused
+    after long requests); slots cross the 128-token sliding window at different steps. Every
+    stream equals its prompt's solo greedy `generate`."""
+    params, prompt = window_model
+    lengths = (5, 100, 40, 120, 3, 60)
+    budgets = (150, 100, 100, 120, 130, 150)  # past 128 in all: generate's cache is 256 for each
+    eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8)
+    arrivals = {0: [0, 1], 1: [2], 3: [3, 4], 6: [5]}  # round -> the requests that come then
+    requests = {}
+    for round_ in range(200):
+        for i in arrivals.get(round_, []):
+            requests[i] = eng.submit(prompt[:lengths[i]].tolist(), greedy(budgets[i]))
+        if not eng.step() and round_ > max(arrivals):
+            break
+    assert eng.stats["chunks"] > 20  # long enough to reuse slots
+    for i, request in sorted(requests.items()):
+        want = min(budgets[i], WINDOW_CFG.sequence_len - lengths[i])
+        tokens, masks = solo(params, WINDOW_CFG, prompt[:lengths[i]], max_tokens=want)
+        assert request.tokens[0] == tokens and request.masks[0] == masks == [1] * want, i
+        assert request.finish == ["length"]
+    # the two that crossed the window did so at different steps
+    crossings = [128 - lengths[i] for i in (1, 3)]
+    assert crossings[0] != crossings[1]
+    assert all(0 < c < budgets[i] for c, i in zip(crossings, (1, 3)))
+
+
+def block_tool(start, end, result):
+    """The calculator's state machine on ids start and end (data.calculator_tool's): after start,
+    ids, end it forces result(ids)."""
+    blocks = {}
+
+    def tool(row, token):
+        if token == start:
+            blocks[row] = []
+        elif row in blocks and token == end:
+            return list(result(blocks.pop(row)))
+        elif row in blocks:
+            blocks[row].append(token)
+        return []
+    return tool
+
+
+@pytest.mark.parametrize("forced", [[7, 8, 9], []], ids=["result", "nothing"])
+def test_engine_calculator_hops_and_forced_tokens(window_model, forced):
+    """A python block the model writes hands the slot to the host, which runs the tool and queues
+    its ids: the same tokens and masks as `generate` with that tool, one hop per closed block; a
+    tool that gives nothing (an empty or failing expression) forces nothing."""
+    params, prompt = window_model
+    # prompts and lengths whose shapes the staggered test compiled
+    plain, _ = solo(params, WINDOW_CFG, prompt[:40], max_tokens=125)
+    start = plain[2]  # tokens this model writes: its greedy stream opens and closes a block
+    end = next(t for t in plain[4:] if t != start)
+    want, masks = solo(params, WINDOW_CFG, prompt[:40], max_tokens=125,
+                       tool=block_tool(start, end, lambda ids: forced))
+    eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8, python_ids=(start, end))
+    others = [eng.submit(prompt[:n].tolist(), greedy(125)) for n in (7, 33)]
+    request = eng.submit(prompt[:40].tolist(), greedy(125),
+                         tool=block_tool(start, end, lambda ids: forced))
+    eng.drain()
+    assert request.tokens[0] == want and request.masks[0] == masks
+    assert (0 in masks) == bool(forced)
+    streams = [want]
+    for r, n in zip(others, (7, 33)):  # the others, without a tool, resume sampling at once
+        streams.append(solo(params, WINDOW_CFG, prompt[:n], max_tokens=125,
+                            tool=block_tool(start, end, lambda ids: []))[0])
+        assert r.tokens[0] == streams[-1]
+    # a block closed by a choice's last token needs no hop: the choice ends
+    assert eng.stats["hops"] == sum(closed_blocks(s[:-1], start, end) for s in streams)
+    assert closed_blocks(want[:-1], start, end) >= 1
+
+
+def closed_blocks(tokens, start, end):
+    """The python blocks a stream closes, counted as nanochat's Engine does."""
+    closed = 0
+    inside = False
+    for t in tokens:
+        if t == start:
+            inside = True
+        elif t == end and inside:
+            inside = False
+            closed += 1
+    return closed
+
+
+def test_engine_stops_limits_choices_and_seeds(window_model):
+    """Stop ids, max_tokens and a full context end a choice as in `generate`; n choices share one
+    prefill and equal generate's rows; a seeded request gives the same tokens alone and among
+    seven others."""
+    params, prompt = window_model
+    eng = engine.Engine(params, WINDOW_CFG, slots=8, kmax=8)
+    plain, _ = solo(params, WINDOW_CFG, prompt[:20], max_tokens=12)
+    stopped = eng.submit(prompt[:20].tolist(), greedy(12, stop_ids=(plain[3],)))
+    limited = eng.submit(prompt[:20].tolist(), greedy(5))
+    full = eng.submit(prompt[:250].tolist(), greedy(100))
+    eng.drain()
+    assert stopped.tokens[0] == plain[:plain.index(plain[3]) + 1] and stopped.finish == ["stop"]
+    assert limited.tokens[0] == plain[:5] and limited.finish == ["length"]
+    assert len(full.tokens[0]) == 6 and full.finish == ["length"]  # the context is full
+    # four choices from one prefill: generate's four rows, whose keys are fold_in(key(seed), row)
+    admits = eng.stats["admits"]
+    sampled = engine.Sampling(max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=11)
+    choices = eng.submit(prompt[:20].tolist(), sampled, n=4)
+    eng.drain()
+    rows, _ = generated(params, WINDOW_CFG, prompt[:20], max_tokens=12, seed=11,
+                        temperature=1.0, top_k=50, top_p=0.9, num_samples=4)
+    assert choices.tokens == rows.T.tolist() and len({tuple(c) for c in choices.tokens}) > 1
+    assert eng.stats["admits"] == admits + 1  # one prefill for the four
+    alone = eng.submit(prompt[:30].tolist(), sampled)
+    eng.drain()
+    crowd = [eng.submit(prompt[:n].tolist(), dataclasses.replace(sampled, seed=n))
+             for n in (3, 9, 15, 21, 40, 50, 60)]
+    among = eng.submit(prompt[:30].tolist(), sampled)
+    eng.drain()
+    assert among.tokens == alone.tokens and all(len(r.tokens[0]) == 12 for r in crowd)
+    with pytest.raises(ValueError, match="context"):
+        eng.submit(prompt[:256].tolist(), sampled)
+    with pytest.raises(ValueError, match="top_k"):
+        eng.submit(prompt[:5].tolist(), dataclasses.replace(sampled, top_k=257))
+
+
+def test_engine_never_recompiles_after_warm_up_and_donates(window_model, recwarn):
+    """After warm_up, prompts of every bucket, any number of concurrent requests, chunks of any
+    row count, calculator hops, logprobs and cancellations compile nothing; each call donates the
+    state (no second cache)."""
+    params, prompt = window_model
+    plain, _ = solo(params, WINDOW_CFG, prompt[:20], max_tokens=8)
+    eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8, python_ids=(plain[2], plain[5]))
+    eng.warm_up()
+    compiles = []
+
+    def listen(event, *_, **__):
+        if event == LOWERED:
+            compiles.append(event)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        rng = np.random.default_rng(0)
+        for wave in range(4):
+            requests = []
+            for i in range(1 + 3 * wave):
+                n = int(rng.integers(1, 255))
+                sampling = engine.Sampling(max_tokens=int(rng.integers(1, 40)),
+                                           temperature=float(rng.uniform(0, 2)),
+                                           top_k=int(rng.integers(0, 257)),
+                                           top_p=float(rng.uniform(0.1, 1)),
+                                           seed=int(rng.integers(0, 2**32)),
+                                           logprobs=bool(i % 2),
+                                           stop_ids=tuple(rng.integers(0, 100, i % 3).tolist()))
+                tool = block_tool(plain[2], plain[5], lambda ids: ids[:2])
+                requests.append(eng.submit(rng.integers(0, 100, n).tolist(), sampling,
+                                           n=1 + i % 3, tool=tool))
+            old = eng.state
+            eng.step()
+            assert all(a.is_deleted() for a in jax.tree.leaves(old["cache"]))
+            requests[0].cancel()
+            eng.drain()
+            assert all(r.done for r in requests[1:]) and requests[0].cancelled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == [] and eng.stats["hops"] > 0
+    assert not [w for w in recwarn if "donated" in str(w.message)]
+    assert all(owner is None for owner in eng.owner)  # every slot free again
+
+
+# --------------------------------------------------------------------------------------------------
+# sharding.py: each leaf's split over the devices and the bytes it leaves each, from shapes
+
+# 8 stacked layers, width 64, vocab 320: every layer stack and first dimension divides 8 but the
+# value embeddings' stack of 4 and the (1,) scalars; TINY_MODEL's stacks of 2 layers do not divide
+SHARD_MODELS = {"d8": dict(depth=8, aspect_ratio=8), "d2": {}}
+
+
+def test_sharded_state_bytes_per_device():
+    """Per device, --shard full holds at most 1/8 of the replicated params and optimizer state plus
+    the leaves that stay replicated (no axis their kind allows divides 8), --shard optimizer the
+    same of the optimizer state alone; counted from shapes, no devices needed. The optimizer state
+    splits on any axis (a stack of 2 layers on a matrix's), full's params on a matrix's own
+    dimensions first. A mode that needs several devices falls back to none on one, with a
+    warning."""
+    P = jax.sharding.PartitionSpec
+    for model in (dict(depth=16, aspect_ratio=4), *SHARD_MODELS.values()):
+        params = nc.param_shapes(train.model_config(320, **{**TINY_MODEL, **model}))
+        opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
+        replicated = sharding.memory(params, opt, 8, "none")
+        p_specs, o_specs = sharding.state_specs(params, opt, 8, "full")
+        kept = []  # the bytes of the leaves left whole, of the params and of the optimizer state
+        for tree, specs in ((params, p_specs), (opt, o_specs)):
+            leaves = zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=sharding.is_spec))
+            kept.append(sum(a.size * a.dtype.itemsize for a, s in leaves if s == P()))
+        full, optimizer = (sharding.memory(params, opt, 8, m) for m in ("full", "optimizer"))
+        assert full["params"] + full["optimizer"] <= \
+            (replicated["params"] + replicated["optimizer"]) / 8 + sum(kept)
+        assert optimizer["optimizer"] <= replicated["optimizer"] / 8 + kept[1]
+        assert optimizer["params"] == optimizer["grads"] == replicated["params"]
+        assert full["grads"] == full["params"] < replicated["params"]
+        # value embeddings: 2 or 8 tables; vocab 320 divides 8
+        assert p_specs["value_embeds"] == P(None, "data")
+        assert o_specs["mom"]["value_embeds"] == (P("data") if model.get("depth") == 16
+                                                  else P(None, "data"))
+        # the Muon stacks split on the stack axis where it divides, else on a matrix's
+        assert o_specs["mom"]["h"]["mlp"]["c_fc"] == (P("data") if model.get("depth") in (8, 16)
+                                                      else P(None, "data"))
+        whole = [a.shape for a, s in zip(jax.tree.leaves(opt), jax.tree.leaves(
+            o_specs, is_leaf=sharding.is_spec)) if s == P()]
+        assert all(d % 8 for shape in whole for d in shape)  # only where no axis divides
+        if model.get("depth") == 16:  # every stack divides: only the (1,) scalars stay whole
+            assert sum(kept) < 64 and full["params"] * 8 - replicated["params"] < 64
+    # Muon's stacks, while updated, split along the stack axis only, never across a matrix
+    assert sharding.leaf_spec((8, 64, 256), 8, "stack") == P("data")
+    assert sharding.leaf_spec((2, 64, 256), 8, "stack") == P()
+    assert sharding.leaf_spec((2, 64, 256), 8, "any") == P(None, "data")
+    assert sharding.leaf_spec((8, 64, 256), 8, "matrix") == P(None, "data")
+    assert sharding.leaf_spec((8, 60, 256), 8, "matrix") == P(None, None, "data")
+    assert sharding.leaf_spec((), 8, "any") == sharding.leaf_spec((8, 64), 8, None) == P()
+    said = []
+    assert sharding.choose_mode("full", 1, said.append) == "none" and "warning" in said[0]
+    assert sharding.choose_mode(None, 8) == "optimizer" and sharding.choose_mode(None, 1) == "none"
+
+
+# --------------------------------------------------------------------------------------------------
+# evaluate.py: bits per byte, our tasks, CORE and ChatCORE against nanochat
+
+def test_bits_per_byte():
+    params = random_params(TINY, 11)
+    x = np.asarray(jax.random.randint(jax.random.key(12), (2, 16), 0, TINY.vocab_size))
+    y = np.roll(x, -1, axis=1)
+    y[0, 3] = -1
+    # ids with 0 bytes (specials) count neither nats nor bytes
+    token_bytes = np.arange(TINY.vocab_size) % 4
+    nats = np.asarray(loss_fn(params, x, y, TINY, reduction="none"))
+    nb = np.where(y >= 0, token_bytes[np.maximum(y, 0)], 0)
+    want = (nats * (nb > 0)).sum() / (np.log(2) * nb.sum())
+    got = evaluate.evaluate_bpb(params, TINY, iter([(x, y, None)] * 3), jnp.asarray(token_bytes), 2)
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_task_evaluation_scores_exact_matches(monkeypatch):
+    btok = data.byte_tokenizer()
+    cfg = config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=1, n_kv_head=1)
+    # a stand-in model that knows every reference answer of two tasks and none of the others
+    answers = {}
+
+    def oracle(params, cfg, tok, prompts, n, max_tokens):  # evaluate.complete's replies
+        return [[answers.get(tuple(prompt), [])] * n for prompt in prompts]
+
+    for task in tasks.TASKS:
+        for c in itertools.islice(tasks.task_conversations(task, "test"), 5):
+            ids, mask = data.render_conversation(btok, c)
+            prompt = data.render_for_completion(btok, c)
+            if task in ("identity", "arithmetic"):
+                reply = zip(ids[len(prompt):], mask[len(prompt):])
+                answers[tuple(prompt)] = [t for t, m in reply if m][:-1]
+    monkeypatch.setattr(evaluate, "complete", oracle)
+    acc, _ = evaluate.evaluate_tasks(None, cfg, btok, n=5)
+    assert acc == {"identity": 1.0, "arithmetic": 1.0, "counting": 0.0, "spelling": 0.0,
+                   "docstring": 0.0}
+
+
+CORE_DIR = TESTDATA / "core_eval"
+
+
+@pytest.fixture(scope="session")
+def nanochat_d2():
+    return checkpoint.load_nanochat(str(NANOCHAT_D2))
+
+
+def test_core_equals_nanochat(nanochat_d2):
+    """nanochat's own CORE code on its checkpoint (testdata/core_eval/README.md): every example's
+    decision equal, mean losses within 1e-4, token rows, spans and prompts (few-shot included)
+    exact, the accuracies and CORE equal."""
+    params, cfg, tok = nanochat_d2
+    expected = json.loads((CORE_DIR / "expected.json").read_text())
+    found = evaluate.load_bundle(str(CORE_DIR / "eval_bundle"))
+    # several batches a task
+    out = evaluate.evaluate_core(params, cfg, tok, found, batch_tokens=512, details=True)
+    assert [t["label"] for t in found] == list(expected["results"])
+    for task in found:
+        want, got = expected["tasks"][task["label"]], out["per_example"][task["label"]]
+        dataset = CORE_DIR / "eval_bundle" / "eval_data" / want["dataset_uri"]
+        lines = [l for _, l in data.json_lines(dataset, "")]
+        assert task["data"] == [lines[i] for i in want["shuffled_lines"]]  # Random(1337)'s shuffle
+        assert got["correct"] == [bool(c) for c in want["correct"]]
+        for ex, losses in zip(want["examples"], got["mean_losses"]):
+            np.testing.assert_allclose(losses, ex.get("mean_losses", [ex.get("mean_loss")]),
+                                       atol=1e-4)
+            if "detail" in ex:
+                fewshot = [task["data"][i] for i in ex["fewshot_idx"]]
+                item = task["data"][ex["idx"]]
+                prompts = evaluate.core_prompts(item, task["type"], task["delimiter"], fewshot)
+                assert prompts == ex["detail"]["prompts"]
+                tokens = ex["detail"]["tokens"]
+                if task["type"] == "language_modeling":
+                    tokens = tokens[-1:]
+                assert evaluate.core_example(tok, task, ex["idx"]) == (
+                    tokens, ex["start_idxs"], ex["end_idxs"])
+    assert out["results"] == expected["results"]
+    assert out["centered_results"] == expected["centered_results"]
+    assert out["core_metric"] == pytest.approx(expected["core_metric"], abs=1e-12)
+
+
+@pytest.mark.slow  # five evaluate.py processes
+def test_core_cli_on_four_devices_and_its_errors(tmp_path):
+    """evaluate.py on a 4-device mesh (each batch's rows split over the devices) gives nanochat's
+    CORE; bad bundles and checkpoints are one-line errors."""
+    cmd = [sys.executable, "evaluate.py", "--nanochat-checkpoint",
+           str(TESTDATA / "nanochat_checkpoint")]
+    four = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    run = lambda *a: subprocess.run(cmd + list(a), cwd=pathlib.Path(__file__).parent,
+                                    capture_output=True, text=True, timeout=300, env=four)
+    r = run("--eval-bundle", str(CORE_DIR / "eval_bundle"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "4 devices" in r.stdout
+    expected = json.loads((CORE_DIR / "expected.json").read_text())
+    core = json.loads(r.stdout.splitlines()[-1])["core"]
+    assert core["core_metric"] == pytest.approx(expected["core_metric"])
+    bad = tmp_path / "bundle"
+    shutil.copytree(CORE_DIR / "eval_bundle", bad)
+    (bad / "eval_data" / "opposites.jsonl").write_text('{"query": "up", "gold": 0}\n')
+    for args, message in [(["--eval-bundle", str(tmp_path / "nowhere")],
+                           "no core.yaml here, not an eval_bundle"),
+                          (["--eval-bundle", str(bad)],
+                           "opposites.jsonl: example 0 lacks one of ('query', 'choices'"),
+                          (["--chat-data", str(tmp_path)], "none of the ChatCORE datasets"),
+                          ([], "give --eval-bundle DIR (CORE) and/or --chat-data DIR (ChatCORE)")]:
+        r = run(*args)
+        assert r.returncode in (1, 2), r.stderr[-2000:]
+        assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr[-2000:]
+
+
+def test_core_yaml_and_bad_bundles(tmp_path):
+    yaml = tmp_path / "core.yaml"
+    yaml.write_text("# a comment\n"
+                    "icl_tasks:\n"
+                    "- label: a  # inline comment\n"
+                    "  num_fewshot:\n"
+                    "  - 0\n"
+                    "  - 3\n"
+                    "  continuation_delimiter: \"#### \\n\"\n"
+                    "-\n"
+                    "  label: 'it''s'\n"
+                    "  num_fewshot: [10, 5]\n"
+                    "  has_categories: true\n"
+                    "eval_gauntlet:\n"
+                    "  weighting: EQUAL\n")
+    assert evaluate.read_icl_tasks(str(yaml)) == [
+        {"label": "a", "num_fewshot": [0, 3], "continuation_delimiter": "#### \n"},
+        {"label": "it's", "num_fewshot": [10, 5], "has_categories": True}]
+    bundle = tmp_path / "b"
+    shutil.copytree(CORE_DIR / "eval_bundle", bundle)
+    with pytest.raises(ValueError,
+                       match="task 'opposites' takes 3-shot examples from the others of its 3"):
+        evaluate.load_bundle(str(bundle), max_per_task=3)
+    (bundle / "eval_meta_data.csv").write_text("Eval Task,Random baseline\npydoc_qa,25\n")
+    with pytest.raises(ValueError, match="no 'Random baseline' for task 'opposites'"):
+        evaluate.load_bundle(str(bundle))
+    (bundle / "core.yaml").write_text("icl_tasks:\n- label: x\n  what is this\n")
+    with pytest.raises(ValueError, match=r"core.yaml:3: cannot read 'what is this'"):
+        evaluate.load_bundle(str(bundle))
+
+
+def test_core_task_types_by_hand(btok):
+    """The three task types' prompts and scored spans, worked out by hand with the byte tokenizer.
+    """
+    mc = dict(label="mc", type="multiple_choice", num_fewshot=1, delimiter=" ",
+              data=[{"query": "Pets:", "choices": ["cat", "car"], "gold": 0},
+                    {"query": "Q", "choices": ["a"], "gold": 0}])
+    rows, starts, ends = evaluate.core_example(btok, mc, 0)
+    assert [btok.decode(r[1:]) for r in rows] == ["Q a\n\nPets: cat", "Q a\n\nPets: car"]
+    # the shared prefix is not scored
+    assert starts == [len("Q a\n\nPets: ca") + 1] * 2 and ends == [len(rows[0])] * 2
+    schema = dict(label="s", type="schema", num_fewshot=0, delimiter=" ",
+                  data=[{"context_options": ["It rained", "It was sunny"],
+                         "continuation": "so it is wet.", "gold": 0}])
+    rows, starts, ends = evaluate.core_example(btok, schema, 0)
+    # the shared suffix
+    assert [btok.decode(r[s:e]) for r, s, e in zip(rows, starts, ends)] == [" so it is wet."] * 2
+    lm = dict(label="lm", type="language_modeling", num_fewshot=0, delimiter="\nAnswer: ",
+              data=[{"context": "  Capital of France? ", "continuation": "Paris"}])
+    (row,), (s,), (e,) = evaluate.core_example(btok, lm, 0)
+    assert btok.decode(row[1:s]) == "Capital of France?\nAnswer:"
+    assert btok.decode(row[s:e]) == " Paris"
+
+
+def write_chat_data(root):
+    """Small ChatCORE datasets in the public layouts: ARC-Easy as Hugging Face parquet,
+    ARC-Challenge as AI2's own .jsonl, the others as Hugging Face .jsonl; returns {task: rows as
+    written}."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    arc = [{"id": f"q{i}", "question": f"Which is number {i}?", "answerKey": "ABCD"[i % 4],
+            "choices": {"text": [f"number {j}" for j in range(4)], "label": list("ABCD")}}
+           for i in range(6)]
+    ai2 = [{"id": "c1", "answerKey": "2", "question": {"stem": "Pick two.", "choices": [
+        {"text": "one", "label": "1"}, {"text": "two", "label": "2"},
+        {"text": "three", "label": "3"}]}}]
+    mmlu = [{"question": f"{i} + 1 =", "subject": "math", "choices": [str(i + d) for d in range(4)],
+             "answer": 1}
+            for i in range(5)]
+    gsm = [{"question": f"Tom has {i} apples and buys 2 more. How many?",
+            "answer": f"He has {i}+2=<<{i}+2={i + 2}>>{i + 2} apples.\n#### {i + 2}"}
+           for i in range(4)]
+    he = [{"task_id": "HumanEval/0",
+           "prompt": "import math\n\ndef root(x):\n    \"\"\"Square root.\"\"\"\n",
+           "canonical_solution": "    return math.sqrt(x)\n", "entry_point": "root",
+           "test": "def check(f):\n    assert f(9) == 3\n"}]
+    folders = {"ai2_arc/ARC-Easy": None, "ai2_arc/ARC-Challenge": ai2, "mmlu/all": mmlu,
+               "gsm8k/main": gsm,
+               "openai_humaneval/openai_humaneval": he}
+    for folder, rows in folders.items():
+        (root / folder).mkdir(parents=True)
+        if rows is not None:
+            (root / folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(arc), root / "ai2_arc/ARC-Easy/test-00000-of-00001.parquet")
+    train_split = "".join(json.dumps(r) + "\n" for r in gsm[::-1])
+    (root / "gsm8k/main/train-00000-of-00001.jsonl").write_text(train_split)
+    return {"ARC-Easy": arc, "ARC-Challenge": ai2, "MMLU": mmlu, "GSM8K": gsm, "HumanEval": he}
+
+
+@pytest.mark.slow  # a model of its own, scored by hand row by row on three tasks
+def test_chatcore_categorical_is_the_letters_argmax(tmp_path, btok):
+    rows = write_chat_data(tmp_path)
+    found = tasks.load_chat_tasks(str(tmp_path))
+    order = np.random.default_rng(42).permutation(6)  # nanochat's Dataset.shuffle(seed=42)
+    answers = [c["messages"][-1]["content"] for c in found["ARC-Easy"]]
+    assert answers == [rows["ARC-Easy"][i]["answerKey"] for i in order]
+    assert found["ARC-Challenge"][0]["messages"] == [
+        {"role": "user",
+         "content": "Multiple Choice question: Pick two.\n- one=1\n- two=2\n- three=3\n\n"
+                    "Respond only with the letter of the correct answer."},
+        {"role": "assistant", "content": "2"}]
+    cfg = config(sequence_len=256, vocab_size=btok.n_vocab, n_layer=2, n_head=2)
+    params = random_params(cfg, 3)
+    want = {}
+    # by hand: one row at a time, the full forward's last logits
+    for name in ("ARC-Easy", "ARC-Challenge", "MMLU"):
+        hits = []
+        for c in found[name]:
+            ids = data.render_for_completion(btok, c["messages"])
+            # causal: the pads change no logit before
+            padded = np.zeros((1, cfg.sequence_len), np.int32)
+            # them, and one shape compiles once, not once a prompt length
+            padded[0, :len(ids)] = ids
+            z = np.asarray(forward(params, padded, cfg))[0, len(ids) - 1]
+            letter_ids = [btok.encode(l)[0] for l in c["letters"]]
+            best = c["letters"][int(np.argmax(z[letter_ids]))]
+            hits.append(best == c["messages"][-1]["content"])
+        want[name] = np.mean(hits)
+    categorical = {n: found[n] for n in want}
+    for batch_tokens in (256, 1 << 14):  # one row per batch, or all rows in one
+        out = evaluate.evaluate_chat(params, cfg, btok, categorical, batch_tokens=batch_tokens)
+        assert out["results"] == want
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "mmlu", bad / "mmlu")
+    row = '{"question": "q", "choices": ["a", "b"], "answer": 7}\n'
+    (bad / "mmlu/all/test.jsonl").write_text(row)
+    with pytest.raises(ValueError,
+                       match="mmlu/all: row 0: .*want the layout of Hugging Face's cais/mmlu"):
+        tasks.load_chat_tasks(str(bad))
+
+
+@pytest.mark.slow  # a model of its own through ChatCORE three times, programs in the sandbox
+def test_gsm8k_humaneval_and_chatcore(tmp_path, btok, monkeypatch):
+    assert tasks.gsm8k_answer("so 3 + 4 = 7\n#### 1,234.5 dollars") == "1234.5"
+    assert tasks.gsm8k_answer("#### -12") == "-12"
+    assert tasks.gsm8k_answer("the answer is 12") is None
+    assert tasks.gsm8k_parts("It is 12/60=<<12/60=0.2>>0.2 a minute.\n#### 0.2") == [
+        {"type": "text", "text": "It is 12/60="}, {"type": "python", "text": "12/60"},
+        {"type": "python_output", "text": "0.2"},
+        {"type": "text", "text": "0.2 a minute.\n#### 0.2"}]
+    write_chat_data(tmp_path)
+    found = tasks.load_chat_tasks(str(tmp_path))
+    he = found["HumanEval"][0]
+    reply = "Here:\n```python\ndef root(x):\n    return math.sqrt(x)\n```\nDone."
+    program = tasks.humaneval_program(he, reply)
+    assert program.startswith("import math\n\ndef root(x):\n") and program.endswith("check(root)")
+    cfg = config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=2)
+    params = random_params(cfg, 0)
+
+    def answer(right):  # the engine's completion replaced by the reference answer (or a wrong one)
+        refs = {}
+        for c in found["GSM8K"] + found["HumanEval"]:
+            ref = c["messages"][-1]["content"]
+            text = f"#### {tasks.gsm8k_answer(ref[-1]['text'])}" if isinstance(ref, list) else ref
+            prompt = data.render_for_completion(btok, c["messages"])
+            refs[tuple(prompt)] = text if right else text[:-3] + "1"
+        return lambda p, cfg, tok, prompts, n, *a: [[btok.encode(refs[tuple(prompt)])] * n
+                                                    for prompt in prompts]
+
+    for right in (True, False):
+        monkeypatch.setattr(evaluate, "complete", answer(right))
+        generative = {n: found[n] for n in ("GSM8K", "HumanEval")}
+        results = evaluate.evaluate_chat(params, cfg, btok, generative)["results"]
+        assert results == {"GSM8K": right, "HumanEval": right}
+    out = evaluate.evaluate_chat(params, cfg, btok, found)
+    baselines = (("ARC-Easy", .25), ("ARC-Challenge", .25), ("MMLU", .25), ("GSM8K", 0),
+                 ("HumanEval", 0))
+    centred = [(out["results"][n] - b) / (1 - b) for n, b in baselines]
+    assert out["chatcore"] == pytest.approx(np.mean(centred))
+    del found["MMLU"]
+    # ChatCORE needs all five
+    assert evaluate.evaluate_chat(params, cfg, btok, found)["chatcore"] is None
+
+
+# --------------------------------------------------------------------------------------------------
+# report.py: the report card, checked where train.py writes it (test_default_pipeline)
+
+
+# --------------------------------------------------------------------------------------------------
+# rl.py: RL's batch and loss by hand, and a reward that RL raises
+
+# a flat schedule (no warmup, warmdown or weight decay, a constant momentum) and nanochat's lrs
+FLAT = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0,
+            momentum_start=0.95, momentum=0.95, momentum_end=0.95, momentum_warmup=1,
+            weight_decay=0.0)
+LRS = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
+
+
+@pytest.mark.slow  # RL's loss, its gradient and a step compiled for RL's weighted batch alone
+def test_rl_loss_and_advantages_by_hand():
+    # prompt 5 6; 7 8 and 9 sampled
+    groups = [([[5, 6, 7, 8], [5, 6, 9]], [[0, 0, 1, 1], [0, 0, 1]], [1.0, 0.0]),
+              # 2 at index 2: tool output
+              ([[3, 4, 2, 2], [3, 4, 1, 0]], [[0, 1, 0, 1], [0, 1, 1, 1]], [1.0, 1.0])]
+    x, y, w = rl.rl_batch(groups, T=5)
+    # r - mean(r) of the group, no std division
+    np.testing.assert_array_equal(w[:, :, 0], [[0.5, -0.5], [0, 0]])
+    assert (w == w[:, :, :1]).all()
+    np.testing.assert_array_equal(x[0], [[5, 6, 7, 0, 0], [5, 6, 0, 0, 0]])
+    np.testing.assert_array_equal(y[0], [[-1, 7, 8, -1, -1], [-1, 9, -1, -1, -1]])
+    np.testing.assert_array_equal(y[1], [[4, -1, 2, -1, -1], [4, 1, 0, -1, -1]])
+    params = random_params(TINY, 3)
+    # jitted: op by op, the backward pass alone compiled some 400 XLA programs (half a minute on 2
+    # cores)
+    loss_and_grads = jax.jit(jax.value_and_grad(train.weighted_loss), static_argnames="cfg")
+    for i in range(2):  # -sum(logp * adv) / valid tokens, per prompt (a micro-batch of the step)
+        logp = np.asarray(jax.nn.log_softmax(forward(params, jnp.asarray(x[i]), TINY), -1),
+                          np.float64)
+        valid = [(j, t) for j in range(2) for t in range(5) if y[i, j, t] >= 0]
+        by_hand = -sum(logp[j, t, y[i, j, t]] * w[i, j, t] for j, t in valid) / len(valid)
+        loss, grads = loss_and_grads(params, TINY, x[i], y[i], w[i])
+        np.testing.assert_allclose(loss, by_hand, rtol=1e-5, atol=1e-7)
+    # all rewards equal: no signal, no NaN
+    assert all((np.asarray(g) == 0).all() for g in jax.tree.leaves(grads))
+    p = jax.tree.map(jnp.copy, params)
+    new, _, m = train.jit_train_step(p, init_opt(p), (x[1:], y[1:], w[1:]), 0, FLAT, LRS, cfg=TINY)
+    assert bool(m["finite"]) and float(m["loss"]) == 0.0
+    # Muon (no weight decay here) moves nothing; AdamW only
+    chex.assert_trees_all_equal(new["h"], params["h"])
+    # applies nanochat's fixed weight decays
+    assert all(np.isfinite(a).all() for a in jax.tree.leaves(new))
+    with pytest.raises(FloatingPointError, match="not all finite"):
+        rl.rl_batch([([[1, 2]], [[0, 1]], [float("nan")])], T=4)
+
+
+# a training run: 70 steps and 14 rounds of sampling (RL's math is checked just above)
+@pytest.mark.slow
+def test_rl_raises_the_reward_of_a_tiny_task(btok):
+    """SFT teaches "yes" and "no" equally to one question; RL rewarding "yes" makes the model say
+    it."""
+    cfg = config(sequence_len=32, vocab_size=btok.n_vocab, n_layer=1, n_head=2)
+    ask = lambda answer: [{"role": "user", "content": "yes?"},
+                          {"role": "assistant", "content": answer}]
+    # SFT in RL's shapes, (1, 16, 32) and weights, all 1 (the plain mean loss): one step compiles
+    # for both
+    rows = [data.render_conversation(btok, ask(a)) for a in ("yes", "no") * 8]
+    pad = lambda ids, fill: ids + [fill] * (cfg.sequence_len - len(ids))
+    x = np.array([pad(ids[:-1], 0) for ids, _ in rows], np.int32)[None]
+    y = np.array([pad([t if m else -1 for t, m in zip(ids[1:], mask[1:])], -1)
+                  for ids, mask in rows], np.int32)[None]
+    params = nc.init_params(cfg, jax.random.key(0))
+    opt = init_opt(params)
+    for i in range(60):
+        params, opt, _ = train.jit_train_step(params, opt, (x, y, np.ones(x.shape, np.float32)), i,
+                                              FLAT, LRS, cfg=cfg)
+
+    # over 64 samples, 16 at a time as the steps below draw them: one engine's programs
+    def reward(params, seed):
+        groups = [rl.rollout(params, cfg, btok, [(ask("yes"), tasks.check)], seed + j, 16, 8)[0]
+                  for j in range(4)]
+        return np.mean([g[2] for g in groups])
+
+    before = reward(params, 100)
+    assert 0.2 < before < 0.8  # SFT left both answers likely
+    opt = init_opt(params)
+    for i in range(10):
+        groups = rl.rollout(params, cfg, btok, [(ask("yes"), tasks.check)], i, 16, 8)
+        batch = rl.rl_batch(groups, cfg.sequence_len)
+        params, opt, m = train.jit_train_step(params, opt, batch, i, FLAT,
+                                              {k: v * 0.3 for k, v in LRS.items()},
+                                              cfg=cfg)
+    assert reward(params, 100) > before + 0.3
+
+
+# --------------------------------------------------------------------------------------------------
+# train.py: schedules, the step, checkpoints and exact resume, stages, devices and processes,
+# the pipeline, the CLI
+
+def test_schedules_follow_nanochat():
+    s = dict(num_iterations=100, warmup_steps=10, warmdown_ratio=0.65, final_lr_frac=0.05,
+             momentum_start=0.85, momentum=0.97, momentum_end=0.90, momentum_warmup=20,
+             weight_decay=0.2)
+    # (lr multiplier, momentum, wd)
+    at = lambda i: np.array(train.schedules(jnp.int32(i), s), np.float64)
+    expect = {0: (0.1, 0.85, 0.2), 9: (1.0, 0.904, 0.2 * 0.5 * (1 + np.cos(np.pi * 0.09))),
+              # warmdown: round(0.65 * 100)
+              10: (1.0, 0.91, None), 20: (1.0, 0.97, None), 35: (1.0, 0.97, None),
+              68: (32 / 65 + 33 / 65 * 0.05, 0.97 - 0.07 * 33 / 65, None), 50: (None, None, 0.1),
+              100: (0.05, 0.90, 0.0)}
+    for i, want in expect.items():
+        got = at(i)
+        for g, w in zip(got, want):
+            if w is not None:
+                assert g == pytest.approx(w, abs=1e-6), (i, got, want)
+
+
+@pytest.mark.parametrize("depth, tokens, batch, iters, lr_scale, wd", [
+    # nanochat's scaling rules at vocab 32768, ratio 12 (nanochat_spec.md section 1.7)
+    (12, 1.321e9, 2**19, 2520, 1.0, 0.280), (20, 5.222e9, 2**20, 4980, 1.4142, 0.100),
+    (26, 11.021e9, 2**20, 10510, 1.4142, 0.0475),
+])
+def test_horizon_follows_nanochat(depth, tokens, batch, iters, lr_scale, wd):
+    cfg = nc.config_for_depth(depth, 32768)
+    steps, b, scale, weight_decay = train.horizon(
+        cfg, 32, -1, train.Optim(total_batch_size=-1, batch_lr_scale=-1))
+    assert (steps, b) == (iters, batch)
+    assert float(f"{steps * b:.4g}") == pytest.approx(tokens, rel=2e-3)
+    assert scale == pytest.approx(lr_scale, abs=1e-4)
+    assert weight_decay == pytest.approx(wd, rel=1e-2)
+    flops = train.horizon(cfg, 32, -1, train.Optim(total_batch_size=-1, target_flops=1e18))[0]
+    assert flops == round(1e18 / (nc.estimate_flops(cfg) * batch))
+    # --num-iterations wins
+    assert train.horizon(cfg, 32, 7, train.Optim(total_batch_size=-1, target_flops=1e18))[0] == 7
+
+
+# --------------------------------------------------------------------------------------------------
+# The step
+
+def test_step_never_recompiles():
+    """train.jit_train_step itself: after its first call, new steps (so new schedule values) compile
+    nothing. Its (2, 2, 16) batch is the next two tests' too, which then compile no step of their
+    own."""
+    s = dict(num_iterations=10, warmup_steps=2, warmdown_ratio=0.5, final_lr_frac=0.0,
+             momentum_start=0.85, momentum=0.95, momentum_end=0.9, momentum_warmup=3,
+             weight_decay=0.1)
+    lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
+    params = random_params(TINY, 0)
+    opt = init_opt(params)
+    # 2 micro-batches of 2 x 16
+    x = jax.random.randint(jax.random.key(8), (2, 2, 16), 0, TINY.vocab_size)
+    y = jnp.roll(x, -1, axis=2)
+    losses, compiles = [], []
+    listen = lambda event, *_, **__: compiles.append(event) if event == LOWERED else None
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for i in range(4):
+            params, opt, m = train.jit_train_step(params, opt, (x, y), i, s, lrs, cfg=TINY)
+            losses.append(float(m["loss"]))
+            assert bool(m["finite"])
+            if i == 0:  # compiled (or found compiled): from here on nothing may compile
+                compiles.clear()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+    assert losses[-1] < losses[0]  # the same batch: loss must fall
+
+
+@pytest.mark.slow  # two train steps compiled for batch shapes of their own
+def test_grad_accumulation_equals_big_batch():
+    x = jax.random.randint(jax.random.key(9), (4, 16), 0, TINY.vocab_size)
+    y = jnp.roll(x, -1, axis=1)
+    p = random_params(TINY, 10)  # again: the step donates them
+    one, _, m1 = train.jit_train_step(p, init_opt(p), (x[None], y[None]), 0, FLAT, LRS, cfg=TINY)
+    p = random_params(TINY, 10)  # again: the step donates them
+    two, _, m2 = train.jit_train_step(p, init_opt(p), (x.reshape(2, 2, 16), y.reshape(2, 2, 16)),
+                                      0, FLAT, LRS, cfg=TINY)
+    np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
+    chex.assert_trees_all_close(one, two, atol=2e-5)
+
+
+def test_step_donates_params_and_opt_state():
+    p = random_params(TINY, 0)
+    opt = jax.device_put(init_opt(p))  # host zeros on the device, as train.py puts them
+    x = jnp.zeros((2, 2, 16), jnp.int32)  # the shape the step was compiled for above
+    train.jit_train_step(p, opt, (x, x), 0, FLAT, LRS, cfg=TINY)
+    # updated in place: no second copy in memory
+    assert all(a.is_deleted() for a in jax.tree.leaves((p, opt)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Runs: exact resume, --debug, a loss that is not finite, Ctrl-C, remat
+
+@pytest.fixture(scope="session")
+def train_root(tmp_path_factory):
+    """A checkpoint root holding a tokenizer trained once for every training test."""
+    root = tmp_path_factory.mktemp("train")
+    data.tokenizer_for(str(root), vocab_size=300)
+    return root
+
+
+def fresh_root(train_root, tmp_path):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "tokenizer.json").write_bytes((train_root / "tokenizer.json").read_bytes())
+    return str(tmp_path)
+
+
+def run_base(root, iterations, seed=0, model=None, optim=None, evals=None, device_batch_size=4,
+             **kwargs):
+    """train.run_stage on a fresh tiny base model, wired as train.main wires TRAIN_ARGS, through the
+    values API: (params, cfg, losses, info). kwargs: train.Run's (resume, save_every, debug, ...).
+    """
+    tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
+    cfg = train.model_config(tok.n_vocab, **{**TINY_MODEL, **(model or {})})
+    stage = train.base_stage(cfg, data.corpus(None, "train", seed=seed), jax.random.key(seed),
+                             iterations)
+    evals = {"eval_every": 0, "sample_every": 0, **(evals or {})}
+    run = train.Run(out=root, device_batch_size=device_batch_size, **kwargs)
+    return train.run_stage(stage, tok, run, train.Optim(**{**TINY_OPTIM, **(optim or {})}), evals)
+
+
+def test_resume_is_bit_identical(train_root, tmp_path):
+    full_root = fresh_root(train_root, tmp_path / "a")
+    cut_root = fresh_root(train_root, tmp_path / "b")
+    _, _, full, _ = run_base(full_root, 6)
+    _, _, first, _ = run_base(cut_root, 6, save_every=3)
+    assert first == full  # same seed, same machine: the same trajectory, bit for bit
+    shutil.rmtree(os.path.join(cut_root, "base", "step_000006"))
+    params, _, rest, _ = run_base(cut_root, 6, resume=True)
+    assert rest == full[3:]
+    a = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(full_root))[0]
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, a, jax.device_get(params))))
+    mismatch = r"step_000006 holds Config\(.*n_layer=2.*but these flags make .*n_layer=3"
+    with pytest.raises(ValueError, match=mismatch):
+        run_base(cut_root, 6, model=dict(depth=3), resume=True)  # the weights would not fit
+    # the tokenizer inside the atomic write
+    files = ["meta.json", "opt.msgpack", "params.msgpack", "tokenizer.json"]
+    assert sorted(os.listdir(checkpoint.latest_checkpoint(full_root))) == files
+    assert full[-1] < full[0]
+
+
+@pytest.mark.slow  # a whole step op by op: some 600 compiles, half a minute on 2 cores
+def test_debug_runs_the_same_step_unjitted(train_root, tmp_path, monkeypatch):
+    _, _, jitted, _ = run_base(fresh_root(train_root, tmp_path / "a"), 1)
+    monkeypatch.setattr(train, "jit_train_step",
+                        lambda *a, **k: pytest.fail("--debug took the jitted step"))
+    eager_step, jit_off = train.train_step, []
+
+    def unjitted(*a, **k):
+        jit_off.append(jax.config.jax_disable_jit)
+        return eager_step(*a, **k)
+
+    monkeypatch.setattr(train, "train_step", unjitted)
+    _, _, eager, _ = run_base(fresh_root(train_root, tmp_path / "b"), 1, debug=True)
+    assert jit_off == [True]
+    np.testing.assert_allclose(eager, jitted, rtol=1e-5)
+    # a NaN inside the model stops at the op that made it, not at the end of the step
+    loss_fn = nc.loss_fn
+    monkeypatch.setattr(nc, "loss_fn",
+                        lambda p, *a, **k: loss_fn({**p, "wte": p["wte"] * jnp.nan}, *a, **k))
+    with pytest.raises(FloatingPointError, match="nan"):
+        run_base(fresh_root(train_root, tmp_path / "c"), 1, debug=True)
+
+
+def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch):
+    real, handler = train.jit_train_step, signal.getsignal(signal.SIGINT)
+    _, _, full, _ = run_base(fresh_root(train_root, tmp_path / "full"), 6)
+
+    def failing(*a, **k):
+        params, opt, m = real(*a, **k)
+        return params, opt, {**m, "finite": m["finite"] & (a[3] < 3)}  # step 3 "diverges"
+
+    monkeypatch.setattr(train, "jit_train_step", failing)
+    with pytest.raises(FloatingPointError,
+                       match="step 3: .*not finite; the last good checkpoint is .*step_000002"):
+        run_base(fresh_root(train_root, tmp_path / "nan"), 6, save_every=2)
+    with pytest.raises(FloatingPointError,
+                       match="step 3: .*not finite; no checkpoint was saved yet .*--save-every N"):
+        run_base(fresh_root(train_root, tmp_path / "nan0"), 6)
+
+    # Ctrl-C the moment a step's update is done, before the loop has counted the step
+    def ctrl_c(*a, **k):
+        out = real(*a, **k)
+        for _ in range(presses.get(a[3], 0)):
+            # handled before it returns (os.kill may land on an XLA thread)
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    root = fresh_root(train_root, tmp_path / "cut")
+    monkeypatch.setattr(train, "jit_train_step", ctrl_c)
+    presses = {1: 2}  # step -> Ctrl-Cs; twice: the second aborts at once, saving nothing
+    with pytest.raises(KeyboardInterrupt):
+        run_base(root, 6)
+    assert checkpoint.latest_checkpoint(root) is None and signal.getsignal(signal.SIGINT) is handler
+    # once: the run stops where params, step and data position agree, and saves there
+    presses = {3: 1}
+    with pytest.raises(KeyboardInterrupt,
+                       match="interrupted: saved .*step_000004; continue with --resume"):
+        run_base(root, 6)
+    assert checkpoint.latest_checkpoint(root).endswith("step_000004")
+    assert signal.getsignal(signal.SIGINT) is handler
+    monkeypatch.setattr(train, "jit_train_step", real)
+    _, _, rest, _ = run_base(root, 6, resume=True)
+    assert rest == full[4:]  # no batch trained twice or skipped
+
+
+def test_remat_leaves_the_losses(train_root, tmp_path):
+    _, _, plain, _ = run_base(fresh_root(train_root, tmp_path / "plain"), 3)
+    _, _, remat, _ = run_base(fresh_root(train_root, tmp_path / "remat"), 3, remat=True)
+    np.testing.assert_allclose(remat, plain, rtol=1e-6)
+
+
+@pytest.mark.slow  # two compiles of a step 50x the tiny one's activations, 20 s
+def test_remat_lowers_the_step_temp_bytes():
+    """jax.checkpoint around each block lowers XLA's temp bytes of the train step. CPU XLA's
+    default scheduler orders for concurrency and keeps every activation either way, so the step is
+    compiled with its memory-optimized scheduler, as a memory-bound accelerator's would order it."""
+    cfg = train.model_config(300, depth=3, aspect_ratio=32, head_dim=32, max_seq_len=128)
+    params = nc.param_shapes(cfg)
+    opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
+    x = jax.ShapeDtypeStruct((1, 8, 128), jnp.int32)
+    temp = {}
+    for remat in (False, True):
+        lowered = train.jit_train_step.lower(params, opt, (x, x), 0, train.base_schedule(10, 0.0),
+                                             train.learning_rates(), cfg=cfg,
+                                             layout=train.Layout(remat=remat))
+        memory_first = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+        compiled = lowered.compile(memory_first)
+        temp[remat] = compiled.memory_analysis().temp_size_in_bytes
+    assert temp[True] < 0.95 * temp[False], temp
+
+
+# --------------------------------------------------------------------------------------------------
+# Stages after base: SFT and RL
+
+RL_TINY = dict(prompts=2, samples=2, max_tokens=8, eval_n=0, iterations=4)
+
+
+def run_stage(root, name, iterations=None, resume=False, **stage_kwargs):
+    """A tiny base (T 128), SFT or RL stage through train.run_stage, as train.main wires it.
+    stage_kwargs: the stage's (rl.rl_stage's for RL, on top of RL_TINY)."""
+    tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
+    if name == "base":
+        cfg = train.model_config(tok.n_vocab, **{**TINY_MODEL, "max_seq_len": 128})
+        stage = train.base_stage(cfg, data.corpus(None, "train"), jax.random.key(0), iterations)
+    elif name == "sft":
+        stage = train.sft_stage(root, tok, data.corpus(None, "train"), iterations=iterations)
+    else:
+        given = {} if iterations is None else {"iterations": iterations}
+        stage = train.Stage(**rl.rl_stage(root, tok, **{**RL_TINY, **given, **stage_kwargs}))
+    optim = train.Optim(**{**TINY_OPTIM, "total_batch_size": 512})
+    run = train.Run(out=root, device_batch_size=4, resume=resume)
+    return train.run_stage(stage, tok, run, optim, {"eval_every": 0, "sample_every": 0})
+
+
+@pytest.mark.slow  # base, SFT and RL stages: the pipeline
+def test_rl_stage_resumes_exactly_and_saves_on_ctrl_c(train_root, tmp_path, monkeypatch):
+    root = fresh_root(train_root, tmp_path / "full")
+    with pytest.raises(FileNotFoundError,
+                       match="no sft checkpoint under .*: run `python train.py --stage sft` first"):
+        run_stage(root, "rl")
+    with pytest.raises(SystemExit):  # argparse names the tasks there are
+        train.parse_args(["--rl-tasks", "poetry"])
+    run_stage(root, "base", 2)
+    run_stage(root, "sft", 2)
+    cut = shutil.copytree(root, tmp_path / "cut")
+    params, _, full, _ = run_stage(root, "rl")
+    assert len(full) == 4 and np.isfinite(full).all()
+    _, _, meta = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root), optimizer=False)
+    assert meta["stage"] == "rl" and meta["step"] == 4 and meta["schedule"]["warmdown_ratio"] == 1.0
+    real, calls = rl.rollout, []
+
+    def ctrl_c(*a, **k):  # Ctrl-C in the middle of step 3's sampling (one batch a step)
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(rl, "rollout", ctrl_c)
+    with pytest.raises(KeyboardInterrupt,
+                       match="interrupted: saved .*rl.step_000003; continue with --resume"):
+        run_stage(str(cut), "rl")  # the step in flight finishes, then the run saves and stops
+    monkeypatch.setattr(rl, "rollout", real)
+    resumed, _, rest, _ = run_stage(str(cut), "rl", resume=True)
+    assert rest == full[3:]  # the same prompts and samples: the key is threaded from (seed, step)
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(resumed),
+                                            jax.device_get(params))))
+
+
+@pytest.mark.slow  # base, SFT and RL stages: the pipeline
+def test_rl_on_gsm8k_takes_nanochat_settings(train_root, tmp_path):
+    """--rl-tasks gsm8k: nanochat's chat_rl settings unless a flag says otherwise, GSM8K's train
+    split walked in order and rewarded by its '####' answer; a checkpoint of another tokenizer is
+    refused in one line."""
+    args = train.parse_args(["--rl-tasks", "gsm8k"])
+    assert (args.rl_prompts, args.rl_samples, args.rl_max_tokens, args.rl_lr_frac,
+            args.rl_iterations, args.rl_eval,
+            args.rl_eval_every) == (16, 16, 256, 0.05, -1, 400, 60)
+    assert train.parse_args(["--rl-tasks", "gsm8k", "--rl-prompts", "2"]).rl_prompts == 2
+    assert train.parse_args([]).rl_prompts == 8 and train.parse_args([]).rl_eval_every == 0
+    write_chat_data(tmp_path / "chat")
+    root = fresh_root(train_root, tmp_path / "run")
+    run_stage(root, "base", 2)
+    run_stage(root, "sft", 2)
+    gsm = dict(task_names=["gsm8k"], chat_data=str(tmp_path / "chat"), eval_n=2, eval_every=1,
+               iterations=-1,
+               lr_frac=0.05)  # --rl-tasks gsm8k's defaults, as the flags' check above found them
+    tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
+    sft_meta = os.path.join(checkpoint.latest_checkpoint(root, ("sft",)), "meta.json")
+    cfg = nc.Config(**json.load(open(sft_meta))["config"])
+    fits = lambda messages: len(data.render_for_completion(tok, messages)) < cfg.sequence_len - 1
+    found = tasks.rl_tasks(["gsm8k"], 0, str(tmp_path / "chat"), fits)
+    train_split = tmp_path / "chat/gsm8k/main/train-00000-of-00001.jsonl"
+    train_rows = [json.loads(l) for l in open(train_split)]
+    order = np.random.default_rng(42).permutation(4)
+    # in order, then round again
+    steps = [[c for c, _ in rl.rl_prompts(found, step, 2)] for step in range(3)]
+    asked = [c[0]["content"] for s in steps for c in s]
+    assert asked == [train_rows[i]["question"] for i in [*order, *order[:2]]]
+    reward = found["gsm8k"][2]
+    assert reward(steps[0][0], f"#### {tasks.gsm8k_answer(train_rows[order[0]]['answer'])}") is True
+    assert reward(steps[0][0], "#### 1000") is False
+    _, _, losses, info = run_stage(root, "rl", **gsm)
+    assert len(losses) == 2 and np.isfinite(losses).all()  # one epoch: 4 questions / 2 a step
+    assert set(info) >= {"pass@k before", "pass@k 1", "pass@k"}
+    assert set(info["pass@k"]["gsm8k"]) == {"pass@1", "pass@2"}
+    other = data.train_tokenizer(["a different corpus for another tokenizer"] * 50, 280)
+    other.save(os.path.join(root, "tokenizer.json"))
+    with pytest.raises(ValueError,
+                       match="was trained with another tokenizer than .*tokenizer.json"):
+        run_stage(root, "rl", **gsm)
+
+
+# --------------------------------------------------------------------------------------------------
+# Devices and processes: data parallel, --shard, two processes
+
+def run_cli(root, *extra, env=None):
+    cmd = [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS,
+           "--num-iterations", "3", *extra]
+    r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, **(env or {})})
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(os.path.join(root, "base", "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f if '"loss"' in line], r.stdout
+
+
+@pytest.mark.slow  # three train.py processes
+def test_four_devices_equal_one(train_root, tmp_path, capsys):
+    """Data parallel on a 4-device mesh trains to the losses of one device, through the CPU route
+    and through TPU's splash-attention route (interpreted here, run per device by shard_map); the
+    startup line names the route. The val loss and the sample at the last step run on one device
+    of the four (outside the step's mesh) and agree between the routes."""
+    args = ("--max-seq-len", "128", "--device-batch-size", "2", "--total-batch-size", "1024",
+            "--eval-every", "3", "--eval-steps", "1", "--sample-every", "3")
+    _, _, one, _ = run_base(fresh_root(train_root, tmp_path / "one"), 3,
+                            model={"max_seq_len": 128}, optim={"total_batch_size": 1024},
+                            device_batch_size=2)
+    # one device accumulates 4 micro-batches of 2 rows; four devices take 2 rows each of one
+    # micro-batch of 8
+    assert "(4 x 2 x 128), 1 devices, attention cpu," in capsys.readouterr().out
+    val = {}
+    for route in ("cpu", "splash"):
+        four, out4 = run_cli(fresh_root(train_root, tmp_path / route), *args, "--attention", route,
+                             env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+        assert f"(1 x 8 x 128), 4 devices, attention {route}," in out4 and "sample:" in out4
+        np.testing.assert_allclose(four, one, rtol=1e-5)
+        val[route] = float(re.search(r"^step +3 \| val bpb (\S+)$", out4, re.M)[1])
+    assert val["cpu"] == pytest.approx(val["splash"], rel=1e-4)
+
+
+SHARD_CHILD = """
+import json, os, shutil, sys
+import test_nanochat as t
+root, out = sys.argv[1], {}
+for name, model in t.SHARD_MODELS.items():
+    for mode in ("none", "optimizer", "full"):
+        d = t.fresh_root(t.pathlib.Path(root), t.pathlib.Path(root) / f"{name}-{mode}")
+        steps, save = (6, 3) if name == "d2" else (4, -1)
+        out[name, mode] = t.run_base(d, steps, model=model, device_batch_size=1, shard=mode,
+                                     save_every=save)[2]
+shutil.rmtree(os.path.join(root, "d2-full", "base", "step_000006"))  # cut at step 3
+print(json.dumps({" ".join(k): v for k, v in out.items()}))
+"""
+
+
+def emulated_devices(n, *cmd):
+    """(the last stdout line as JSON, stdout) of python cmd in a child with n emulated devices."""
+    r = subprocess.run([sys.executable, *cmd], cwd=pathlib.Path(__file__).parent, text=True,
+                       capture_output=True, timeout=600,
+                       env={**os.environ,
+                            "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.splitlines()[-1]), r.stdout
+
+
+@pytest.mark.slow  # two processes of 8 and 4 emulated devices
+def test_shard_modes_equal_one_device_and_resume_on_others(train_root, tmp_path):
+    """--shard none, optimizer and full on 8 devices train to the same losses (rtol 1e-5: the
+    gradient's sum is reduced in another order), and to one device's (rtol 3e-3), over 4 steps
+    of a model whose stacks divide 8 and 6 of one whose do not; the full run, cut at step 3,
+    resumes under none on 1 device and under optimizer on 4 with the losses of the uninterrupted
+    run."""
+    one = {name: run_base(fresh_root(train_root, tmp_path / name), 4 if name == "d8" else 6,
+                          model=model)[2] for name, model in SHARD_MODELS.items()}
+    root = fresh_root(train_root, tmp_path / "eight")
+    eight, out = emulated_devices(8, "-c", SHARD_CHILD, root)
+    assert "--shard optimizer: per device" in out and "--shard full: per device" in out
+    for key, losses in eight.items():  # the modes agree with plain data parallel to fp32 noise
+        name = key.split()[0]
+        np.testing.assert_allclose(losses, eight[f"{name} none"], rtol=1e-5, err_msg=key)
+        # one device sums 2 micro-batches of 4 rows, 8 devices 8 rows at once: these tiny models'
+        # large lrs and Muon wd amplify that reordering to some 1e-3 in 4-6 steps (--shard none's
+        # gap as well: plain data parallel's, not the sharding's)
+        np.testing.assert_allclose(losses, one[name], rtol=3e-3, err_msg=key)
+    cut = os.path.join(root, "d2-full")
+    for n, mode in ((1, "none"), (4, "optimizer")):
+        shutil.copytree(cut, tmp_path / mode)
+        if n == 1:
+            rest = run_base(str(tmp_path / mode), 6, resume=True, shard=mode)[2]
+        else:
+            child = ("import json, sys, test_nanochat as t; "
+                     "print(json.dumps(t.run_base(sys.argv[1], 6, device_batch_size=2, "
+                     "resume=True, shard='optimizer')[2]))")
+            rest, out = emulated_devices(4, "-c", child, str(tmp_path / mode))
+            assert "--shard optimizer: per device" in out
+        np.testing.assert_allclose(rest, eight["d2 full"][3:], rtol=3e-3, err_msg=mode)
+
+
+BAD_SHARD_CHILD = """
+import hashlib, json, os, pathlib, sys
+import jax, rl, train, test_nanochat as t
+root, errors = sys.argv[1], {}
+base = ["--stage", "base", "--out", root, *t.TRAIN_ARGS, "--num-iterations", "2",
+        "--total-batch-size", "512", "--shard", "full"]
+train.main(base)  # a checkpoint to resume
+
+
+def files():  # every file under root with its contents' hash
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(pathlib.Path(root).rglob("*")) if p.is_file()}
+before = files()
+for name, run in {
+        "model": lambda: train.main(base + ["--resume", "--depth", "3"]),
+        "batch": lambda: train.main(base + ["--total-batch-size", "256"]),
+        "samples": lambda: rl.rl_stage(root, None, samples=6)}.items():
+    try:
+        run()
+    except ValueError as e:
+        errors[name] = str(e)
+print(json.dumps({"errors": errors, "unchanged": files() == before}))
+"""
+
+
+@pytest.mark.slow  # a process of 4 emulated devices
+def test_bad_input_under_shard_on_four_devices(train_root, tmp_path):
+    """Under --shard full on 4 devices, each bad input is one line that says what to do, and no
+    file is written or changed: a checkpoint of another model to resume, a total batch that is not
+    a multiple of the rows the mesh takes at once, RL samples that do not split over the devices."""
+    out, _ = emulated_devices(4, "-c", BAD_SHARD_CHILD, fresh_root(train_root, tmp_path))
+    errors = out["errors"]
+    assert set(errors) == {"model", "batch", "samples"} and out["unchanged"]
+    advice = "resume with the flags it was trained with, or train into another --out"
+    assert advice in errors["model"]
+    assert errors["batch"].startswith("--total-batch-size 256 must be a multiple of 512 ")
+    assert errors["samples"].startswith("--rl-samples 6 must be a multiple of the 4 devices")
+    assert all("\n" not in e for e in errors.values())
+
+
+def two_process_cmd(root, iterations):
+    """train.py's command line for process i (append --process-id i) of a two-process run on a free
+    local port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS,
+            "--num-iterations",
+            str(iterations), "--device-batch-size", "4", "--coordinator", f"127.0.0.1:{port}",
+            "--num-processes", "2"]
+
+
+@pytest.mark.slow  # two train.py processes (jax.distributed)
+@pytest.mark.parametrize("shard", ["optimizer", "full"])
+def test_two_processes_equal_one(train_root, tmp_path, shard):
+    """Two processes of one device each train as one process does, in both sharded modes; the
+    val loss and the sample at the last step and the report card (which gather the params under
+    full: a collective every process must join) finish on both."""
+    # one process reading both shards, accumulating two micro-batches of 4 rows
+    _, _, one, _ = run_base(fresh_root(train_root, tmp_path / "one"), 3, data_shards=2)
+    root = fresh_root(train_root, tmp_path / "two")
+    cmd = two_process_cmd(root, 3) + ["--shard", shard, "--eval-every", "3", "--eval-steps", "1",
+                                      "--sample-every", "3"]
+    procs = [subprocess.Popen(cmd + ["--process-id", str(i)], cwd=pathlib.Path(__file__).parent,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert f"--shard {shard}: per device" in outs[0][0]
+    with open(os.path.join(root, "base", "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    two = [entry["loss"] for entry in lines if "loss" in entry]
+    assert len(two) == 3  # one line per step: only process 0 writes the log
+    np.testing.assert_allclose(two, one, rtol=1e-5)
+    assert [entry["step"] for entry in lines if "val_bpb" in entry] == [0, 3]
+    assert "sample:" in outs[0][0] and "sample:" in outs[1][0]
+
+
+@pytest.mark.slow  # three train.py processes
+def test_two_processes_agree_on_ctrl_c(train_root, tmp_path, capsys):
+    """Ctrl-C on one process of a two-process run stops both at the same step with one checkpoint
+    (unless they agree, it saves while the other steps, both stuck in mismatched collectives);
+    --resume trains the rest."""
+    root = fresh_root(train_root, tmp_path / "two")
+    cmd = two_process_cmd(root, 200)
+    # files, not pipes: none blocks when full
+    logs, procs = [tmp_path / f"process{i}.log" for i in range(2)], []
+    for i, log in enumerate(logs):
+        with log.open("w") as f:
+            procs.append(subprocess.Popen(cmd + ["--process-id", str(i)],
+                                          cwd=pathlib.Path(__file__).parent, stdout=f,
+                                          stderr=subprocess.STDOUT))
+    try:
+        deadline = time.time() + 300
+        # both processes are in the loop
+        while not re.search(r"^step +1/200", logs[0].read_text(), re.M):
+            assert procs[0].poll() is None and time.time() < deadline, logs[0].read_text()[-2000:]
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGINT)  # one process only
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    outs = [f.read_text() for f in logs]
+    saved = [re.search(r"^interrupted: saved (\S+); continue with --resume$", out, re.M)
+             for out in outs]
+    assert codes == [1, 1] and all(saved), outs[0][-2000:] + outs[1][-2000:]
+    path = saved[0][1]
+    assert saved[1][1] == path and checkpoint.checkpoint_dirs(os.path.join(root, "base")) == [path]
+    _, _, meta = checkpoint.load_checkpoint(path)
+    assert path.endswith(f"step_{meta['step']:06d}") and 1 <= meta["step"] < 200
+    assert len(meta["data_states"]) == 2
+    # one process, both shards
+    run_base(root, 200, device_batch_size=8, data_shards=2, resume=True)
+    assert f"resuming {path} at step {meta['step']}" in capsys.readouterr().out
+    with open(os.path.join(root, "base", "metrics.jsonl")) as f:
+        # no step twice, none skipped
+        assert [json.loads(line)["step"] for line in f] == list(range(1, 201))
+
+
+# --------------------------------------------------------------------------------------------------
+# The pipeline and the CLI
+
+@pytest.mark.slow  # the whole pipeline
+def test_default_pipeline(tmp_path):
+    """train.main at a tiny size: tokenizer -> base -> SFT -> RL -> evaluation (CORE, ChatCORE, our
+    tasks) and the report card; chat.py finds the RL model."""
+    root = str(tmp_path / "run")
+    write_chat_data(tmp_path / "chat")
+    argv = ["--out", root, "--eval-bundle", str(CORE_DIR / "eval_bundle"),
+            "--chat-data", str(tmp_path / "chat"), "--eval-max", "4",
+            "--depth", "2", "--aspect-ratio", "32", "--head-dim", "16", "--max-seq-len", "128",
+            "--device-batch-size", "2", "--total-batch-size", "512", "--vocab-size", "300",
+            "--tokenizer-max-chars", "1e5", "--num-iterations", "3", "--sft-iterations", "2",
+            "--warmup-steps", "1", "--eval-every", "1000", "--eval-steps", "1",
+            "--sample-every", "0", "--eval-tasks", "1", "--compile-cache", "",
+            "--rl-prompts", "2", "--rl-samples", "2", "--rl-max-tokens", "8", "--rl-eval", "1",
+            "--rl-iterations", "2"]
+    results = train.main(argv)
+    # each chat stage is graded on the template split and the hand-written questions
+    for stage in ("sft", "rl"):
+        assert set(results[stage]["tasks"]) == set(tasks.TASKS)
+        assert set(results[stage]["questions"]) == {"arithmetic", "counting", "spelling",
+                                                    "identity"}
+        assert all(0 <= a <= 1 for a in [*results[stage]["tasks"].values(),
+                                         *results[stage]["questions"].values()])
+        assert results[stage]["recall_bpb"] > 0
+    # corpus bits/byte after each
+    assert all(results[stage]["val_bpb"] > 0 for stage in ("base", "sft", "rl"))
+    for stage, steps in (("base", 3), ("sft", 2), ("rl", 2)):
+        with open(os.path.join(root, stage, "metrics.jsonl")) as f:
+            losses = [json.loads(line)["loss"] for line in f if '"loss"' in line]
+        assert len(losses) == steps and np.isfinite(losses).all()
+    _, _, base = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("base",)),
+                                            optimizer=False)
+    _, _, sft = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("sft",)),
+                                           optimizer=False)
+    rl_params, _, rl = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root, ("rl",)),
+                                                  optimizer=False)
+    # nanochat's chat_sft: 0.8 x the base lrs, no warmup, linear warmdown over the last half to 0,
+    # no weight decay, Muon momentum 0.85 -> 0.95 over 300 steps; chat_rl: a fraction of the base
+    # lrs decaying linearly to 0
+    assert sft["lrs"] == pytest.approx({k: 0.8 * v for k, v in base["lrs"].items()})
+    assert sft["schedule"] == {**base["schedule"], "num_iterations": 2, "warmup_steps": 0,
+                               "warmdown_ratio": 0.5, "final_lr_frac": 0.0,
+                               "momentum_start": 0.85, "momentum": 0.95, "momentum_end": 0.95,
+                               "momentum_warmup": 300, "weight_decay": 0.0}
+    frac = train.parse_args([]).rl_lr_frac
+    assert rl["lrs"] == pytest.approx({k: frac * v for k, v in base["lrs"].items()})
+    assert rl["schedule"]["warmdown_ratio"] == 1.0 and rl["schedule"]["final_lr_frac"] == 0.0
+    assert "pass@1" in results["rl"]["pass@k before"]["counting"]
+    assert "pass@2" in results["rl"]["pass@k"]["spelling"]
+    # chat.py's default: the newest checkpoint of the last stage
+    params, cfg, tok = checkpoint.load_model(root)
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(params), rl_params)))
+    assert cfg == nc.Config(**base["config"]) and tok.n_vocab == 300
+    assert set(results["base"]["core"]["results"]) == {"pydoc_qa", "opposites", "because_schema",
+                                                       "doc_lm", "doc_lm_qa"}
+    assert set(results["sft"]["chatcore"]["results"]) == set(tasks.CHAT_TASKS)
+    # the report card, from each stage's report.json
+    card = open(os.path.join(root, "report.md")).read()
+    for stage in ("base", "sft", "rl"):
+        r = json.load(open(os.path.join(root, stage, "report.json")))
+        assert r["tokens"] > 0 and r["train_time"] > 0 and r["machine"]["jax"] == jax.__version__
+        flops = nc.estimate_flops(nc.Config(**r["config"]))
+        peak = r["machine"]["peak_flops"] * r["machine"]["devices"]
+        mfu = r["tokens"] * flops / (r["train_time"] * peak)
+        core = r.get("core", {}).get("core_metric")
+        chatcore = r.get("chatcore", {}).get("chatcore")
+        params_total = nc.num_scaling_params(cfg)["total"]
+        row = (f"| {stage} | {params_total:,} | {flops:,.0f} | {r['steps']} | {r['tokens']:,} | "
+               f"{r['train_time']:.0f} s | {100 * mfu:.1f}% | {r['val_bpb']:.4f} | "
+               f"{'' if core is None else f'{core:.4f}'} | "
+               f"{'' if chatcore is None else f'{chatcore:.4f}'} |")
+        assert row in card and f"\n## {stage}\n" in card
+        assert all(f"- `{p!r}` -> `{c!r}`" in card for p, c in r["samples"].items())
+    assert f"| {platform.python_version()}, jax {jax.__version__} (cpu) | 1 x cpu |" in card
+    assert f"CORE on `{CORE_DIR / 'eval_bundle'}`:\n\n| task | accuracy | centred |" in card
+    assert f"ChatCORE tasks on `{tmp_path / 'chat'}`:\n\n| task | accuracy |" in card
+    assert "| hand-written questions | arithmetic | counting | spelling | identity |" in card
+    assert f"| opposites | {results['base']['core']['results']['opposites']:.4f} |" in card
+    # a stage run alone rewrites the card from every stage's part
+    os.remove(os.path.join(root, "report.md"))
+    train.main(argv + ["--stage", "rl", "--eval-tasks", "0"])
+    again = open(os.path.join(root, "report.md")).read()
+    assert all(f"\n## {stage}\n" in again for stage in ("base", "sft", "rl"))
+    assert "--stage rl --eval-tasks 0" in again
+
+
+def test_train_cli_error_is_one_line_and_help_shows_defaults(tmp_path, capsys):
+    cmd = [sys.executable, "train.py", "--stage", "tokenizer", "--data", "no/such.txt", "--out",
+           str(tmp_path), "--compile-cache", ""]
+    r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith("error: no/such.txt: no such file")
+    assert r.stderr.count("\n") == 1
+    r = subprocess.run(cmd[:2] + ["--rl-tasks", "poetry"], cwd=pathlib.Path(__file__).parent,
+                       capture_output=True, text=True, timeout=120)
+    # a bad flag: one line too, naming the choices
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error: argument --rl-tasks: invalid choice: 'poetry' "
+                               "(choose from 'identity', ")
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--matrix-lr MATRIX_LR Muon lr of the transformer's matrices (default: 0.02)" in out
+    assert "--target-flops TARGET_FLOPS base training FLOPs (-1: the ratio) (default: -1.0)" in out
+
+
+# --------------------------------------------------------------------------------------------------
+# chat.py: the terminal, replies, the web server and its API, the page
+
+# <= 16 tokens, as HI
+HELLO = [{"role": "system", "content": "Hi."}, {"role": "user", "content": "hello"}]
 
 
 def greedy_reply(model, prompt, max_tokens=32):
@@ -3394,8 +3882,7 @@ def run_chat(args, stdin="", cwd=None):
     """(exit code, stdout, stderr) of `python chat.py ARGS` fed stdin; output decoded as is (no
     newline changes)."""
     r = subprocess.run([sys.executable, str(pathlib.Path(__file__).parent / "chat.py"), *args],
-                       input=stdin.encode(),
-                       capture_output=True, cwd=cwd,
+                       input=stdin.encode(), capture_output=True, cwd=cwd,
                        env={**os.environ, "PYTHONIOENCODING": "utf-8"}, timeout=300)
     return r.returncode, r.stdout.decode(), r.stderr.decode()
 
@@ -3417,8 +3904,8 @@ def test_cli_scripted(chat_model, tmp_path):
     # cut off, not stopped: chat.py closes the turn with <|assistant_end|>
     assert len(first_reply) == 32
     second = first + first_reply + [sp["<|assistant_end|>"], sp["<|user_start|>"],
-                                    *bt.encode("the sea"),
-                                    sp["<|user_end|>"], sp["<|assistant_start|>"]]
+                                    *bt.encode("the sea"), sp["<|user_end|>"],
+                                    sp["<|assistant_start|>"]]
     followup = greedy(second).content
     # the history matters
     assert followup != expected_reply(chat_model, [{"role": "user", "content": "the sea"}])[0]
@@ -3446,8 +3933,12 @@ def test_cli_errors_are_one_line(chat_model):
                             (["--serve", "--port", str(taken.getsockname()[1])],
                              "another --host or --port")]:
             code, _, err = run_chat(["--compile-cache", "", *args], cwd=chat_model[3].parent)
-            assert code == 1 and err.startswith("error: ") and match in err and len(err.splitlines()) == 1, err
+            assert code == 1 and err.startswith("error: ") and match in err, err
+            assert len(err.splitlines()) == 1, err
 
+
+# --------------------------------------------------------------------------------------------------
+# Replies: where they stop, their UTF-8, the calculator's parts (on a stand-in engine)
 
 class FakeEngine:
     """Stands in for chat.py's engine: each request's first choice emits `stream`, a token an event,
@@ -3491,7 +3982,8 @@ def test_replies_stop_and_call_the_calculator(monkeypatch, capsys, server):
     assert capsys.readouterr().out == "\nAssistant: ok\n"
     monkeypatch.setattr(server, "engine", fake)
     r = json.loads(request(server, "POST", "/v1/chat/completions", {"messages": HI})[2])
-    assert r["choices"][0]["message"]["content"] == "ok" and r["choices"][0]["finish_reason"] == "stop"
+    assert r["choices"][0]["message"]["content"] == "ok"
+    assert r["choices"][0]["finish_reason"] == "stop"
     assert r["usage"]["completion_tokens"] == 3
     assert [c["sampling"].stop_ids for c in fake.calls] == [(sp["<|assistant_end|>"], bt.bos)] * 2
     # a fresh calculator per reply: no state leaks between them
@@ -3519,7 +4011,8 @@ def test_replies_decode_utf8_incrementally(monkeypatch, server):
     chunks = events(request(server, "POST", "/v1/chat/completions", req)[2])
     # one device call's text in one event
     assert [c["choices"][0]["delta"].get("content") for c in chunks[1:-2]] == ["é\ufffd"]
-    assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
 
 
 CALCULATED = ("So ", "6*7", "42", " it is 42.")
@@ -3529,11 +4022,10 @@ def calculated(bt):
     """A reply's tokens that call the calculator: text, python, python_output, text,
     <|assistant_end|>."""
     sp = bt.special
-    return [*bt.encode(CALCULATED[0]), sp["<|python_start|>"], *bt.encode(CALCULATED[1]),
-            sp["<|python_end|>"],
+    return [*bt.encode(CALCULATED[0]),
+            sp["<|python_start|>"], *bt.encode(CALCULATED[1]), sp["<|python_end|>"],
             sp["<|output_start|>"], *bt.encode(CALCULATED[2]), sp["<|output_end|>"],
-            *bt.encode(CALCULATED[3]),
-            sp["<|assistant_end|>"]]
+            *bt.encode(CALCULATED[3]), sp["<|assistant_end|>"]]
 
 
 def test_reply_parts_and_stop_strings():
@@ -3543,8 +4035,10 @@ def test_reply_parts_and_stop_strings():
     bt = data.byte_tokenizer()
     r, ids = chat.Reply(bt), calculated(bt)
     said = [r.add(t) for t in ids]
-    assert r.content == "So  it is 42." == "".join(text for text, _ in said) and r.finish == "stop" and r.ids == ids
-    assert r.parts == [{"type": t, "text": x} for t, x in zip(("text", "python", "python_output", "text"), CALCULATED)]
+    assert r.content == "So  it is 42." == "".join(text for text, _ in said)
+    assert r.finish == "stop" and r.ids == ids
+    kinds = ("text", "python", "python_output", "text")
+    assert r.parts == [{"type": t, "text": x} for t, x in zip(kinds, CALCULATED)]
     assert [p for _, p in said if p] == r.parts[1:3]  # each calculator part once, when it closes
     conversation = [{"role": "user", "content": "6 times 7?"},
                     {"role": "assistant", "content": r.parts}]
@@ -3555,13 +4049,15 @@ def test_reply_parts_and_stop_strings():
             said.append(r.add(t)[0])
     assert said == ["h", "e", "", "l", "", "", ""] and r.content == "hel" and r.finish == "stop"
     r = chat.Reply(bt, stop=["ab"])
-    assert [r.add(t)[0] for t in bt.encode("xa")] == ["x", ""] and r.end() == "a" and r.finish == "length"
+    assert [r.add(t)[0] for t in bt.encode("xa")] == ["x", ""]
+    assert r.end() == "a" and r.finish == "length"
 
 
 def test_api_sends_calculator_steps_as_parts(monkeypatch, server):
     bt = data.byte_tokenizer()
     monkeypatch.setattr(server, "engine", FakeEngine(calculated(bt)))
-    message = json.loads(request(server, "POST", "/v1/chat/completions", {"messages": HI})[2])["choices"][0]["message"]
+    body = request(server, "POST", "/v1/chat/completions", {"messages": HI})[2]
+    message = json.loads(body)["choices"][0]["message"]
     parts = [{"type": t, "text": x} for t, x in zip(("text", "python", "python_output", "text"),
                                                     CALCULATED)]
     # no special token in either
@@ -3573,6 +4069,9 @@ def test_api_sends_calculator_steps_as_parts(monkeypatch, server):
     assert [d.get("content") or d["parts"][0]["text"] for d in deltas] == list(CALCULATED)
     assert [d["parts"][0]["type"] for d in deltas if "parts" in d] == ["python", "python_output"]
 
+
+# --------------------------------------------------------------------------------------------------
+# The web server and its OpenAI API
 
 def chat_server(model, slots=4, **kwargs):
     """chat.py's server on its engine, both running; kwargs: make_server's."""
@@ -3586,12 +4085,7 @@ def chat_server(model, slots=4, **kwargs):
 
 @pytest.fixture(scope="module")
 def server(chat_model):
-    params, cfg, bt, _ = chat_model
-    eng = chat.chat_engine(params, cfg, bt, slots=4)
-    srv = chat.make_server(eng, bt, "127.0.0.1", 0, max_tokens=32, temperature=0.0)
-    eng.start()
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
+    srv = chat_server(chat_model, max_tokens=32, temperature=0.0)
     yield srv
     srv.shutdown()
     srv.server_close()
@@ -3622,18 +4116,21 @@ def test_api_completion_and_models(server, chat_model):
                                   {"model": "nanochat", "messages": HELLO})
     assert status == 200 and ctype == "application/json"
     r = json.loads(body)
-    assert r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-") and r["model"] == "nanochat"
-    assert r["choices"] == [{"index": 0,
-                             "message": {"role": "assistant", "content": reply, "parts": [
-        {"type": "text", "text": reply}]}, "finish_reason": "length" if n_out == 32 else "stop"}]
+    assert r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-")
+    assert r["model"] == "nanochat"
+    message = {"role": "assistant", "content": reply, "parts": [{"type": "text", "text": reply}]}
+    finish = "length" if n_out == 32 else "stop"
+    assert r["choices"] == [{"index": 0, "message": message, "finish_reason": finish}]
     assert r["usage"] == {"prompt_tokens": n_in, "completion_tokens": n_out,
                           "total_tokens": n_in + n_out}
     status, _, body = request(server, "GET", "/v1/models")
     assert status == 200 and json.loads(body)["data"][0]["id"] == "nanochat"
-    assert json.loads(body)["data"][0]["context_length"] == 256 and json.loads(body)["data"][0]["max_tokens"] == 32
+    model = json.loads(body)["data"][0]
+    assert model["context_length"] == 256 and model["max_tokens"] == 32
     assert json.loads(request(server, "GET", "/health")[2])["status"] == "ok"
     status, ctype, body = request(server, "GET", "/?q=hi")
-    assert status == 200 and ctype.startswith("text/html") and "<textarea" in body and "/v1/chat/completions" in body
+    assert status == 200 and ctype.startswith("text/html")
+    assert "<textarea" in body and "/v1/chat/completions" in body
 
 
 def test_api_streaming(server, chat_model):
@@ -3643,7 +4140,8 @@ def test_api_streaming(server, chat_model):
     status, ctype, body = request(server, "POST", "/v1/chat/completions", req)
     assert status == 200 and ctype.startswith("text/event-stream")
     chunks = events(body)
-    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-2]) == reply
     assert chunks[-2]["choices"][0] == {"index": 0, "delta": {},
@@ -3659,7 +4157,8 @@ def test_api_choices_stop_top_p_and_logprobs(server, chat_model):
                                            {"messages": HELLO, **kw})[2])
     # the server's default temperature here is 0: three copies of the greedy reply, from one batch
     r = post(n=3)
-    assert [(c["index"], c["message"]["content"]) for c in r["choices"]] == [(0, reply), (1, reply), (2, reply)]
+    choices = [(c["index"], c["message"]["content"]) for c in r["choices"]]
+    assert choices == [(0, reply), (1, reply), (2, reply)]
     assert r["usage"]["completion_tokens"] == 3 * n_out
     a, b = (post(n=4, temperature=1.0, seed=3)["choices"] for _ in range(2))
     # one seed, one batch; the rows differ
@@ -3671,12 +4170,14 @@ def test_api_choices_stop_top_p_and_logprobs(server, chat_model):
     assert post(temperature=2.0, top_p=1e-6, seed=1)["choices"][0]["message"]["content"] == reply
     r = post(logprobs=True, top_logprobs=3)["choices"][0]
     lp = r["logprobs"]["content"]
-    assert b"".join(bytes(e["bytes"]) for e in lp).decode(errors="replace") == reply == r["message"]["content"]
+    text = b"".join(bytes(e["bytes"]) for e in lp).decode(errors="replace")
+    assert text == reply == r["message"]["content"]
     for e in lp:  # greedy: each token is the likeliest
-        assert [t["logprob"] for t in e["top_logprobs"]] == sorted((t["logprob"] for t in e["top_logprobs"]),
-                                                                   reverse=True)
-        assert len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["bytes"] == e["bytes"] and e["logprob"] < 0
-    first = jax.nn.log_softmax(full_forward(params, np.array([chat_prompt(bt, HELLO)]), cfg)[0, -1])
+        likeliest = [t["logprob"] for t in e["top_logprobs"]]
+        assert likeliest == sorted(likeliest, reverse=True)
+        assert len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["bytes"] == e["bytes"]
+        assert e["logprob"] < 0
+    first = jax.nn.log_softmax(forward(params, np.array([chat_prompt(bt, HELLO)]), cfg)[0, -1])
     assert lp[0]["bytes"] == list(bt.enc.decode_single_token_bytes(int(first.argmax())))
     assert lp[0]["logprob"] == pytest.approx(float(first.max()), abs=1e-4)
     chunks = events(request(server, "POST", "/v1/chat/completions",
@@ -3701,22 +4202,24 @@ def test_no_request_compiles(chat_model):
         assert json.loads(request(srv, "GET", "/health")[2])["compiled"] is False
         eng.start(warm_up=True)
         assert eng.warmed.wait(600)
-        assert json.loads(request(srv, "GET", "/health")[2]) == {"status": "ok", "model": "nanochat", "compiled": True}
+        health = json.loads(request(srv, "GET", "/health")[2])
+        assert health == {"status": "ok", "model": "nanochat", "compiled": True}
         jax.monitoring.register_event_duration_secs_listener(listen)
         rng = np.random.default_rng(0)
         for i in range(20):
             body = {"messages": [{"role": "user", "content": "x" * int(rng.integers(1, 240))}],
                     "stream": i % 2 == 1,
                     "top_k": int(rng.integers(0, 257)), "temperature": float(rng.uniform(0, 2)),
-                    "top_p":
-                    float(rng.uniform(0.05, 1)), "seed": int(rng.integers(0, 2**40)),
+                    "top_p": float(rng.uniform(0.05, 1)), "seed": int(rng.integers(0, 2**40)),
                     "n": int(rng.integers(1, 9)),
                     "logprobs": i % 3 == 0, "top_logprobs": 2 if i % 3 == 0 else 0,
                     "stop": ["x"] * (i % 2)}
             assert request(srv, "POST", "/v1/chat/completions", body)[0] == 200
         assert compiles == []
-        engine.generate(params, cfg, [1] * 30, engine.Sampling(max_tokens=3)).__next__()
-        # the listener does see compiles: this cache size (the bucket 64) was never warmed
+        engine.generate(params, cfg, [1] * 100, engine.Sampling(max_tokens=3)).__next__()
+        # the listener does see compiles: generate's prompt bucket 128 in a cache of 128 was never
+        # compiled in this process (a 30-token prompt's bucket 32 in a cache of 64 is the
+        # sixteen-clients test's too, which may run first in the same pytest worker)
         assert compiles
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
@@ -3733,7 +4236,8 @@ def test_official_openai_client(server, chat_model):
     reply, n_out, n_in = expected_reply(chat_model, HELLO)
     assert [m.id for m in client.models.list()] == ["nanochat"]
     r = client.chat.completions.create(model="nanochat", messages=HELLO)
-    assert r.choices[0].message.content == reply and r.choices[0].message.parts == [{"type": "text", "text": reply}]
+    assert r.choices[0].message.content == reply
+    assert r.choices[0].message.parts == [{"type": "text", "text": reply}]
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_in, n_out)
     stream = client.chat.completions.create(model="nanochat", messages=HELLO, stream=True, n=2,
                                             stream_options={"include_usage": True})
@@ -3746,9 +4250,10 @@ def test_official_openai_client(server, chat_model):
     assert texts == [reply] * 2 and set(finish.values()) == {"length" if n_out == 32 else "stop"}
     assert usage.completion_tokens == 2 * n_out
     r = client.chat.completions.create(model="nanochat", messages=HELLO, stop=reply[4:7], top_p=0.5,
-                                       temperature=1.0,
-                                       seed=0, logprobs=True, top_logprobs=2, max_tokens=16)
-    assert reply[4:7] not in r.choices[0].message.content and len(r.choices[0].logprobs.content[0].top_logprobs) == 2
+                                       temperature=1.0, seed=0, logprobs=True, top_logprobs=2,
+                                       max_tokens=16)
+    assert reply[4:7] not in r.choices[0].message.content
+    assert len(r.choices[0].logprobs.content[0].top_logprobs) == 2
     with pytest.raises(openai.NotFoundError, match="gpt-4o"):
         client.chat.completions.create(model="gpt-4o", messages=HELLO)
     with pytest.raises(openai.BadRequestError, match="context"):
@@ -3759,8 +4264,11 @@ def test_official_openai_client(server, chat_model):
 def test_api_seed_and_content_parts(server):
     parts = [{"role": "user", "content": [{"type": "text", "text": "hel"},
                                           {"type": "text", "text": "lo"}]}]
-    reply = lambda messages, seed: json.loads(request(server, "POST", "/v1/chat/completions", {
-        "messages": messages, "temperature": 1.0, "seed": seed})[2])["choices"][0]["message"]["content"]
+    def reply(messages, seed):
+        body = {"messages": messages, "temperature": 1.0, "seed": seed}
+        answer = json.loads(request(server, "POST", "/v1/chat/completions", body)[2])
+        return answer["choices"][0]["message"]["content"]
+
     # OpenAI's text parts are the same message
     assert reply(parts, 5) == reply(HI, 5) != reply(HI, 6)
 
@@ -3805,12 +4313,13 @@ def test_api_errors(server, body, status, match):
 
 
 def test_api_bad_paths_and_headers(server):
-    assert request(server, "GET", "/nope")[0] == 404 and request(server, "POST", "/v1/completions", {})[0] == 404
+    assert request(server, "GET", "/nope")[0] == 404
+    assert request(server, "POST", "/v1/completions", {})[0] == 404
     # '²': isdigit()
     for length in (b"", b"Content-Length: \xb2\r\n", b"Content-Length: %s\r\n" % (b"9" * 5000)):
         conn = socket.create_connection(server.server_address, timeout=60)
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"%s\r\n" % length)
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\n%s\r\n" % length)
         assert conn.makefile("rb").readline().split()[1] == b"411"
         conn.close()
     assert request(server, "GET", "/v1/models")[0] == 200  # still serving
@@ -3908,7 +4417,8 @@ def test_server_line_full_is_503_and_an_engine_failure_500(chat_model, monkeypat
         conn.close()
         eng.start()
         waiting.join(120)
-        assert first[0][0] == 200 and json.loads(first[0][2])["choices"][0]["message"]["content"] == reply
+        assert first[0][0] == 200
+        assert json.loads(first[0][2])["choices"][0]["message"]["content"] == reply
         real = engine.decode_chunk
         injected = []
 
@@ -3930,6 +4440,7 @@ def test_server_line_full_is_503_and_an_engine_failure_500(chat_model, monkeypat
         srv.shutdown()
         srv.server_close()
 
+
 @pytest.mark.slow  # a server soak: 50 connections, a timeout waited out
 def test_stalled_clients_cannot_hold_the_server(chat_model, capfd):
     """Clients that send half a request and stall: at most max_connections hold a thread (the next
@@ -3941,8 +4452,10 @@ def test_stalled_clients_cannot_hold_the_server(chat_model, capfd):
         stalled = [socket.create_connection(srv.server_address, timeout=10) for _ in range(8)]
         # half a header line, or a body shorter than its Content-Length
         for i, s in enumerate(stalled):
-            s.sendall(b"GET / HTTP/1.1\r\nHo" if i % 2 else b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1"
-                      b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+            half_header = b"GET / HTTP/1.1\r\nHo"
+            short_body = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+            s.sendall(half_header if i % 2 else short_body)
         time.sleep(0.3)
         more = [socket.create_connection(srv.server_address, timeout=10) for _ in range(42)]
         assert threading.active_count() <= threads + 8
@@ -3972,7 +4485,8 @@ def test_server_refuses_other_hosts_origins_and_non_json(server, chat_model):
     assert status == 421 and "is not this server: open it as http://127.0.0.1:" in text
     assert request(server, "GET", "/", headers={"Host": f"localhost:{port}"})[0] == 200
     status, _, text = post({"Origin": "http://evil.example"})
-    assert status == 403 and "serve with --allow-origin http://evil.example" in json.loads(text)["error"]["message"]
+    assert status == 403
+    assert "serve with --allow-origin http://evil.example" in json.loads(text)["error"]["message"]
     assert post({"Origin": f"http://127.0.0.1:{port}"})[0] == 200  # the page's own origin
     status, _, text = request(server, "POST", "/v1/chat/completions",
                               raw=json.dumps({"messages": HELLO}),
@@ -3996,7 +4510,8 @@ def test_api_disconnect_frees_the_model(server, chat_model, capsys):
     thread.start()
     body = json.dumps({"messages": messages, "stream": True, "max_tokens": 200}).encode()
     conn = socket.create_connection(server.server_address, timeout=60)
-    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     received = b""
     while b"data: " not in received:
@@ -4014,6 +4529,9 @@ def test_api_disconnect_frees_the_model(server, chat_model, capsys):
     assert content == expected_reply(chat_model, other, 200)[0]
 
 
+# --------------------------------------------------------------------------------------------------
+# The page, in a real browser
+
 def devtools_evaluate(chromium, url, user_data_dir, expression, timeout=90):
     """Open url in headless chromium and return the value of an awaited JS expression, in real time.
     Speaks the DevTools protocol over --remote-debugging-pipe (commands on fd 3, replies on fd 4,
@@ -4021,11 +4539,9 @@ def devtools_evaluate(chromium, url, user_data_dir, expression, timeout=90):
     not finished sending."""
     to_chrome, from_chrome = os.pipe(), os.pipe()
     proc = subprocess.Popen(["bash", "-c", f'exec "$@" 3<&{to_chrome[0]} 4>&{from_chrome[1]}',
-                             "bash", chromium,
-                             "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                             "--disable-sync",
-                             "--disable-background-networking", "--disable-component-update",
-                             "--disable-quic",
+                             "bash", chromium, "--headless", "--no-sandbox", "--disable-gpu",
+                             "--no-first-run", "--disable-sync", "--disable-background-networking",
+                             "--disable-component-update", "--disable-quic",
                              "--remote-debugging-pipe", f"--user-data-dir={user_data_dir}", url],
                             pass_fds=(to_chrome[0], from_chrome[1]), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
@@ -4040,7 +4556,8 @@ def devtools_evaluate(chromium, url, user_data_dir, expression, timeout=90):
         writer.flush()
         buffer = b""
         while True:  # skip events and replies to other calls
-            assert select.select([reader], [], [], max(0.0, deadline - time.monotonic()))[0], "chromium timed out"
+            left = max(0.0, deadline - time.monotonic())
+            assert select.select([reader], [], [], left)[0], "chromium timed out"
             chunk = reader.read1(1 << 16)
             assert chunk, "chromium exited: " + proc.stderr.read().decode()[-2000:]
             buffer += chunk
@@ -4050,8 +4567,10 @@ def devtools_evaluate(chromium, url, user_data_dir, expression, timeout=90):
                     return message
 
     try:
-        page = next(t for t in call("Target.getTargets")["result"]["targetInfos"] if t["type"] == "page")
-        session = call("Target.attachToTarget", targetId=page["targetId"], flatten=True)["result"]["sessionId"]
+        targets = call("Target.getTargets")["result"]["targetInfos"]
+        page = next(t for t in targets if t["type"] == "page")
+        attached = call("Target.attachToTarget", targetId=page["targetId"], flatten=True)
+        session = attached["result"]["sessionId"]
         # the first tries may land in about:blank, whose context the navigation destroys
         while True:
             r = call("Runtime.evaluate", session, expression=expression, awaitPromise=True,
@@ -4073,10 +4592,12 @@ def test_browser_streams_a_reply(server, chat_model, tmp_path):
     # greedy, the server's -m (below half the context)
     reply = expected_reply(chat_model, HI, 32)[0]
     # compiled
-    assert request(server, "POST", "/v1/chat/completions", {"messages": HI, "stream": True})[0] == 200
+    body = {"messages": HI, "stream": True}
+    assert request(server, "POST", "/v1/chat/completions", body)[0] == 200
     # the page sends q as the first message
     url = f"http://127.0.0.1:{server.server_address[1]}/?q=hello"
-    done = """new Promise(resolve => { const poll = setInterval(() => {  // the reply is finished when "typing" is gone
+    # the reply is finished when "typing" is gone
+    done = """new Promise(resolve => { const poll = setInterval(() => {
       if (document.querySelector(".assistant") && !document.querySelector(".typing")) {
         clearInterval(poll);
         resolve([...document.querySelectorAll("#log .msg")].map(m => [m.className, m.textContent]));
@@ -4107,7 +4628,8 @@ def test_browser_holds_a_conversation(server, monkeypatch, tmp_path):
         input.value = `What is 6 times 7? (${i})`;
         form.requestSubmit();
         await new Promise(resolve => { const poll = setInterval(() => {
-          if (document.querySelectorAll(".assistant").length === i && !document.querySelector(".typing")) {
+          if (document.querySelectorAll(".assistant").length === i
+              && !document.querySelector(".typing")) {
             clearInterval(poll);
             resolve();
           } }, 50); });
@@ -4128,9 +4650,8 @@ def test_browser_holds_a_conversation(server, monkeypatch, tmp_path):
     prompts = [call["prompt"] for call in fake.calls]
     assert prompts == [ask(1), ask(1, 2), ask(1, 2, 3), ask(2, 3, 4), ask(3, 4, 5)]
     answer = ["msg assistant", "So 6*7 = 42 it is 42."]  # the step is a span of its own
-    note = lambda n: ["note",
-                      f"The {n} oldest messages no longer fit the model's 256-token context: it does not see "
-                              "them."]
+    note = lambda n: ["note", f"The {n} oldest messages no longer fit the model's 256-token "
+                              "context: it does not see them."]
     q = lambda i: ["msg user", f"What is 6 times 7? ({i})"]
     assert shown == [q(1), answer, q(2), answer, q(3), answer, note(2), q(4), answer, note(4), q(5),
                      answer]
@@ -4138,8 +4659,7 @@ def test_browser_holds_a_conversation(server, monkeypatch, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# scaling_fits.py: fits on synthetic data with known exponents, SVG plots; scaling.py: resumable
-# sweeps
+# scaling_fits.py: fits on synthetic data with known exponents, SVG plots
 
 E0, A0, B0, ALPHA0, BETA0 = 1.7, 400.0, 410.0, 0.34, 0.28  # Chinchilla-like truth
 SVG = "{http://www.w3.org/2000/svg}"
@@ -4156,8 +4676,7 @@ def chinchilla_rows(noise=0.003, seed=0):
             D = C / (6 * N)
             L = (E0 + A0 / N**ALPHA0 + B0 / D**BETA0) * np.exp(rng.normal(0, noise))
             rows.append({"flops_budget": C, "params_transformer": N, "params_lm_head": 0.0,
-                         "params_total": N,
-                         "tokens_trained": D, "val_bpb": L})
+                         "params_total": N, "tokens_trained": D, "val_bpb": L})
     return rows
 
 
@@ -4182,10 +4701,12 @@ def test_isoflop_parametric_bootstrap():
     without freedom."""
     rows = chinchilla_rows()
     iso = scaling_fits.fit_isoflop(rows)
-    ci, sigma, dof = scaling_fits.parametric_bootstrap(scaling_fits.fit_isoflop, rows, iso["fitted"],
-                                                      iso["n_params"], ["a", "b"], n=100)
+    ci, sigma, dof = scaling_fits.parametric_bootstrap(scaling_fits.fit_isoflop, rows,
+                                                      iso["fitted"], iso["n_params"], ["a", "b"],
+                                                      n=100)
     a_true = BETA0 / (ALPHA0 + BETA0)
-    assert inside(a_true, ci["a"]) and inside(1 - a_true, ci["b"]) and ci["a"][1] - ci["a"][0] < 0.1, ci
+    assert inside(a_true, ci["a"]) and inside(1 - a_true, ci["b"]), ci
+    assert ci["a"][1] - ci["a"][0] < 0.1, ci
     L = np.array([r["val_bpb"] for r in rows])
     # the noise put in (multiplicative, 0.3%)
     assert dof == 28 - 4 * 3 and 0.5 < sigma / (0.003 * L.mean()) < 2
@@ -4193,14 +4714,15 @@ def test_isoflop_parametric_bootstrap():
     three = [r for i, r in enumerate(rows) if i % 7 in (2, 3, 4)]
     iso = scaling_fits.fit_isoflop(three)
     np.testing.assert_allclose(iso["fitted"], [r["val_bpb"] for r in three])
-    ci, sigma, dof = scaling_fits.parametric_bootstrap(scaling_fits.fit_isoflop, three, iso["fitted"],
-                                                      iso["n_params"], ["a"])
+    ci, sigma, dof = scaling_fits.parametric_bootstrap(scaling_fits.fit_isoflop, three,
+                                                      iso["fitted"], iso["n_params"], ["a"])
     assert dof == 0 and np.isnan(sigma) and np.isnan(ci["a"]).all()
 
 
 def test_chinchilla_fit_recovers_parameters():
     rows = chinchilla_rows()
-    N, D, L = (np.array([r[k] for r in rows]) for k in ("params_total", "tokens_trained", "val_bpb"))
+    N, D, L = (np.array([r[k] for r in rows])
+               for k in ("params_total", "tokens_trained", "val_bpb"))
     starts = np.array(list(itertools.product([0, 5, 10], [0.5, 1.0], [0, 5, 10], [0.5, 1.0],
                                              [0.0, 0.5])), float)
     fit = scaling_fits.fit_chinchilla(N, D, L, starts=starts)
@@ -4220,12 +4742,14 @@ def test_chinchilla_fit_recovers_parameters():
     # 90% intervals, 1.5x: about 98% under normality
     for k, true in (("alpha", ALPHA0), ("beta", BETA0), ("E", E0)):
         lo, hi = ci[k]
-        assert inside(fit[k], ci[k]) and inside(true, (lo - (hi - lo) / 4, hi + (hi - lo) / 4)), (k, fit[k], ci[k])
+        widened = (lo - (hi - lo) / 4, hi + (hi - lo) / 4)
+        assert inside(fit[k], ci[k]) and inside(true, widened), (k, fit[k], ci[k])
 
 
 def test_chinchilla_fit_exact_on_noiseless_data():
     rows = chinchilla_rows(noise=0.0)
-    N, D, L = (np.array([r[k] for r in rows]) for k in ("params_total", "tokens_trained", "val_bpb"))
+    N, D, L = (np.array([r[k] for r in rows])
+               for k in ("params_total", "tokens_trained", "val_bpb"))
     starts = np.array([[5.0, 0.5, 5.0, 0.5, 0.0], [10.0, 1.0, 0.0, 0.5, 0.5]])
     fit = scaling_fits.fit_chinchilla(N, D, L, starts=starts)
     np.testing.assert_allclose([fit["E"], fit["alpha"], fit["beta"]], [E0, ALPHA0, BETA0],
@@ -4251,16 +4775,6 @@ def test_fits_are_deterministic():
     assert f() == f()
 
 
-@pytest.mark.parametrize("flags", [["--depths", "0"], ["--budgets", "-1"],
-                                   ["--sweep", "scale_d", "--tokens", "0"],
-                                   ["--adaptive", "--width", "2"], ["--jobs", "-1"],
-                                   ["--repeat", "-1"]])
-def test_sweep_bad_sizes_are_refused(flags, tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        scaling.main([*flags, "--out", str(tmp_path)])
-    assert "must be 1 or more" in capsys.readouterr().err and not list(tmp_path.iterdir())
-
-
 def test_svg_is_well_formed(tmp_path):
     path = scaling_fits.svg_plot(str(tmp_path / "p.svg"), [
         {"x": [1e5, 1e6, 1e7], "y": [3.0, 2.5, 2.7], "label": "C = 1e12"},
@@ -4276,6 +4790,19 @@ def test_svg_is_well_formed(tmp_path):
     assert "1e6" in texts and "C = <2e12> & more" in texts and "title" in texts
 
 
+# --------------------------------------------------------------------------------------------------
+# scaling.py: sweeps that resume, adaptive grids, seeds trained together, the corpora
+
+@pytest.mark.parametrize("flags", [["--depths", "0"], ["--budgets", "-1"],
+                                   ["--sweep", "scale_d", "--tokens", "0"],
+                                   ["--adaptive", "--width", "2"], ["--jobs", "-1"],
+                                   ["--repeat", "-1"]])
+def test_sweep_bad_sizes_are_refused(flags, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        scaling.main([*flags, "--out", str(tmp_path)])
+    assert "must be 1 or more" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
 @pytest.mark.slow  # a real sweep's runs: four trainings
 def test_seeds_trained_together_equal_one_by_one(train_root, tmp_path):
     """scaling.train_together: three runs (two seeds, two matrix learning rates) vmapped in one
@@ -4284,12 +4811,13 @@ def test_seeds_trained_together_equal_one_by_one(train_root, tmp_path):
     runs = [(0, 0.02), (1, 0.02), (1, 0.04)]
     evals = dict(eval_every=5, eval_steps=2)
     alone = [run_base(fresh_root(train_root, tmp_path / f"s{seed}_{lr}"), 5, seed,
-                      optim=dict(matrix_lr=lr),
-                      evals=evals) for seed, lr in runs]
+                      optim=dict(matrix_lr=lr), evals=evals)
+             for seed, lr in runs]
     tok = data.Tokenizer.load(os.path.join(fresh_root(train_root, tmp_path / "together"),
                                            "tokenizer.json"))
     cfg = train.model_config(tok.n_vocab, **TINY_MODEL)
-    stages = [train.base_stage(cfg, data.corpus(None, "train", seed=s), jax.random.key(s), 5) for s, _ in runs]
+    stages = [train.base_stage(cfg, data.corpus(None, "train", seed=s), jax.random.key(s), 5)
+              for s, _ in runs]
     lrs = [train.learning_rates(train.Optim(matrix_lr=lr)) for _, lr in runs]
     cfg, steps, losses, bpb = scaling.train_together(stages, tok, 4, train.Optim(**TINY_OPTIM),
                                                    data.corpus(None, "val"), 2, lrs)
@@ -4306,10 +4834,10 @@ def test_sweep_resume_skips_finished_runs(tmp_path):
         assert len({scaling_fits.run_key(dict(s, seed=0)) for s in specs}) == 1
         calls.extend(specs)
         return [{"depth": s["depth"], "model_dim": s["model_dim"],
-                 "params_transformer": 1000 * s["depth"],
-                 "params_lm_head": 10, "params_total": 2000, "tokens_trained": 1e4,
-                 "val_bpb": 3.0 / s["depth"],
-                 "train_time_sec": 1.0} for s in specs]
+                 "params_transformer": 1000 * s["depth"], "params_lm_head": 10,
+                 "params_total": 2000, "tokens_trained": 1e4, "val_bpb": 3.0 / s["depth"],
+                 "train_time_sec": 1.0}
+                for s in specs]
 
     specs = scaling.plan("scale_c", [2, 3, 4], budgets=[1e10, 2e10])
     assert len(specs) == 6 and all(s["num_iterations"] >= 1 for s in specs)
@@ -4360,13 +4888,14 @@ def test_sweep_ctrl_c_says_how_to_resume(monkeypatch, tmp_path):
     """Ctrl-C in a sweep's run (which saved it) ends the sweep with one line that says to run the
     same command again, not the run's own `--resume` advice, which is train.py's."""
     def runner(specs):
-        raise KeyboardInterrupt("interrupted: saved runs/d2/base/step_000003; continue with --resume")
+        raise KeyboardInterrupt("interrupted: saved runs/d2/base/step_000003; "
+                                "continue with --resume")
     monkeypatch.setattr(scaling, "train_runner", lambda **kwargs: runner)
     with pytest.raises(KeyboardInterrupt) as e:
         scaling.main(["--no-adaptive", "--depths", "2", "--budgets", "1e11", "--jobs", "1",
-                      "--corpus", "docstrings",
-                      "--out", str(tmp_path)])
-    assert str(e.value) == "interrupted: the runs in progress saved a checkpoint; the same command resumes the sweep"
+                      "--corpus", "docstrings", "--out", str(tmp_path)])
+    assert str(e.value) == ("interrupted: the runs in progress saved a checkpoint; "
+                            "the same command resumes the sweep")
 
 
 @pytest.mark.parametrize("width", [3, 4])
@@ -4386,8 +4915,7 @@ def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path, width):
             D = s["flops_budget"] / (6 * N)
             rows.append({"depth": s["depth"], "model_dim": 16 * s["depth"], "params_transformer": N,
                          "params_lm_head": 0.0, "params_total": N, "tokens_trained": D,
-                         "train_time_sec": 1.0,
-                         "val_bpb": E0 + A0 / N**ALPHA0 + B0 / D**BETA0})
+                         "train_time_sec": 1.0, "val_bpb": E0 + A0 / N**ALPHA0 + B0 / D**BETA0})
         return rows
 
     spec_of = lambda d, c: {"flops_budget": c, "depth": d, "model_dim": 16 * d, "num_iterations": 1}
@@ -4401,7 +4929,8 @@ def test_adaptive_sweep_keeps_each_optimum_inside_its_grid(tmp_path, width):
         assert min(sizes_here) < n_star < max(sizes_here), (c, here)
         assert len(here) <= 6  # the grid follows N*(C): it does not sweep every size
     n = len(calls)
-    assert scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=width) == rows and len(calls) == n
+    resumed = scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=width)
+    assert resumed == rows and len(calls) == n
     assert abs(scaling_fits.fit_isoflop(rows)["a"] - BETA0 / (ALPHA0 + BETA0)) < 0.1
     # a second seed:
     more = scaling.adaptive_sweep(budgets, csv_path, fake, spec_of, sizes, width=width, repeat=2)
@@ -4445,15 +4974,18 @@ def test_adaptive_sweep_never_reads_past_the_corpus(tmp_path, capsys):
     fake = lambda specs: [{"depth": s["depth"], "params_transformer": sizes[s["depth"]],
                            "params_lm_head": 0.0,
                            # smaller: better
-                           "tokens_trained": s["tokens"], "val_bpb": s["depth"] / 100} for s in specs]
+                           "tokens_trained": s["tokens"], "val_bpb": s["depth"] / 100}
+                          for s in specs]
     tokens = lambda d, c: c / (6 * sizes[d])
     every = lambda d, c: {"flops_budget": c, "depth": d, "model_dim": d, "num_iterations": 1,
                           "tokens": tokens(d, c)}
     spec_of = lambda d, c: every(d, c) if tokens(d, c) <= 1e6 else None
     rows = scaling.adaptive_sweep([1e15], str(tmp_path / "scale_c.csv"), fake, spec_of, sizes)
     fits = [d for d in sizes if tokens(d, 1e15) <= 1e6]
-    assert max(r["tokens_trained"] for r in rows) <= 1e6 and min(r["depth"] for r in rows) == min(fits) > 2
-    assert f"d{min(fits)}, is the smallest whose tokens fit in the corpus" in capsys.readouterr().out
+    assert max(r["tokens_trained"] for r in rows) <= 1e6
+    assert min(r["depth"] for r in rows) == min(fits) > 2
+    said = capsys.readouterr().out
+    assert f"d{min(fits)}, is the smallest whose tokens fit in the corpus" in said
     # every size fits: the best is d2
     scaling.adaptive_sweep([1e15], str(tmp_path / "all.csv"), fake, every, sizes)
     assert "the smallest run, d2, is the smallest model there is" in capsys.readouterr().out
@@ -4469,12 +5001,13 @@ def test_corpus_room_is_what_a_run_reads_once(tmp_path):
     0), one step more reads the corpus's first documents again."""
     path = tmp_path / "docs.jsonl"
     rng = np.random.default_rng(0)
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(["spam", "eggs", "ham", "x = 1"], n))}) + "\n"
-                            # more documents than the loader's buffer holds
-                            for n in rng.integers(3, 12, 3000)))
+    words = ["spam", "eggs", "ham", "x = 1"]
+    # more documents than the loader's buffer holds
+    texts = (" ".join(rng.choice(words, n)) for n in rng.integers(3, 12, 3000))
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     runner = scaling.train_runner(str(tmp_path), batch=128, device_batch_size=4, vocab_size=270,
-                                  aspect_ratio=32,
-                                  head_dim=32, T=32, eval_steps=1, data_paths=[str(path)])
+                                  aspect_ratio=32, head_dim=32, T=32, eval_steps=1,
+                                  data_paths=[str(path)])
     room = scaling.corpus_room(data.Tokenizer.load(str(tmp_path / "tokenizer.json")), [str(path)],
                                4, 32)
     steps = room // 128
@@ -4501,11 +5034,10 @@ def test_python_source_corpus(tmp_path):
 @pytest.mark.slow  # a real sweep, in two worker processes too
 def test_tiny_real_sweep(tmp_path):
     def sweep(out, *depths, extra=()):
-        scaling.main(["--sweep", "scale_c", "--no-adaptive", "--corpus", "docstrings", "--jobs",
-                      "1", "--depths",
-                      *depths, "--budgets", "1.5e9", "--out", out, "--batch", "512", "--seq-len",
-                      "32", "--vocab-size",
-                      "300", "--aspect-ratio", "32", "--head-dim", "32", *extra, "--bootstrap", "5",
+        scaling.main(["--sweep", "scale_c", "--no-adaptive", "--corpus", "docstrings",
+                      "--jobs", "1", "--depths", *depths, "--budgets", "1.5e9", "--out", out,
+                      "--batch", "512", "--seq-len", "32", "--vocab-size", "300",
+                      "--aspect-ratio", "32", "--head-dim", "32", *extra, "--bootstrap", "5",
                       "--train-args",
                       "--tokenizer-max-chars 200000 --eval-steps 2 --compile-cache="])
         return scaling_fits.read_results(os.path.join(out, "scale_c.csv"))
@@ -4529,435 +5061,126 @@ def test_tiny_real_sweep(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# Evaluations: CORE, ChatCORE, the sandbox, the report card
+# bench.py: memory per device, step and decode timings, nanochat's infer_bench schema
 
-CORE_DIR = TESTDATA / "core_eval"
-
-
-@pytest.fixture(scope="session")
-def nanochat_d2():
-    return checkpoint.load_nanochat(str(TESTDATA / "nanochat_checkpoint" / "base_checkpoints" / "d2"))
-
-
-def test_core_equals_nanochat(nanochat_d2):
-    """nanochat's own CORE code on its checkpoint (testdata/core_eval/README.md): every example's
-    decision equal, mean losses within 1e-4, token rows, spans and prompts (few-shot included)
-    exact, the accuracies and CORE equal."""
-    params, cfg, tok = nanochat_d2
-    expected = json.loads((CORE_DIR / "expected.json").read_text())
-    found = evaluate.load_bundle(str(CORE_DIR / "eval_bundle"))
-    # several batches a task
-    out = evaluate.evaluate_core(params, cfg, tok, found, batch_tokens=512, details=True)
-    assert [t["label"] for t in found] == list(expected["results"])
-    for task in found:
-        want, got = expected["tasks"][task["label"]], out["per_example"][task["label"]]
-        lines = [l for _, l in data.json_lines(CORE_DIR / "eval_bundle" / "eval_data" / want["dataset_uri"], "")]
-        assert task["data"] == [lines[i] for i in want["shuffled_lines"]]  # Random(1337)'s shuffle
-        assert got["correct"] == [bool(c) for c in want["correct"]]
-        for ex, losses in zip(want["examples"], got["mean_losses"]):
-            np.testing.assert_allclose(losses, ex.get("mean_losses", [ex.get("mean_loss")]),
-                                       atol=1e-4)
-            if "detail" in ex:
-                fewshot = [task["data"][i] for i in ex["fewshot_idx"]]
-                item = task["data"][ex["idx"]]
-                assert evaluate.core_prompts(item, task["type"], task["delimiter"], fewshot) == ex["detail"]["prompts"]
-                assert evaluate.core_example(tok, task, ex["idx"]) == (
-                    ex["detail"]["tokens"][-1:] if task["type"] == "language_modeling" else ex["detail"]["tokens"],
-                    ex["start_idxs"], ex["end_idxs"])
-    assert out["results"] == expected["results"] and out["centered_results"] == expected["centered_results"]
-    assert out["core_metric"] == pytest.approx(expected["core_metric"], abs=1e-12)
+# wide and short: the weights outweigh the activations
+MEMORY_CFG = config(sequence_len=16, vocab_size=256, n_layer=8, n_embd=256)
+MEMORY_CHILD = """
+import json, bench, test_nanochat as t
+out = {mode: bench.step_memory(t.MEMORY_CFG, 4, 1, mode, attention="plain")
+       for mode in ("none", "optimizer", "full")}
+one, two = (bench.step_memory(t.MEMORY_CFG, 4, b, "full", attention="plain")["total_bytes"]
+            for b in (1, 2))
+bench.bench_memory(t.MEMORY_CFG, 4, 1, "full", False, "plain",
+                   fit=(one / 2e9, one / 1e9, two / 1e9))
+print(json.dumps(out))
+"""
 
 
-@pytest.mark.slow  # five evaluate.py processes
-def test_core_cli_on_four_devices_and_its_errors(tmp_path):
-    """evaluate.py on a 4-device mesh (each batch's rows split over the devices) gives nanochat's
-    CORE; bad bundles and checkpoints are one-line errors."""
-    cmd = [sys.executable, "evaluate.py", "--nanochat-checkpoint",
-           str(TESTDATA / "nanochat_checkpoint")]
-    four = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    run = lambda *a: subprocess.run(cmd + list(a), cwd=pathlib.Path(__file__).parent,
-                                    capture_output=True, text=True,
-                                    timeout=300, env=four)
-    r = run("--eval-bundle", str(CORE_DIR / "eval_bundle"))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "4 devices" in r.stdout
-    expected = json.loads((CORE_DIR / "expected.json").read_text())
-    assert json.loads(r.stdout.splitlines()[-1])["core"]["core_metric"] == pytest.approx(expected["core_metric"])
-    bad = tmp_path / "bundle"
-    shutil.copytree(CORE_DIR / "eval_bundle", bad)
-    (bad / "eval_data" / "opposites.jsonl").write_text('{"query": "up", "gold": 0}\n')
-    for args, message in [(["--eval-bundle", str(tmp_path / "nowhere")],
-                           "no core.yaml here, not an eval_bundle"),
-                          (["--eval-bundle", str(bad)],
-                           "opposites.jsonl: example 0 lacks one of ('query', 'choices'"),
-                          (["--chat-data", str(tmp_path)], "none of the ChatCORE datasets"),
-                          ([], "give --eval-bundle DIR (CORE) and/or --chat-data DIR (ChatCORE)")]:
-        r = run(*args)
-        assert r.returncode in (1, 2) and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr[-2000:]
+@pytest.mark.slow  # a child of 4 emulated devices, 8 compiles
+def test_bench_memory():
+    """bench.py memory's numbers on 4 emulated devices: the state bytes are sharding.memory's,
+    the arguments alias the params and optimizer state (donated), the total adds XLA's parts;
+    from none to optimizer to full the total falls, and full's temporaries are at most 0.7 of
+    none's (0.49 measured; with whole stacks gathered for each layer, 0.91). --fit doubles the
+    batch while it fits and names the largest power of two for each budget; the README's
+    command parses."""
+    out, stdout = emulated_devices(4, "-c", MEMORY_CHILD)
+    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"bench"')]
+    params = nc.param_shapes(MEMORY_CFG)
+    opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
+    for mode, r in out.items():
+        state = sharding.memory(params, opt, 4, mode)
+        assert [r["params_bytes"], r["grads_bytes"], r["optimizer_bytes"]] == \
+            [state["params"], state["grads"], state["optimizer"]], mode
+        assert r["aliased_bytes"] == state["params"] + state["optimizer"], mode
+        assert r["arguments_bytes"] >= r["aliased_bytes"] + 2 * 4 * 16 * 4 // 4  # + the rows
+        assert r["total_bytes"] == (r["arguments_bytes"] + r["outputs_bytes"]
+                                    - r["aliased_bytes"] + r["temporaries_bytes"])
+    assert out["none"]["total_bytes"] > out["optimizer"]["total_bytes"] > out["full"]["total_bytes"]
+    assert out["full"]["temporaries_bytes"] < 0.7 * out["none"]["temporaries_bytes"]
+    *measured, summary = lines
+    totals = {r["device_batch_size"]: r["total_bytes"] for r in measured}
+    assert list(totals) == [1, 2, 4] and totals[1] == out["full"]["total_bytes"]
+    assert totals[1] < totals[2] < totals[4]  # it stopped past the largest budget
+    assert list(summary["fits"].values()) == [0, 1, 2] and summary["shard"] == "full"
+    import bench
+    args = bench.parse_args(["memory", "--depth", "26", "--shard", "full", "--remat", "--fit",
+                             "16", "32", "80"])
+    assert (args.depth, args.devices, args.max_seq_len, args.fit) == (26, 8, 2048, [16, 32, 80])
 
 
-def test_core_yaml_and_bad_bundles(tmp_path):
-    yaml = tmp_path / "core.yaml"
-    yaml.write_text("# a comment\nicl_tasks:\n- label: a  # inline comment\n  num_fewshot:\n  - 0\n  - 3\n"
-                    "  continuation_delimiter: \"#### \\n\"\n-\n  label: 'it''s'\n  num_fewshot: [10, 5]\n"
-                    "  has_categories: true\neval_gauntlet:\n  weighting: EQUAL\n")
-    assert evaluate.read_icl_tasks(str(yaml)) == [
-        {"label": "a", "num_fewshot": [0, 3], "continuation_delimiter": "#### \n"},
-        {"label": "it's", "num_fewshot": [10, 5], "has_categories": True}]
-    bundle = tmp_path / "b"
-    shutil.copytree(CORE_DIR / "eval_bundle", bundle)
-    with pytest.raises(ValueError,
-                       match="task 'opposites' takes 3-shot examples from the others of its 3"):
-        evaluate.load_bundle(str(bundle), max_per_task=3)
-    (bundle / "eval_meta_data.csv").write_text("Eval Task,Random baseline\npydoc_qa,25\n")
-    with pytest.raises(ValueError, match="no 'Random baseline' for task 'opposites'"):
-        evaluate.load_bundle(str(bundle))
-    (bundle / "core.yaml").write_text("icl_tasks:\n- label: x\n  what is this\n")
-    with pytest.raises(ValueError, match=r"core.yaml:3: cannot read 'what is this'"):
-        evaluate.load_bundle(str(bundle))
+@pytest.mark.slow  # a bench.py process, then a step and an engine compiled for the benchmark alone
+def test_bench_json_lines():
+    """bench.py: `accel` says in one JSON line that it needs an accelerator and exits 0; the timing
+    helpers it and `decode` / `train` print from give their fields."""
+    r = subprocess.run([sys.executable, "bench.py", "accel"], cwd=pathlib.Path(__file__).parent,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1]) == {
+        "bench": "accel",
+        "skipped": "no GPU or TPU here; run it where one is (CPU: bench.py train)"}
+    import bench
+    g = bench.generate_timing(random_params(TINY, 0), TINY, 2, prompt_len=5, new=4, repeats=1)
+    assert g["batch"] == 2 and g["new_tokens"] == 4
+    assert g["decode_tok_per_s"] > 0 and g["prefill_ms"] > 0
+    t = bench.train_step_timing(TINY, 2, steps=1, warmup=1)
+    assert np.isfinite(t["loss"]) and 0 < t["step_s"] and t["first_call_s"] > 0
 
 
-def test_core_task_types_by_hand(btok):
-    """The three task types' prompts and scored spans, worked out by hand with the byte tokenizer.
-    """
-    mc = dict(label="mc", type="multiple_choice", num_fewshot=1, delimiter=" ",
-              data=[{"query": "Pets:", "choices": ["cat", "car"], "gold": 0},
-                    {"query": "Q", "choices": ["a"], "gold": 0}])
-    rows, starts, ends = evaluate.core_example(btok, mc, 0)
-    assert [btok.decode(r[1:]) for r in rows] == ["Q a\n\nPets: cat", "Q a\n\nPets: car"]
-    # the shared prefix is not scored
-    assert starts == [len("Q a\n\nPets: ca") + 1] * 2 and ends == [len(rows[0])] * 2
-    schema = dict(label="s", type="schema", num_fewshot=0, delimiter=" ",
-                  data=[{"context_options": ["It rained", "It was sunny"],
-                         "continuation": "so it is wet.", "gold": 0}])
-    rows, starts, ends = evaluate.core_example(btok, schema, 0)
-    # the shared suffix
-    assert [btok.decode(r[s:e]) for r, s, e in zip(rows, starts, ends)] == [" so it is wet."] * 2
-    lm = dict(label="lm", type="language_modeling", num_fewshot=0, delimiter="\nAnswer: ",
-              data=[{"context": "  Capital of France? ", "continuation": "Paris"}])
-    (row,), (s,), (e,) = evaluate.core_example(btok, lm, 0)
-    assert btok.decode(row[1:s]) == "Capital of France?\nAnswer:" and btok.decode(row[s:e]) == " Paris"
+# nanochat's scripts/infer_bench.py writes these keys (commit 92d63d4): ours must too
+INFER_BENCH_KEYS = {
+    "source", "step", "model_config", "gpu", "peak_bandwidth_bytes_per_sec", "total_vram_bytes",
+    "num_params", "param_dtypes", "weight_bytes", "kv_bytes_per_token", "kv_read_bytes_per_step",
+    "context_mid", "peak_flops_per_sec", "decode_flops_per_token", "ceiling_bs1_tok_per_sec",
+    "max_full_context_rows", "prompt_tokens", "decode_tokens", "temperature", "sweep", "prefill"}
+INFER_BENCH_SWEEP_KEYS = {"batch_size", "ttft_sec", "tpot_sec", "tok_per_sec", "mbu_percent",
+                          "mfu_percent", "peak_vram_bytes", "decode_steps"}
 
 
-def write_chat_data(root):
-    """Small ChatCORE datasets in the public layouts: ARC-Easy as Hugging Face parquet,
-    ARC-Challenge as AI2's own .jsonl, the others as Hugging Face .jsonl; returns {task: rows as
-    written}."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    arc = [{"id": f"q{i}", "question": f"Which is number {i}?", "answerKey": "ABCD"[i % 4],
-            "choices": {"text": [f"number {j}" for j in range(4)], "label": list("ABCD")}} for i in range(6)]
-    ai2 = [{"id": "c1", "answerKey": "2", "question": {"stem": "Pick two.", "choices": [
-        {"text": "one", "label": "1"}, {"text": "two", "label": "2"},
-        {"text": "three", "label": "3"}]}}]
-    mmlu = [{"question": f"{i} + 1 =", "subject": "math", "choices": [str(i + d) for d in range(4)],
-             "answer": 1}
-            for i in range(5)]
-    gsm = [{"question": f"Tom has {i} apples and buys 2 more. How many?",
-            "answer": f"He has {i}+2=<<{i}+2={i + 2}>>{i + 2} apples.\n#### {i + 2}"} for i in range(4)]
-    he = [{"task_id": "HumanEval/0",
-           "prompt": "import math\n\ndef root(x):\n    \"\"\"Square root.\"\"\"\n",
-           "canonical_solution": "    return math.sqrt(x)\n", "entry_point": "root",
-           "test": "def check(f):\n    assert f(9) == 3\n"}]
-    folders = {"ai2_arc/ARC-Easy": None, "ai2_arc/ARC-Challenge": ai2, "mmlu/all": mmlu,
-               "gsm8k/main": gsm,
-               "openai_humaneval/openai_humaneval": he}
-    for folder, rows in folders.items():
-        (root / folder).mkdir(parents=True)
-        if rows is not None:
-            (root / folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    pq.write_table(pa.Table.from_pylist(arc), root / "ai2_arc/ARC-Easy/test-00000-of-00001.parquet")
-    (root / "gsm8k/main/train-00000-of-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gsm[::-1]))
-    return {"ARC-Easy": arc, "ARC-Challenge": ai2, "MMLU": mmlu, "GSM8K": gsm, "HumanEval": he}
-
-
-@pytest.mark.slow  # a model of its own, scored by hand row by row on three tasks
-def test_chatcore_categorical_is_the_letters_argmax(tmp_path, btok):
-    rows = write_chat_data(tmp_path)
-    found = tasks.load_chat_tasks(str(tmp_path))
-    order = np.random.default_rng(42).permutation(6)  # nanochat's Dataset.shuffle(seed=42)
-    answers = [c["messages"][-1]["content"] for c in found["ARC-Easy"]]
-    assert answers == [rows["ARC-Easy"][i]["answerKey"] for i in order]
-    assert found["ARC-Challenge"][0]["messages"] == [
-        {"role": "user",
-         "content": "Multiple Choice question: Pick two.\n- one=1\n- two=2\n- three=3\n\n"
-                                    "Respond only with the letter of the correct answer."},
-        {"role": "assistant", "content": "2"}]
-    cfg = nc.Config(sequence_len=256, vocab_size=btok.n_vocab, n_layer=2, n_head=2, n_kv_head=2,
-                    n_embd=32)
-    params = nc.init_params(cfg, jax.random.key(3))
-    # not the zero init
-    params["lm_head"] = jax.random.normal(jax.random.key(4), params["lm_head"].shape)
-    want = {}
-    # by hand: one row at a time, the full forward's last logits
-    for name in ("ARC-Easy", "ARC-Challenge", "MMLU"):
-        hits = []
-        for c in found[name]:
-            ids = data.render_for_completion(btok, c["messages"])
-            # causal: the pads change no logit before
-            padded = np.zeros((1, cfg.sequence_len), np.int32)
-            # them, and one shape compiles once, not once a prompt length
-            padded[0, :len(ids)] = ids
-            z = np.asarray(forward(params, padded, cfg))[0, len(ids) - 1]
-            hits.append(c["letters"][int(np.argmax(z[[btok.encode(l)[0] for l in c["letters"]]]))] ==
-                        c["messages"][-1]["content"])
-        want[name] = np.mean(hits)
-    categorical = {n: found[n] for n in want}
-    for batch_tokens in (256, 1 << 14):  # one row per batch, or all rows in one
-        assert evaluate.evaluate_chat(params, cfg, btok, categorical, batch_tokens=batch_tokens)["results"] == want
-    bad = tmp_path / "bad"
-    shutil.copytree(tmp_path / "mmlu", bad / "mmlu")
-    (bad / "mmlu/all/test.jsonl").write_text('{"question": "q", "choices": ["a", "b"], "answer": 7}\n')
-    with pytest.raises(ValueError,
-                       match="mmlu/all: row 0: .*want the layout of Hugging Face's cais/mmlu"):
-        tasks.load_chat_tasks(str(bad))
-
-
-@pytest.mark.slow  # a model of its own through ChatCORE three times, programs in the sandbox
-def test_gsm8k_humaneval_and_chatcore(tmp_path, btok, monkeypatch):
-    assert tasks.gsm8k_answer("so 3 + 4 = 7\n#### 1,234.5 dollars") == "1234.5"
-    assert tasks.gsm8k_answer("#### -12") == "-12" and tasks.gsm8k_answer("the answer is 12") is None
-    assert tasks.gsm8k_parts("It is 12/60=<<12/60=0.2>>0.2 a minute.\n#### 0.2") == [
-        {"type": "text", "text": "It is 12/60="}, {"type": "python", "text": "12/60"},
-        {"type": "python_output", "text": "0.2"}, {"type": "text",
-                                                   "text": "0.2 a minute.\n#### 0.2"}]
-    write_chat_data(tmp_path)
-    found = tasks.load_chat_tasks(str(tmp_path))
-    he = found["HumanEval"][0]
-    program = tasks.humaneval_program(he,
-                                      "Here:\n```python\ndef root(x):\n    return math.sqrt(x)\n```\nDone.")
-    assert program.startswith("import math\n\ndef root(x):\n") and program.endswith("check(root)")
-    cfg = nc.Config(sequence_len=512, vocab_size=btok.n_vocab, n_layer=1, n_head=2, n_kv_head=2,
-                    n_embd=32)
-    params = nc.init_params(cfg, jax.random.key(0))
-
-    def answer(right):  # the engine's completion replaced by the reference answer (or a wrong one)
-        refs = {}
-        for c in found["GSM8K"] + found["HumanEval"]:
-            ref = c["messages"][-1]["content"]
-            text = f"#### {tasks.gsm8k_answer(ref[-1]['text'])}" if isinstance(ref, list) else ref
-            refs[tuple(data.render_for_completion(btok, c["messages"]))] = text if right else text[:-3] + "1"
-        return lambda p, cfg, tok, prompts, n, *a: [[btok.encode(refs[tuple(prompt)])] * n
-                                                    for prompt in prompts]
-
-    for right in (True, False):
-        monkeypatch.setattr(evaluate, "complete", answer(right))
-        generative = {n: found[n] for n in ("GSM8K", "HumanEval")}
-        assert evaluate.evaluate_chat(params, cfg, btok, generative)["results"] == {"GSM8K": right, "HumanEval": right}
-    out = evaluate.evaluate_chat(params, cfg, btok, found)
-    centred = [(out["results"][n] - b) / (1 - b) for n, b in (("ARC-Easy", .25), ("ARC-Challenge", .25), ("MMLU", .25),
-                                                             ("GSM8K", 0), ("HumanEval", 0))]
-    assert out["chatcore"] == pytest.approx(np.mean(centred))
-    del found["MMLU"]
-    # ChatCORE needs all five
-    assert evaluate.evaluate_chat(params, cfg, btok, found)["chatcore"] is None
-
-
-GOOD_PROGRAM = "def add(a, b):\n    return a + b\n\ndef check(f):\n    assert f(2, 3) == 5\n\ncheck(add)\n"
-
-
-def tree_snapshot(d):
-    # every path under d with its content (None for a directory), to show that nothing outside
-    # changed
-    return {p: None if os.path.isdir(p) else open(p, "rb").read()
-            for root, dirs, files in os.walk(d) for p in [os.path.join(root, n) for n in dirs + files]}
-
-
-def test_sandbox_correct_program_passes():
-    assert execution.run_program(GOOD_PROGRAM)[:2] == (True, None)
-
-
-def test_sandbox_failing_assert_fails():
-    passed, error, _ = execution.run_program(GOOD_PROGRAM.replace("== 5", "== 6"))
-    assert not passed and "AssertionError" in error
-
-
-def test_sandbox_exit_status():
-    assert execution.run_program("import sys; sys.exit(3)")[:2] == (False, "exit status 3")
-    assert execution.run_program("import os; os.abort()")[:2] == (False, "killed by signal 6")
-
-
-def test_sandbox_infinite_loop_times_out():
-    t = time.time()
-    passed, error, _ = execution.run_program("while True:\n    pass\n", timeout=1)
-    assert not passed and error == "timed out after 1 s"
-    assert time.time() - t < 3
-
-
-@pytest.mark.parametrize("code", ["x = []\nwhile True:\n    x.append(b'x' * 10**7)\n",
-                                  "bytearray(10**10)"])
-def test_sandbox_unbounded_allocation_fails(code):
-    t = time.time()
-    passed, error, _ = execution.run_program(code, timeout=5)
-    assert not passed and "MemoryError" in error
-    assert time.time() - t < 3  # the memory limit stops it, not the timeout
-
-
-def test_sandbox_output_flood_is_cut():
-    t = time.time()
-    passed, error, stdout = execution.run_program("while True:\n    print('x' * 10**6)\n",
-                                                  timeout=5)
-    assert not passed and "File too large" in error
-    assert len(stdout) <= 10_000 and time.time() - t < 5
-
-
-@pytest.mark.parametrize("code", ["import socket\nsocket.socket()\n",
-                                  "import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)\n",
-                                  "import urllib.request\nurllib.request.urlopen('http://127.0.0.1:80', timeout=1)\n"])
-def test_sandbox_network_fails(code):
-    passed, error, _ = execution.run_program(code, timeout=2)
-    assert not passed and "sandbox: socket." in error
-
-
-def test_sandbox_network_fails_without_namespaces(monkeypatch):
-    # where unshare is refused (containers, unprivileged users), the audit hook alone must still
-    # stop sockets
-    code = "import os\nprint(os.getuid())\nimport socket\nsocket.socket()\n"
-    passed, error, stdout = execution.run_program(code, timeout=2, network_namespace=False)
-    assert not passed and "sandbox: socket.__new__" in error and stdout == f"{os.getuid()}\n"
-    assert execution.run_program(GOOD_PROGRAM)[:2] == (True, None)
-
-
-@pytest.mark.parametrize("code", [
-    "open({target!r}, 'w').write('pwned')",
-    "import os\nos.close(os.open({target!r}, os.O_WRONLY | os.O_CREAT))",
-    "import pathlib\npathlib.Path({target!r}).write_text('pwned')",
-    # symlinks are followed
-    "import os\nos.symlink({target!r}, 'link')\nopen('link', 'w').write('pwned')",
-    "import os\nos.mkdir({target!r})",
-    "import shutil\nshutil.copy('program.py', {target!r})",
-])
-def test_sandbox_write_outside_fails(tmp_path, code):
-    target = str(tmp_path / "new.txt")
-    before = tree_snapshot(tmp_path)
-    passed, error, _ = execution.run_program(code.format(target=target))
-    assert not passed and "PermissionError: sandbox:" in error
-    assert not os.path.exists(target) and tree_snapshot(tmp_path) == before
-
-
-@pytest.mark.parametrize("code", [
-    "import os\nos.remove({victim!r})",
-    "import os\nos.rename({victim!r}, 'stolen.txt')",
-    "import os\nos.replace('program.py', {victim!r})",
-    "import shutil\nshutil.move({victim!r}, 'stolen.txt')",
-    "import shutil\nshutil.rmtree({folder!r})",
-    "import os\nos.chmod({victim!r}, 0)",
-    "import os\nos.truncate({victim!r}, 0)",
-    "open({victim!r}, 'a').write('more')",
-    # a hard link would share the inode
-    "import os\nos.link({victim!r}, 'hard')\nopen('hard', 'a').write('more')",
-    # fds are checked by the file they are on
-    "import os\nfd = os.open({victim!r}, os.O_RDONLY)\nos.chmod(fd, 0)",
-    "import os\nd = os.open({folder!r}, os.O_RDONLY)\nos.remove('victim.txt', dir_fd=d)",
-])
-def test_sandbox_change_outside_fails(tmp_path, code):
-    folder = tmp_path / "folder"
-    folder.mkdir()
-    victim = folder / "victim.txt"
-    victim.write_text("precious")
-    os.chmod(victim, 0o644)
-    before = tree_snapshot(tmp_path)
-    passed, error, _ = execution.run_program(code.format(victim=str(victim), folder=str(folder)))
-    assert not passed and "PermissionError: sandbox:" in error
-    assert victim.read_text() == "precious" and os.stat(victim).st_mode & 0o777 == 0o644
-    assert tree_snapshot(tmp_path) == before
-
-
-@pytest.mark.parametrize("code", [
-    "import os\nassert os.system('touch {target}') == 0",
-    "import subprocess\nsubprocess.run(['touch', {target!r}])",
-    "import os\nos.execv('/usr/bin/touch', ['touch', {target!r}])",
-    "import os\nif os.fork() == 0:\n    open({target!r}, 'w')",
-    "import multiprocessing as mp\nif __name__ == '__main__':\n"
-    "    p = mp.get_context('spawn').Process(target=print)\n    p.start()\n    p.join()",
-    "import ctypes\nctypes.CDLL(None).system(b'touch {target}')",
-    "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",  # the parent (pytest) must survive
-])
-def test_sandbox_process_creation_and_ctypes_fail(tmp_path, code):
-    target = str(tmp_path / "touched")
-    passed, error, _ = execution.run_program(code.format(target=target))
-    assert not passed and "sandbox:" in error
-    assert not os.path.exists(target)
-
-
-def test_sandbox_own_temp_dir_is_writable_and_removed():
-    code = ("import os, shutil, tempfile\n"
-            "open('data.txt', 'w').write('hello')\n"
-            "assert open('data.txt').read() == 'hello'\n"
-            "os.makedirs('a/b')\nos.rename('data.txt', 'a/b/data.txt')\nshutil.rmtree('a')\n"
-            "with tempfile.TemporaryFile() as f:\n    f.write(b'x')\n"
-            "print(os.getcwd())\n")
-    passed, error, stdout = execution.run_program(code)
-    assert (passed, error) == (True, None)
-    cwd = stdout.strip()
-    assert cwd.startswith("/") and not os.path.exists(cwd)
-
-
-def test_sandbox_ordinary_imports_work():
-    code = ("import math, itertools, collections, re, json, functools, heapq, string, typing, fractions, decimal\n"
-            "import random, hashlib, bisect, statistics, datetime, copy, operator, sys\n"
-            "assert hashlib.sha256(b'x').hexdigest().startswith('2d711642')\n"
-            "assert json.loads(json.dumps({'a': [1, 2]})) == {'a': [1, 2]}\n"
-            "sys.setrecursionlimit(10_000)\n"
-            "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
-            "assert depth(5_000) == 5_000\n")
-    assert execution.run_program(code)[:2] == (True, None)
-
-
-def test_sandbox_run_goes_on(tmp_path):
-    # after every kind of failure in a row, the parent is fine and a normal program still passes
-    bad = ["while True: pass", "bytearray(10**10)", "import socket; socket.socket()",
-           "import ctypes",
-           f"open({str(tmp_path / 'x')!r}, 'w')", "import os; os.system('true')",
-           "raise SystemExit(7)"]
-    for code in bad:
-        assert execution.run_program(code, timeout=1)[0] is False
-    assert execution.run_program(GOOD_PROGRAM)[:2] == (True, None)
-    assert os.listdir(tmp_path) == []
-
-
-@pytest.mark.slow  # base, SFT and RL stages: the pipeline
-def test_rl_on_gsm8k_takes_nanochat_settings(train_root, tmp_path):
-    """--rl-tasks gsm8k: nanochat's chat_rl settings unless a flag says otherwise, GSM8K's train
-    split walked in order and rewarded by its '####' answer; a checkpoint of another tokenizer is
-    refused in one line."""
-    args = train.parse_args(["--rl-tasks", "gsm8k"])
-    assert (args.rl_prompts, args.rl_samples, args.rl_max_tokens, args.rl_lr_frac,
-            args.rl_iterations, args.rl_eval,
-            args.rl_eval_every) == (16, 16, 256, 0.05, -1, 400, 60)
-    assert train.parse_args(["--rl-tasks", "gsm8k", "--rl-prompts", "2"]).rl_prompts == 2
-    assert train.parse_args([]).rl_prompts == 8 and train.parse_args([]).rl_eval_every == 0
-    write_chat_data(tmp_path / "chat")
-    root = fresh_root(train_root, tmp_path / "run")
-    run_stage(root, "base", 2)
-    run_stage(root, "sft", 2)
-    gsm = dict(task_names=["gsm8k"], chat_data=str(tmp_path / "chat"), eval_n=2, eval_every=1,
-               iterations=-1,
-               lr_frac=0.05)  # --rl-tasks gsm8k's defaults, as the flags' check above found them
-    tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
-    cfg = nc.Config(**json.load(open(os.path.join(checkpoint.latest_checkpoint(root, ("sft",)), "meta.json")))["config"])
-    fits = lambda messages: len(data.render_for_completion(tok, messages)) < cfg.sequence_len - 1
-    found = tasks.rl_tasks(["gsm8k"], 0, str(tmp_path / "chat"), fits)
-    train_rows = [json.loads(l) for l in open(tmp_path / "chat/gsm8k/main/train-00000-of-00001.jsonl")]
-    order = np.random.default_rng(42).permutation(4)
-    # in order, then round again
-    steps = [[c for c, _ in rl.rl_prompts(found, step, 2)] for step in range(3)]
-    assert [c[0]["content"] for s in steps for c in s] == [train_rows[i]["question"] for i in [*order, *order[:2]]]
-    reward = found["gsm8k"][2]
-    assert reward(steps[0][0], f"#### {tasks.gsm8k_answer(train_rows[order[0]]['answer'])}") is True
-    assert reward(steps[0][0], "#### 1000") is False
-    _, _, losses, info = run_stage(root, "rl", **gsm)
-    assert len(losses) == 2 and np.isfinite(losses).all()  # one epoch: 4 questions / 2 a step
-    assert set(info) >= {"pass@k before", "pass@k 1", "pass@k"} and set(info["pass@k"]["gsm8k"]) == {"pass@1", "pass@2"}
-    other = data.train_tokenizer(["a different corpus for another tokenizer"] * 50, 280)
-    other.save(os.path.join(root, "tokenizer.json"))
-    with pytest.raises(ValueError,
-                       match="was trained with another tokenizer than .*tokenizer.json"):
-        run_stage(root, "rl", **gsm)
+@pytest.mark.slow  # engines of their own for a tiny model
+def test_bench_serve_and_infer_bench(monkeypatch, capsys):
+    """bench.py serve: streams through the engine report their tokens and latencies; its
+    --infer-bench ends with one JSON document of nanochat's infer_bench schema, whose MBU and MFU
+    follow nanochat's formulas from the document's own numbers."""
+    import bench
+    eng = engine.Engine(random_params(TINY, 0), TINY, slots=4, kmax=4)
+    r = bench.serve_streams(eng, [[1, 2, 3], [4, 5]], 10)
+    assert r["streams"] == 2 and r["tokens"] == 20 and 0 < r["ttft_ms_p50"] <= r["ttft_ms_p95"]
+    assert r["device_calls_per_token"] < 0.5 and r["host_hops_per_token"] == 0
+    monkeypatch.setitem(bench.CONFIGS, "tiny", TINY)
+    bench.bench_infer("tiny", batch_sizes=(1, 2), decode_tokens=8, kmax=4)
+    doc = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert set(doc) == INFER_BENCH_KEYS and doc["prompt_tokens"] == 56
+    assert [set(row) for row in doc["sweep"]] == [INFER_BENCH_SWEEP_KEYS] * 2
+    assert set(doc["prefill"]) == {"tok_per_sec", "mfu_percent", "time_sec"}
+    # TINY: 3 layers, K*D = 16 channels of k and of v, fp32; every window past context 60
+    assert doc["kv_bytes_per_token"] == 3 * 2 * 16 * 4
+    assert doc["kv_read_bytes_per_step"] == 2 * 16 * 4 * (60 + 60 + 60)
+    for row in doc["sweep"]:
+        moved = doc["weight_bytes"] + row["batch_size"] * doc["kv_read_bytes_per_step"]
+        # the document holds tpot to the microsecond and MBU to a hundredth: bound both roundings
+        bandwidth = doc["peak_bandwidth_bytes_per_sec"]
+        slowest, fastest = (100 * moved / (row["tpot_sec"] + d) / bandwidth
+                            for d in (5e-7, -5e-7))
+        assert slowest - 0.005 <= row["mbu_percent"] <= fastest + 0.005
+        assert row["decode_steps"] == 7
 
 
 # --------------------------------------------------------------------------------------------------
-# The documented commands: every `python <script>.py ...` of README.md and docs/*.md runs or parses
+# The documented commands: docs/pieces.md's snippets, and every `python <script>.py ...` of
+# README.md and docs/*.md runs or parses
+
+@pytest.mark.slow  # the snippets run op by op: some 300 compiles (each piece has a quick test too)
+def test_readme_snippets_run():
+    """docs/pieces.md: block, attention, Muon on another model, the train step and CORE, each
+    alone."""
+    section = (pathlib.Path(__file__).parent / "docs" / "pieces.md").read_text()
+    snippets = re.findall(r"```python\n(.*?)```", section, re.S)
+    # each checks its own result
+    assert len(snippets) == 5 and all("assert " in s for s in snippets)
+    for code in snippets:
+        exec(compile(code, "docs/pieces.md", "exec"), {})
+
 
 DOCS = [pathlib.Path(__file__).parent / "README.md",
         *sorted((pathlib.Path(__file__).parent / "docs").glob("*.md"))]
@@ -4997,7 +5220,8 @@ def documented_commands():
     for path in DOCS:
         for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
             for line in block.replace("\\\n", " ").splitlines():
-                found += [(path.name, argv) for argv in python_commands(re.sub(r"\$\{?[A-Za-z_]\w*\}?", "0", line))]
+                line = re.sub(r"\$\{?[A-Za-z_]\w*\}?", "0", line)
+                found += [(path.name, argv) for argv in python_commands(line)]
     return found
 
 
@@ -5018,21 +5242,23 @@ def test_documented_commands_parse():
         try:
             parsers[argv[0]](argv[1:])
         except SystemExit as e:
-            assert e.code == 0 and "--help" in argv, f"{name}: `{shlex.join(['python', *argv])}` does not parse"
+            command = shlex.join(["python", *argv])
+            assert e.code == 0 and "--help" in argv, f"{name}: `{command}` does not parse"
 
 
 @pytest.mark.slow  # a chat.py, two evaluate.py and a checkpoint.py process
-def test_documented_commands_run(tmp_path):
+def test_documented_commands_run(tmp_path, nanochat_d2):
     """The cheap documented commands run as written: a chat reply, nanochat's CORE of its
     checkpoint, read from its .pt and from a stage folder of ours (evaluate.py --checkpoint
     checkpoints/base), and that folder exported to nanochat's format."""
     import shlex
     documented = [argv for _, argv in documented_commands()]
-    params, cfg, tok = checkpoint.load_nanochat(str(TESTDATA / "nanochat_checkpoint"))
+    params, cfg, tok = nanochat_d2
     meta = {"stage": "base", "step": 100, "config": dataclasses.asdict(cfg),
             "tokenizer": "tokenizer.json"}
-    tok.save(os.path.join(checkpoint.save_checkpoint(str(tmp_path / "checkpoints/base"), 100, params, None, meta),
-                          "tokenizer.json"))
+    step_dir = checkpoint.save_checkpoint(str(tmp_path / "checkpoints/base"), 100, params, None,
+                                          meta)
+    tok.save(os.path.join(step_dir, "tokenizer.json"))
     (tmp_path / "testdata").symlink_to(TESTDATA)
     # the compile cache under tmp_path
     env = {**os.environ, "HOME": str(tmp_path), "PYTHONIOENCODING": "utf-8"}
@@ -5045,7 +5271,8 @@ def test_documented_commands_run(tmp_path):
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, f"{command}:\n{r.stderr[-2000:]}"
         if argv[0] == "evaluate.py":
-            assert json.loads(r.stdout.splitlines()[-1])["core"]["core_metric"] == pytest.approx(expected, abs=1e-6)
+            core = json.loads(r.stdout.splitlines()[-1])["core"]
+            assert core["core_metric"] == pytest.approx(expected, abs=1e-6)
             scored = "checkpoints/base/step_000100" if "--checkpoint" in argv else argv[-1]
             assert r.stdout.startswith(f"{scored}: Config("), r.stdout[:200]  # says what it scored
         else:
