@@ -1056,7 +1056,7 @@ RL_TINY = dict(prompts=2, samples=2, max_tokens=8, eval_n=0, iterations=4)
 
 def run_stage(root, name, iterations=None, resume=False, **stage_kwargs):
     """A tiny base (T 128), SFT or RL stage through train.run_stage, as train.main wires it.
-    stage_kwargs: the stage's (rl.rl_stage's for RL, on top of RL_TINY)."""
+    stage_kwargs: the stage's (rl.Settings' for RL, on top of RL_TINY)."""
     tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
     if name == "base":
         cfg = train.model_config(tok.n_vocab, **{**TINY_MODEL, "max_seq_len": 128})
@@ -1065,7 +1065,7 @@ def run_stage(root, name, iterations=None, resume=False, **stage_kwargs):
         stage = train.sft_stage(root, tok, data.corpus(None, "train"), iterations=iterations)
     else:
         given = {} if iterations is None else {"iterations": iterations}
-        stage = train.Stage(**rl.rl_stage(root, tok, **{**RL_TINY, **given, **stage_kwargs}))
+        stage = train.Stage(**rl.rl_stage(root, tok, rl.Settings(**{**RL_TINY, **given, **stage_kwargs})))
     optim = train.Optim(**{**TINY_OPTIM, "total_batch_size": 512})
     run = train.Run(out=root, device_batch_size=4, resume=resume)
     return train.run_stage(stage, tok, run, optim, {"eval_every": 0, "sample_every": 0})
@@ -1214,7 +1214,7 @@ before = files()
 for name, run in {
         "model": lambda: train.main(base + ["--resume", "--depth", "3"]),
         "batch": lambda: train.main(base + ["--total-batch-size", "256"]),
-        "samples": lambda: rl.rl_stage(root, None, samples=6)}.items():
+        "samples": lambda: rl.rl_stage(root, None, rl.Settings(samples=6))}.items():
     try:
         run()
     except ValueError as e:

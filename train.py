@@ -710,11 +710,11 @@ def build_stage(name, args, tok, docs):
         return sft_stage(args.out, tok, docs, seed=args.seed, conversations=extra,
                          text_every=args.sft_text_every, iterations=args.sft_iterations,
                          lr_frac=args.init_lr_frac)
-    return Stage(**rl.rl_stage(args.out, tok, task_names=args.rl_tasks, seed=args.seed,
-                               chat_data=args.chat_data, prompts=args.rl_prompts,
-                               samples=args.rl_samples, max_tokens=args.rl_max_tokens,
-                               iterations=args.rl_iterations, lr_frac=args.rl_lr_frac,
-                               eval_n=args.rl_eval, eval_every=args.rl_eval_every))
+    return Stage(**rl.rl_stage(args.out, tok, rl.Settings(
+        task_names=args.rl_tasks, seed=args.seed, chat_data=args.chat_data,
+        prompts=args.rl_prompts, samples=args.rl_samples, max_tokens=args.rl_max_tokens,
+        iterations=args.rl_iterations, lr_frac=args.rl_lr_frac, eval_n=args.rl_eval,
+        eval_every=args.rl_eval_every)))
 
 
 if __name__ == "__main__":
