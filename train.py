@@ -690,9 +690,10 @@ def main(argv=None):
         params, cfg, losses, info = run_stage(stage, tok, run, optim, evals, record=vars(args))
         results[name] = report.evaluate_stage(
             name, params, cfg, tok, losses, info,
-            out=args.out, argv=argv or sys.argv[1:], eval_tasks=args.eval_tasks,
-            questions=questions, bundle=(args.eval_bundle, bundle),
-            chat_tasks=(args.chat_data, chat_tasks), row_sharding=row_sharding)
+            out=args.out, argv=argv or sys.argv[1:], evaluations=report.Evaluations(
+                eval_tasks=args.eval_tasks, questions=questions,
+                bundle=(args.eval_bundle, bundle),
+                chat_tasks=(args.chat_data, chat_tasks), row_sharding=row_sharding))
     results["total_minutes"] = (time.perf_counter() - t) / 60
     print(json.dumps(results))
     return results
