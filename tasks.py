@@ -1,18 +1,21 @@
-"""The chat tasks, as nanochat's tasks/: what SFT and RL train on and what the evaluations score.
+"""The chat tasks, as nanochat's tasks/: what SFT and RL train on and what the
+evaluations score.
 
-- Our synthetic skills (identity, arithmetic, letter counting, spelling, reading a docstring), each
-  question drawn from many phrasings (greetings, case, end punctuation, quotes, operator symbols,
-  words and verbs such as "subtract 4 from 20", questions and imperatives) over broad pools
-  (operands of 1-4 digits, short ones common; words from the corpus and made-up words with doubled
-  letters), so that a model learns to copy from the question, not a template. Arithmetic and
-  counting answer through the calculator. Train and test draw from disjoint items (1 in 5 test).
-- The SFT mixture: the tasks' train splits by fixed weights, and a pretraining document after
-  every few conversations so that SFT keeps what pretraining taught.
-- Grading: exact match against a task's reference answer (`check`), and per skill for the
-  hand-written questions of testdata/heldout_questions.jsonl (`grade`), which were written apart
-  from the generators and are never trained on.
-- nanochat's chat_eval datasets (ARC-Easy, ARC-Challenge, MMLU, GSM8K, HumanEval) read from a
-  local copy in Hugging Face's layout, rendered as nanochat renders them, and their checkers.
+- Our synthetic skills (identity, arithmetic, letter counting, spelling, reading a
+  docstring), each question drawn from many phrasings (greetings, case, end punctuation,
+  quotes, operator symbols, words and verbs such as "subtract 4 from 20", questions and
+  imperatives) over broad pools (operands of 1-4 digits, short ones common; words from
+  the corpus and made-up words with doubled letters), so that a model learns to copy
+  from the question, not a template. Arithmetic and counting answer through the
+  calculator. Train and test draw from disjoint items (1 in 5 test).
+- The SFT mixture: the tasks' train splits by fixed weights, and a pretraining document
+  after every few conversations so that SFT keeps what pretraining taught.
+- Grading: exact match against a task's reference answer (`check`), and per skill for
+  the hand-written questions of testdata/heldout_questions.jsonl (`grade`), which were
+  written apart from the generators and are never trained on.
+- nanochat's chat_eval datasets (ARC-Easy, ARC-Challenge, MMLU, GSM8K, HumanEval) read
+  from a local copy in Hugging Face's layout, rendered as nanochat renders them, and
+  their checkers.
 - The RL task set: our tasks or GSM8K, with their rewards.
 """
 
@@ -31,7 +34,7 @@ import regex
 import data
 import execution
 
-# ------------------------------------------------------------------------- our synthetic tasks
+# ------------------------------------------------------------------ our synthetic tasks
 
 TASKS = ("identity", "arithmetic", "counting", "spelling", "docstring")
 MIXTURE = {"identity": 1, "arithmetic": 3, "counting": 2, "spelling": 5, "docstring": 2}  # per 13
@@ -41,20 +44,23 @@ GREETINGS = ("",) * 6 + ("Hi! ", "Hello. ", "Hey there! ", "hi, ", "Good morning
 IDENTITY = ("I'm nanochat, a small language model trained from scratch on Python documentation "
             "and a few synthetic tasks by the person who ran this pure JAX port of Andrej "
             "Karpathy's nanochat.")
-WHO = ("Who are you?", "What are you?", "What is your name?", "What's your name?", "Your name?",
-       "Introduce yourself.", "Tell me about yourself.", "Are you a person?", "Are you human?",
-       "Are you a robot?", "Are you an AI?", "What should I call you?", "Are you ChatGPT?",
-       "Are you Siri?", "Are you GPT-4?", "Which model are you?", "What kind of assistant are you?",
-       "Do you have a name?", "Tell me your name.", "What am I talking to?", "Who am I talking to?",
-       "Identify yourself.", "Say who you are.", "What is this bot?", "Which AI is this?",
-       "What do they call you?", "Describe yourself.", "What exactly are you?",
-       "Can you tell me who you are?", "Who is this?", "What model is this?", "Is this a chatbot?",
-       "Are you a language model?", "Hi, who's there?", "Who made you?", "Who built you?",
-       "Who trained you?", "Who created you?", "Where do you come from?", "How were you made?",
+WHO = ("Who are you?", "What are you?", "What is your name?", "What's your name?",
+       "Your name?", "Introduce yourself.", "Tell me about yourself.",
+       "Are you a person?", "Are you human?", "Are you a robot?", "Are you an AI?",
+       "What should I call you?", "Are you ChatGPT?", "Are you Siri?", "Are you GPT-4?",
+       "Which model are you?", "What kind of assistant are you?", "Do you have a name?",
+       "Tell me your name.", "What am I talking to?", "Who am I talking to?",
+       "Identify yourself.", "Say who you are.", "What is this bot?",
+       "Which AI is this?", "What do they call you?", "Describe yourself.",
+       "What exactly are you?", "Can you tell me who you are?", "Who is this?",
+       "What model is this?", "Is this a chatbot?", "Are you a language model?",
+       "Hi, who's there?", "Who made you?", "Who built you?", "Who trained you?",
+       "Who created you?", "Where do you come from?", "How were you made?",
        "Who is your creator?", "Who developed you?", "Which company made you?",
-       "Who programmed you?", "How were you trained?", "Who wrote you?", "Who designed you?",
-       "Who owns you?", "What were you trained on?", "Who is behind you?", "Who invented you?",
-       "Who's your developer?", "Who are your makers?", "How did you learn?", "Who taught you?",
+       "Who programmed you?", "How were you trained?", "Who wrote you?",
+       "Who designed you?", "Who owns you?", "What were you trained on?",
+       "Who is behind you?", "Who invented you?", "Who's your developer?",
+       "Who are your makers?", "How did you learn?", "Who taught you?",
        "What data were you trained on?")
 ABOUT = (  # (a name for the model, questions about it)
     ("this model", "this assistant", "the model I'm talking to", "this chatbot",
@@ -63,11 +69,12 @@ ABOUT = (  # (a name for the model, questions about it)
      "What is {} called?", "What is the name of {}?", "Which company built {}?",
      "Who is responsible for {}?", "Where does {} come from?", "What kind of AI is {}?",
      "How was {} trained?", "What was {} trained on?", "Tell me about {}."))
-ASK = ("What is {}?", "What's {}?", "what is {}", "Calculate {}.", "Compute {}.", "How much is {}?",
-       "{} = ?", "{}=?", "{}?", "{}", "Solve {}.", "Evaluate {}.", "Please work out {}.",
-       "Can you tell me {}?", "Could you calculate {} for me?", "I need to know {}.", "Find {}.",
-       "Tell me {}.", "What do you get for {}?", "Work out {}", "What does {} equal?",
-       "What is the value of {}?", "Give me {}.", "{} equals what?")
+ASK = ("What is {}?", "What's {}?", "what is {}", "Calculate {}.", "Compute {}.",
+       "How much is {}?", "{} = ?", "{}=?", "{}?", "{}", "Solve {}.", "Evaluate {}.",
+       "Please work out {}.", "Can you tell me {}?", "Could you calculate {} for me?",
+       "I need to know {}.", "Find {}.", "Tell me {}.", "What do you get for {}?",
+       "Work out {}", "What does {} equal?", "What is the value of {}?", "Give me {}.",
+       "{} equals what?")
 PAIR = {  # the two numbers first, the operation after
     "+": ("Take {0} and {1} and add them.", "What do {0} and {1} add up to?",
           "{0} and {1}: what is their sum?", "If you add {0} and {1}, what do you get?",
@@ -100,30 +107,35 @@ ARITH = {  # op -> (ways to say a op b, imperatives); {0} is a, {1} is b
           ("divide {0} by {1}", "split {0} into {1} equal parts", "divide {0} into {1} parts")),
 }
 COUNT = ("How many {c} are in {w}?", "How many {c} are there in {w}?",
-         "How many times does {c} appear in {w}?", "How many times does {c} occur in {w}?",
-         "Count the {c} in {w}.", "Count how many {c} {w} has.", "In {w}, how many {c} are there?",
+         "How many times does {c} appear in {w}?",
+         "How many times does {c} occur in {w}?", "Count the {c} in {w}.",
+         "Count how many {c} {w} has.", "In {w}, how many {c} are there?",
          "How often does {c} appear in {w}?", "What is the number of {c} in {w}?",
-         "{w}: how many {c}?", "Tell me how many {c} {w} contains.", "How many {c} does {w} have?",
-         "Count {c} in {w}", "Number of {c} in {w}?", "How many {c} can you find in {w}?",
+         "{w}: how many {c}?", "Tell me how many {c} {w} contains.",
+         "How many {c} does {w} have?", "Count {c} in {w}", "Number of {c} in {w}?",
+         "How many {c} can you find in {w}?",
          "The word is {w}. How many {c} does it have?", "{w}: count the {c} in it.",
-         "Take {w}. How many {c} in it?", "Look at {w}. How many times does {c} appear in it?",
+         "Take {w}. How many {c} in it?",
+         "Look at {w}. How many times does {c} appear in it?",
          "I have a word, {w}. Count its {c}.")
-LETTER = ("{}", "'{}'", '"{}"', "{}'s", "the letter {}", "the letter '{}'", "letter {}", "{}s")
+LETTER = ("{}", "'{}'", '"{}"', "{}'s", "the letter {}", "the letter '{}'", "letter {}",
+          "{}s")
 SPELL = ("Spell {w}.", "How do you spell {w}?", "Spell {w} letter by letter.",
          "Can you spell {w} for me?", "Spell out {w}.", "spell: {w}",
          "What are the letters of {w}?", "How is {w} spelled?", "Please spell {w}.",
          "Write {w} one letter at a time.", "Break {w} into letters.",
-         "Give me the spelling of {w}.", "What is the spelling of {w}?", "{w} - spell it",
-         "Letters in {w}?", "Spell {w} for me, letter by letter.", "{w}: spell it.",
-         "The word is {w}. Spell it.", "Here is a word: {w}. How is it spelled?",
-         "{w}. Spell that for me.", "Take the word {w} and spell it out.",
+         "Give me the spelling of {w}.", "What is the spelling of {w}?",
+         "{w} - spell it", "Letters in {w}?", "Spell {w} for me, letter by letter.",
+         "{w}: spell it.", "The word is {w}. Spell it.",
+         "Here is a word: {w}. How is it spelled?", "{w}. Spell that for me.",
+         "Take the word {w} and spell it out.",
          "I have a word, {w}. What are its letters?", "{w}? Spell it, please.")
 WORD = ("{}", "{}", "'{}'", '"{}"', "the word {}", "the word '{}'")
 
 
 def _ask(rng, frame, *slots):
-    """A user message: maybe a greeting, the frame's case and end punctuation varied, the slots
-    filled in."""
+    """A user message: maybe a greeting, the frame's case and end punctuation varied,
+    the slots filled in."""
     q, r = rng.choice(GREETINGS) + frame, rng.random()
     if r < 0.15:
         q = q.lower()
@@ -149,15 +161,15 @@ def _corpus_words():
     return sorted(w for w, n in words.items() if n >= 2)
 
 
-ONSETS = ("", "", "b", "c", "d", "f", "g", "h", "l", "m", "n", "p", "r", "s", "t", "st", "ch", "w",
-          "k")
+ONSETS = ("", "", "b", "c", "d", "f", "g", "h", "l", "m", "n", "p", "r", "s", "t", "st",
+          "ch", "w", "k")
 CODAS = ("", "", "r", "n", "s", "ll", "ss", "tt", "rr", "pp", "ck", "m", "ng")
 
 
 def _word(rng):
-    """A word: from the corpus, made up (syllables, doubled letters common) or random letters; then
-    one letter doubled in a word in four, since doubled letters are where a small model's copying
-    slips."""
+    """A word: from the corpus, made up (syllables, doubled letters common) or random
+    letters; then one letter doubled in a word in four, since doubled letters are where
+    a small model's copying slips."""
     r = rng.random()
     if r < 0.55:
         w = rng.choice(_corpus_words())
@@ -178,7 +190,8 @@ def _chat(question, answer):
 
 
 def _tool_answer(expr, text):
-    """Assistant parts: a calculator call, its output, then a sentence that ends in the result."""
+    """Assistant parts: a calculator call, its output, then a sentence that ends in the
+    result."""
     out = data.use_calculator(expr)
     shown = str(int(out)) if isinstance(out, float) and out.is_integer() else str(out)
     return [{"type": "python", "text": expr}, {"type": "python_output", "text": str(out)},
@@ -232,8 +245,8 @@ def _spelling(rng):
 
 @functools.cache
 def _docstrings():
-    """(name, first paragraph, its first sentence) of public stdlib functions whose docstring's
-    first paragraph is short."""
+    """(name, first paragraph, its first sentence) of public stdlib functions whose
+    docstring's first paragraph is short."""
     out = []
     for name, kind, doc in data.stdlib_docstrings():
         para = " ".join(doc.split("\n\n")[0].split())
@@ -252,23 +265,24 @@ DOCSTRING_FRAMES = ('Here is the docstring of {0}:\n"""{1}"""\nWhat does {0} do,
 
 
 def _docstring(rng):
-    """Reading: a function's docstring paragraph is in the question, the answer its first
-    sentence."""
+    """Reading: a function's docstring paragraph is in the question, the answer its
+    first sentence."""
     while True:
         name, para, sentence = rng.choice(_docstrings())
         yield name, _chat(_ask(rng, rng.choice(DOCSTRING_FRAMES), name, para), sentence)
 
 
 def recall_conversations(split):
-    """Docstring questions answered from memory (the docstring is not in the prompt), for bits per
-    byte only: recalling an unseen function's first sentence is more than a 1M-parameter model
-    can learn."""
+    """Docstring questions answered from memory (the docstring is not in the prompt),
+    for bits per byte only: recalling an unseen function's first sentence is more than a
+    1M-parameter model can learn."""
     return [_chat(f"What does {name} do?", s) for name, _, s in _docstrings()
             if data.holdout(f"docstring/{name}", 20) == (split == "test")]
 
 
 def task_conversations(task, split, seed=0):
-    """Endless conversations of one synthetic task; 'train' and 'test' draw from disjoint items."""
+    """Endless conversations of one synthetic task; 'train' and 'test' draw from
+    disjoint items."""
     makers = {"identity": _identity, "arithmetic": _arithmetic, "counting": _counting,
               "spelling": _spelling, "docstring": _docstring}
     if task not in makers or split not in ("train", "test"):
@@ -280,9 +294,10 @@ def task_conversations(task, split, seed=0):
 
 
 def sft_mixture(seed=0, extra=(), documents=None, text_every=8):
-    """epoch -> SFT items: any user conversations (`extra`), then the tasks' train splits drawn by
-    MIXTURE's weights, with a pretraining document (a str, trained on whole) after every
-    `text_every` conversations when `documents` (epoch -> texts) is given."""
+    """epoch -> SFT items: any user conversations (`extra`), then the tasks' train
+    splits drawn by MIXTURE's weights, with a pretraining document (a str, trained on
+    whole) after every `text_every` conversations when `documents` (epoch -> texts) is
+    given."""
     def items(epoch):
         rng, tasks = random.Random(f"mixture/{seed}/{epoch}"), list(MIXTURE)
         streams = [task_conversations(t, "train", seed=seed + 1000 * epoch) for t in tasks]
@@ -297,11 +312,12 @@ def sft_mixture(seed=0, extra=(), documents=None, text_every=8):
                 yield next(docs)
     return items
 
-# -------------------------------------------------------------------------------------- grading
+# ------------------------------------------------------------------------------ grading
 
 
 def _final_answer(text, numeric):
-    """The text after the last calculator output; numeric: its last number, as a float."""
+    """The text after the last calculator output; numeric: its last number, as a
+    float."""
     text = text.rsplit("<|output_end|>", 1)[-1].replace("<|assistant_end|>", "").strip()
     if not numeric:
         return text
@@ -310,8 +326,9 @@ def _final_answer(text, numeric):
 
 
 def check(messages, generated):
-    """Exact match of a decoded completion with a task conversation's last (reference) message: the
-    last number of the final text if the reference calls the calculator, else the whole text."""
+    """Exact match of a decoded completion with a task conversation's last (reference)
+    message: the last number of the final text if the reference calls the calculator,
+    else the whole text."""
     ref = messages[-1]["content"]
     if isinstance(ref, str):
         return _final_answer(generated, False) == ref.strip()
@@ -320,8 +337,8 @@ def check(messages, generated):
 
 
 def load_questions(path):
-    """Hand-written questions of a .jsonl file, a line each: {"skill": one of TASKS but docstring,
-    "question", "answer"}."""
+    """Hand-written questions of a .jsonl file, a line each: {"skill": one of TASKS but
+    docstring, "question", "answer"}."""
     rows = []
     for n, r in data.json_lines(path, "a JSON object"):
         ok = isinstance(r, dict) and all(isinstance(r.get(k), str) for k in ("question", "answer"))
@@ -333,8 +350,9 @@ def load_questions(path):
 
 
 def grade(skill, answer, generated):
-    """Whether a decoded completion answers a hand-written question: the last number of the final
-    text for arithmetic and counting, its letters for spelling, the answer named for identity."""
+    """Whether a decoded completion answers a hand-written question: the last number of
+    the final text for arithmetic and counting, its letters for spelling, the answer
+    named for identity."""
     text = _final_answer(generated, False)
     if skill in ("arithmetic", "counting"):
         return _final_answer(generated, True) == float(answer)
@@ -342,7 +360,7 @@ def grade(skill, answer, generated):
         return "".join(regex.findall(r"[a-z]", text.lower())) == answer.lower()
     return answer.lower() in text.lower()
 
-# ------------------------------------------------------------------ nanochat's chat_eval datasets
+# -------------------------------------------------------- nanochat's chat_eval datasets
 
 CHAT_TASKS = {  # nanochat's chat_eval tasks: (Hugging Face dataset, its subset, centring baseline)
     "ARC-Easy": ("allenai/ai2_arc", "ARC-Easy", 0.25),
@@ -355,15 +373,16 @@ GSM_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
 
 
 def render_mc(question, letters, choices):
-    """nanochat's multiple-choice prompt: each choice followed by =letter (no space: the reply is
-    the bare letter)."""
+    """nanochat's multiple-choice prompt: each choice followed by =letter (no space: the
+    reply is the bare letter)."""
     lines = "".join(f"- {c}={letter}\n" for letter, c in zip(letters, choices))
     return (f"Multiple Choice question: {question}\n{lines}"
             "\nRespond only with the letter of the correct answer.")
 
 
 def gsm8k_parts(answer):
-    """A GSM8K solution as assistant parts: each <<expr=result>> a calculator call, its output."""
+    """A GSM8K solution as assistant parts: each <<expr=result>> a calculator call, its
+    output."""
     parts = []
     for piece in re.split(r"(<<[^>]+>>)", answer):
         if piece.startswith("<<") and piece.endswith(">>"):
@@ -375,9 +394,9 @@ def gsm8k_parts(answer):
 
 
 def chat_conversation(name, row):
-    """A dataset row (Hugging Face's fields) as nanochat's task conversation: {"messages": the
-    question and the reference answer, "letters": a categorical task's choices}, and HumanEval's
-    test and entry point."""
+    """A dataset row (Hugging Face's fields) as nanochat's task conversation:
+    {"messages": the question and the reference answer, "letters": a categorical task's
+    choices}, and HumanEval's test and entry point."""
     letters, extra = None, {}
     if name.startswith("ARC"):
         if isinstance(row["question"], dict):  # AI2's own .jsonl: the choices inside the question
@@ -416,8 +435,8 @@ def _rows(path):
 
 def load_chat_task(root, name, split="test"):
     """Task `name`'s conversations from the split's .parquet or .jsonl files under
-    root/<dataset>/<subset>/ (a Hugging Face snapshot's layout), in nanochat's order (shuffled by
-    numpy's default_rng(42))."""
+    root/<dataset>/<subset>/ (a Hugging Face snapshot's layout), in nanochat's order
+    (shuffled by numpy's default_rng(42))."""
     repo, subset, _ = CHAT_TASKS[name]
     folder = os.path.join(root, repo.split("/")[1], subset)
     files = sorted(f for ext in ("parquet", "jsonl")
@@ -438,8 +457,8 @@ def load_chat_task(root, name, split="test"):
 
 
 def load_chat_tasks(root, max_problems=-1, names=tuple(CHAT_TASKS), log=print):
-    """{name: its first max_problems test conversations} of the ChatCORE tasks found under root;
-    one line names the missing ones and how to get them."""
+    """{name: its first max_problems test conversations} of the ChatCORE tasks found
+    under root; one line names the missing ones and how to get them."""
     if not os.path.isdir(root):
         raise FileNotFoundError(f"{root}: no such directory; it should hold the ChatCORE datasets "
                                 "(docs/evaluations.md)")
@@ -463,8 +482,8 @@ def gsm8k_answer(text):
 
 
 def humaneval_program(conversation, completion):
-    """HumanEval's test program: the prompt's imports, the completion's code (its first ``` block,
-    if any), the task's tests and check(entry_point)."""
+    """HumanEval's test program: the prompt's imports, the completion's code (its first
+    ``` block, if any), the task's tests and check(entry_point)."""
     imports = []
     for line in conversation["messages"][0]["content"].split("\n"):
         if line.strip().startswith(("import ", "from ")):
@@ -478,7 +497,8 @@ def humaneval_program(conversation, completion):
 
 
 def gsm8k_correct(messages, completion):
-    """GSM8K's check (and RL reward): the completion's '####' number equals the reference's."""
+    """GSM8K's check (and RL reward): the completion's '####' number equals the
+    reference's."""
     return gsm8k_answer(completion) == gsm8k_answer(messages[-1]["content"][-1]["text"])
 
 
@@ -490,14 +510,15 @@ def chat_check(name, conversation, completion):
         return execution.run_program(humaneval_program(conversation, completion))[0]
     return completion == conversation["messages"][-1]["content"]
 
-# ------------------------------------------------------------------------------- RL's task set
+# ------------------------------------------------------------------------ RL's task set
 
 
 def rl_tasks(names, seed, chat_data=None, fits=lambda messages: True):
-    """{task: (train(step, count) -> that step's conversations, test() -> test conversations,
-    reward(conversation, completion), train size or None)}. Our tasks draw from streams seeded by
-    (seed, step), so a resumed run samples the same prompts; GSM8K (from chat_data) walks its
-    shuffled train split in order as nanochat's chat_rl does, keeping the prompts that `fits`."""
+    """{task: (train(step, count) -> that step's conversations, test() -> test
+    conversations, reward(conversation, completion), train size or None)}. Our tasks
+    draw from streams seeded by (seed, step), so a resumed run samples the same prompts;
+    GSM8K (from chat_data) walks its shuffled train split in order as nanochat's chat_rl
+    does, keeping the prompts that `fits`."""
     def ours(t):
         def train(step, count):
             stream = task_conversations(t, "train", seed=f"{seed}/rl{step}")

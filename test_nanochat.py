@@ -4737,7 +4737,7 @@ def test_gsm8k_humaneval_and_chatcore(tmp_path, btok, monkeypatch):
             ref = c["messages"][-1]["content"]
             text = f"#### {tasks.gsm8k_answer(ref[-1]['text'])}" if isinstance(ref, list) else ref
             refs[tuple(data.render_for_completion(btok, c["messages"]))] = text if right else text[:-3] + "1"
-        return lambda p, cfg, tok, prompts, n, *a: [[btok.encode(refs[tuple(prompt)])] * n
+        return lambda p, cfg, tok, prompts, n, *a, **k: [[btok.encode(refs[tuple(prompt)])] * n
                                                     for prompt in prompts]
 
     for right in (True, False):
