@@ -4472,9 +4472,9 @@ def test_corpus_room_is_what_a_run_reads_once(tmp_path):
     path.write_text("".join(json.dumps({"text": " ".join(rng.choice(["spam", "eggs", "ham", "x = 1"], n))}) + "\n"
                             # more documents than the loader's buffer holds
                             for n in rng.integers(3, 12, 3000)))
-    runner = scaling.train_runner(str(tmp_path), batch=128, device_batch_size=4, vocab_size=270,
-                                  aspect_ratio=32,
-                                  head_dim=32, T=32, eval_steps=1, data_paths=[str(path)])
+    shape = scaling.Shape(batch=128, vocab_size=270, aspect_ratio=32, head_dim=32, T=32)
+    runner = scaling.train_runner(scaling.RunSettings(str(tmp_path), shape=shape, device_batch_size=4,
+                                                      eval_steps=1, data_paths=[str(path)]))
     room = scaling.corpus_room(data.Tokenizer.load(str(tmp_path / "tokenizer.json")), [str(path)],
                                4, 32)
     steps = room // 128
