@@ -138,9 +138,49 @@ def fit_isoflop(rows, convention="kaplan"):
 
 
 def _huber(r, delta):
+    # quadratic within delta, linear beyond: a run far off the curve pulls it less
     quadratic = 0.5 * r**2
     linear = delta * (np.abs(r) - 0.5 * delta)
     return np.where(np.abs(r) <= delta, quadratic, linear)
+
+
+def _lse_terms(th, xs, y, delta):
+    """fit_lse's (S, n, K + 1) log terms of every start th (S, 2K + 1), their
+    log-sum-exp (S, n) and the objective per start (S,)."""
+    K = len(xs)
+    # a_k - alpha_k x_k for each feature, and e
+    a = th[:, 0:2 * K:2, None]
+    alpha = th[:, 1:2 * K:2, None]
+    linear = a - alpha * xs[None]
+    constant = np.broadcast_to(th[:, -1:, None], (len(th), 1, len(y)))
+    t = np.concatenate([linear, constant], 1)
+    t = t.transpose(0, 2, 1)
+    # the log-sum-exp over the terms, from their max
+    m = t.max(-1, keepdims=True)
+    sums = np.exp(t - m).sum(-1, keepdims=True)
+    pred = (m + np.log(sums))[..., 0]
+    return t, pred, _huber(pred - y, delta).sum(-1)
+
+
+def _lm_step(t, pred, xs, y, lam, delta):
+    """fit_lse's Levenberg-Marquardt step of every start: damped Gauss-Newton (damping
+    lam (S,)) on the Huber as reweighted least squares."""
+    S, n, _ = t.shape
+    K = len(xs)
+    # 1. the Jacobian of pred: the terms' softmax weights, d pred / d(a_k, e)
+    p = np.exp(t - pred[..., None])  # (S, n, K + 1)
+    J = np.empty((S, n, 2 * K + 1))
+    J[..., 0:2 * K:2] = p[..., :K]
+    J[..., 1:2 * K:2] = -p[..., :K] * xs.T[None]
+    J[..., -1] = p[..., K]
+    # 2. the Huber's weights, and the damped normal equations
+    r = pred - y
+    w = np.minimum(1.0, delta / np.maximum(np.abs(r), 1e-300))
+    H = np.einsum("sni,sn,snj->sij", J, w, J)
+    g = np.einsum("sni,sn->si", J, w * r)
+    diagonal = np.diagonal(H, 0, 1, 2)[:, None] + 1e-12
+    H = H + lam[:, None, None] * np.eye(2 * K + 1) * diagonal
+    return np.linalg.solve(H, -g[..., None])[..., 0]
 
 
 def fit_lse(xs, y, starts, delta=1e-3, iters=300, keep=64):
@@ -155,28 +195,11 @@ def fit_lse(xs, y, starts, delta=1e-3, iters=300, keep=64):
     xs = np.atleast_2d(np.asarray(xs, float))
     y = np.asarray(y, float)
     th = np.array(starts, float)
-    K = len(xs)
-    S = len(th)
-
-    def terms(th):  # (S, n, K + 1) log terms, and the objective per start
-        # a_k - alpha_k x_k for each feature, and e
-        a = th[:, 0:2 * K:2, None]
-        alpha = th[:, 1:2 * K:2, None]
-        linear = a - alpha * xs[None]
-        constant = np.broadcast_to(th[:, -1:, None], (S, 1, len(y)))
-        t = np.concatenate([linear, constant], 1)
-        t = t.transpose(0, 2, 1)
-        # the log-sum-exp over the terms, from their max
-        m = t.max(-1, keepdims=True)
-        sums = np.exp(t - m).sum(-1, keepdims=True)
-        pred = (m + np.log(sums))[..., 0]
-        return t, pred, _huber(pred - y, delta).sum(-1)
-
-    t, pred, obj = terms(th)
-    lam = np.full(S, 1e-3)
+    t, pred, obj = _lse_terms(th, xs, y, delta)
+    lam = np.full(len(th), 1e-3)
     for i in range(iters):
         # 1. prune to the most promising starts once they have settled
-        if i == 30 and S > keep:
+        if i == 30 and len(th) > keep:
             finite = np.where(np.isfinite(obj), obj, np.inf)
             kept = np.argsort(finite)[:keep]
             th = th[kept]
@@ -184,23 +207,9 @@ def fit_lse(xs, y, starts, delta=1e-3, iters=300, keep=64):
             pred = pred[kept]
             obj = obj[kept]
             lam = lam[kept]
-            S = keep
-        # 2. the Jacobian of pred: the terms' softmax weights, d pred / d(a_k, e)
-        p = np.exp(t - pred[..., None])  # (S, n, K + 1)
-        J = np.empty((S, len(y), 2 * K + 1))
-        J[..., 0:2 * K:2] = p[..., :K]
-        J[..., 1:2 * K:2] = -p[..., :K] * xs.T[None]
-        J[..., -1] = p[..., K]
-        # 3. a damped Gauss-Newton step, the Huber as reweighted least squares
-        r = pred - y
-        w = np.minimum(1.0, delta / np.maximum(np.abs(r), 1e-300))
-        H = np.einsum("sni,sn,snj->sij", J, w, J)
-        g = np.einsum("sni,sn->si", J, w * r)
-        diagonal = np.diagonal(H, 0, 1, 2)[:, None] + 1e-12
-        H = H + lam[:, None, None] * np.eye(2 * K + 1) * diagonal
-        step = np.linalg.solve(H, -g[..., None])[..., 0]
-        # 4. taken where it lowers the objective; the damping follows
-        t2, pred2, obj2 = terms(th + step)
+        # 2. a step, taken where it lowers the objective; the damping follows
+        step = _lm_step(t, pred, xs, y, lam, delta)
+        t2, pred2, obj2 = _lse_terms(th + step, xs, y, delta)
         ok = np.isfinite(obj2) & (obj2 < obj)
         gain = np.where(ok, obj - obj2, 0.0)
         th[ok] = th[ok] + step[ok]
@@ -208,7 +217,7 @@ def fit_lse(xs, y, starts, delta=1e-3, iters=300, keep=64):
         pred[ok] = pred2[ok]
         obj[ok] = obj2[ok]
         lam = np.clip(np.where(ok, lam / 3, lam * 4), 1e-9, 1e9)
-        # 5. until every start has stalled
+        # 3. until every start has stalled
         if i > 30:
             stalled = (gain <= 1e-12 * (obj + 1e-30)) & ((lam >= 1e6) | ok)
             if np.all(stalled):
