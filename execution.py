@@ -134,10 +134,10 @@ def isolate(memory_mb, cpu_seconds, network_namespace=True):
     # counted per user namespace (Linux >= 5.14): it caps the program's own processes
     if netns:
         limits.append((resource.RLIMIT_NPROC, 64))
-    for r, v in limits:
-        hard = resource.getrlimit(r)[1]
-        v = v if hard == resource.RLIM_INFINITY else min(v, hard)
-        resource.setrlimit(r, (v, v))
+    for kind, value in limits:
+        hard = resource.getrlimit(kind)[1]
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(kind, (value, value))
 
 
 def audit_hook(tmp):

@@ -247,9 +247,9 @@ def evaluate_stage(name, params, cfg, tok, losses, info, out, argv,
                                          evaluations.questions)
         r["tasks"], r["questions"] = graded
     if name != "base" and chat_tasks:
-        results = evaluate.evaluate_chat(params, cfg, tok, chat_tasks,
-                                         evaluations.row_sharding)
-        r["chatcore"] = dict(results, data=chat_dir)
+        chat = evaluate.evaluate_chat(params, cfg, tok, chat_tasks,
+                                      evaluations.row_sharding)
+        r["chatcore"] = dict(chat, data=chat_dir)
     # 3. the card: process 0 writes this stage's part and rebuilds report.md
     if jax.process_index() == 0:
         section = dict(r, config=dataclasses.asdict(cfg), argv=argv,

@@ -634,12 +634,12 @@ def parse_args(argv=None):
     add_run_flags(p)
     args = p.parse_args(argv)
     # the sweep's defaults; adaptive_grid keeps the sizes the aspect ratio allows
-    d = DEFAULTS[args.sweep]
+    defaults = DEFAULTS[args.sweep]
     adaptive = args.adaptive and args.sweep == "scale_c"
     every = list(range(1, 25))
-    args.depths = args.depths or (every if adaptive else d["depths"])
-    args.budgets = args.budgets or d["budgets"]
-    args.tokens = args.tokens or d["tokens"]
+    args.depths = args.depths or (every if adaptive else defaults["depths"])
+    args.budgets = args.budgets or defaults["budgets"]
+    args.tokens = args.tokens or defaults["tokens"]
     # the values no sweep can take
     lacks_budgets = args.sweep == "scale_c" and not args.budgets
     if lacks_budgets or args.sweep != "scale_c" and not args.tokens:
