@@ -543,7 +543,7 @@ def run_stage(stage, tok, run=Run(), optim=Optim(), evals=None, record=None):
                 results["train_time"] += entry["dt"]
         before = evaluate.during_training(stage.name, tok, cfg, results, log,
                                           run.device_batch_size,
-                                          evaluate.Periodic(**(evals or {})),
+                                          periodic=evaluate.Periodic(**(evals or {})),
                                           stage_eval=stage.evaluate)
         hooks = Hooks(before_step=before, save=checkpoint_saver(stage, tok, run, meta, results),
                       save_every=run.save_every, log=log, stop=stop)
