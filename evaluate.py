@@ -1,24 +1,18 @@
 """nanochat's evaluations in JAX: bits per byte, our chat tasks, CORE and ChatCORE.
 
-    python evaluate.py --eval-bundle eval_bundle --checkpoint checkpoints/base            # CORE
-    python evaluate.py --chat-data chat_eval --checkpoint checkpoints/sft --max-problems 100
+    python evaluate.py --eval-bundle eval_bundle --checkpoint checkpoints/base  # CORE
+    python evaluate.py --chat-data chat_eval --max-problems 100           # ChatCORE
     python evaluate.py --eval-bundle eval_bundle --nanochat-checkpoint ~/.cache/nanochat
 
-- CORE (DCLM, arXiv 2406.11794), nanochat's base_eval and core_eval: each task of the bundle's
-  core.yaml is shuffled with Random(1337), each example takes its few-shot examples with
-  Random(1234 + index) and is scored by its type: multiple choice and schema pick the option with
-  the lowest mean loss over the part of the prompts that differs (the common token prefix or
-  suffix), language modeling needs every continuation token to be the argmax. Accuracy is centred
-  on the task's random baseline, and CORE is the mean. No prompt is cropped, as in nanochat.
-- ChatCORE, nanochat's chat_eval: ARC-Easy, ARC-Challenge and MMLU are categorical (the argmax over
-  the letters' logits after <|assistant_start|>), GSM8K and HumanEval generative (greedy through
-  the slot engine with the calculator, all problems at once, pass@n). ChatCORE is the mean of the
-  five accuracies centred on nanochat's baselines (0.25 for 4-way choice, 0 for generation).
-  tasks.py reads the datasets and checks the answers.
-- Every forward is batched and jitted (`map_rows`): the rows of many examples, sorted by length,
-  padded to powers of two and split over the devices of a `jax.sharding` mesh when one is given
-  (train.py passes its training mesh).
-- Nothing is downloaded: the bundle and the datasets are local paths (docs/evaluations.md).
+- CORE (DCLM, arXiv 2406.11794), nanochat's base_eval and core_eval: each example scored
+  by its task's type, the accuracy centred on the task's random baseline, CORE the mean.
+- ChatCORE, nanochat's chat_eval: ARC-Easy, ARC-Challenge and MMLU categorical (the
+  letters' logits), GSM8K and HumanEval generative (greedy through the slot engine with
+  the calculator), the mean of the accuracies centred on nanochat's baselines.
+- Every forward is batched and jitted (`map_rows`), rows sorted by length and padded to
+  powers of two, split over the devices of a `jax.sharding` mesh when one is given.
+Nothing is downloaded: the bundle and the datasets are local paths (docs/evaluations.md
+says where to get them and how each evaluation is scored).
 """
 
 import argparse
@@ -49,33 +43,38 @@ import nanochat as nc
 import sharding
 import tasks as tk
 
-# ---------------------------------------------------------------------------------- scoring rows
+# ------------------------------------------------------------------------- scoring rows
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def next_token_scores(params, ids, lengths, cfg):
-    """nanochat's forward_model: at every position of ids (B, T) the loss of the next token and the
-    argmax prediction, (B, T) each (the last column scores whatever follows; no span reads it)."""
+    """nanochat's forward_model: at every position of ids (B, T) the loss of the next
+    token and the argmax prediction, (B, T) each (the last column scores whatever
+    follows; no span reads it)."""
     logits = nc.forward(params, ids, cfg, kernels.attention_fn())  # (B, T, V) fp32
     targets = jnp.roll(ids, -1, axis=1)[..., None]
-    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets, -1)[..., 0]
+    log_probs = jax.nn.log_softmax(logits)
+    nll = -jnp.take_along_axis(log_probs, targets, -1)[..., 0]
     return nll, jnp.argmax(logits, -1).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def last_logits(params, ids, lengths, cfg):
-    """The logits (B, vocab_size) at the last token of each row of ids (B, T): only those positions
-    meet the head."""
+    """The logits (B, vocab_size) at the last token of each row of ids (B, T): only those
+    positions meet the head."""
     x = nc.hidden(params, ids, cfg, kernels.attention_fn())
-    return (nc.logits_from_hidden(params, x[jnp.arange(ids.shape[0]), lengths - 1], cfg),)
+    last = x[jnp.arange(ids.shape[0]), lengths - 1]
+    return (nc.logits_from_hidden(params, last, cfg),)
 
 
 def map_rows(fn, rows, pad, row_sharding=None, batch_tokens=1 << 14):
-    """fn(ids (B, T), lengths (B,)) -> arrays with a leading B, over token rows of any lengths: rows
-    sorted by length into batches of at most batch_tokens tokens, right-padded with `pad` to powers
-    of two in B and T (few shapes, few compiles), split over the devices by `row_sharding` (a
-    NamedSharding of the rows). Returns each row's outputs."""
-    order, out = sorted(range(len(rows)), key=lambda i: len(rows[i])), [None] * len(rows)
+    """fn(ids (B, T), lengths (B,)) -> arrays with a leading B, over token rows of any
+    lengths: rows sorted by length into batches of at most batch_tokens tokens,
+    right-padded with `pad` to powers of two in B and T (few shapes, few compiles), split
+    over the devices by `row_sharding` (a NamedSharding of the rows). Returns each row's
+    outputs."""
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    out = [None] * len(rows)
     devices = row_sharding.mesh.size if row_sharding is not None else 1
 
     def put(x):
@@ -83,15 +82,24 @@ def map_rows(fn, rows, pad, row_sharding=None, batch_tokens=1 << 14):
             return x
         return jax.make_array_from_callback(x.shape, row_sharding, lambda i: x[i])
     while order:
+        # 1. the longest rows left, as many as batch_tokens holds at their bucket's T
         T = 1 << (len(rows[order[-1]]) - 1).bit_length()
         n = max(1, batch_tokens // T)
-        take, order = order[-n:], order[:-n]  # the longest rows left
-        B = -(-(1 << (len(take) - 1).bit_length()) // devices) * devices
-        x, lengths = np.full((B, T), pad, np.int32), np.ones(B, np.int32)
+        take = order[-n:]
+        order = order[:-n]
+        # 2. B a power of two, then a multiple of the devices
+        B = 1 << (len(take) - 1).bit_length()
+        B = -(-B // devices) * devices
+        x = np.full((B, T), pad, np.int32)
+        lengths = np.ones(B, np.int32)
         for j, i in enumerate(take):
-            x[j, :len(rows[i])], lengths[j] = rows[i], len(rows[i])
-        mesh = jax.set_mesh(row_sharding.mesh) if row_sharding is not None else contextlib.nullcontext()
-        with mesh:  # (a kernel that needs shard_map finds the mesh here)
+            x[j, :len(rows[i])] = rows[i]
+            lengths[j] = len(rows[i])
+        # 3. the batch through fn (a kernel that needs shard_map finds the mesh here)
+        mesh = contextlib.nullcontext()
+        if row_sharding is not None:
+            mesh = jax.set_mesh(row_sharding.mesh)
+        with mesh:
             results = [sharding.to_host(a) for a in fn(put(x), put(lengths))]
         for j, i in enumerate(take):
             out[i] = tuple(a[j] for a in results)
@@ -99,10 +107,12 @@ def map_rows(fn, rows, pad, row_sharding=None, batch_tokens=1 << 14):
 
 
 def fit_slots(cfg, wanted, most=64, cache_bytes=2**32):
-    """Slots for `wanted` choices at once: a power of 4 (few sizes: few programs to compile), at
-    most `most`, whose KV cache fits in cache_bytes (d20 at T 2048 in bf16: 210 MB a slot)."""
+    """Slots for `wanted` choices at once: a power of 4 (few sizes: few programs to
+    compile), at most `most`, whose KV cache fits in cache_bytes (d20 at T 2048 in bf16:
+    210 MB a slot)."""
     itemsize = jnp.dtype(cfg.compute_dtype).itemsize
-    per_slot = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * cfg.sequence_len * itemsize
+    per_slot = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * cfg.sequence_len
+    per_slot *= itemsize
     limit = max(1, min(most, cache_bytes // per_slot))
     slots = 1
     while slots < wanted and slots * 4 <= limit:
@@ -111,15 +121,17 @@ def fit_slots(cfg, wanted, most=64, cache_bytes=2**32):
 
 
 def generate_batch(params, cfg, tok, prompts, sampling, n=1):
-    """Every prompt's n choices, generated together through the slot engine with the calculator
-    (prompt i samples with sampling.seed + i): an engine.Request per prompt, done, or None where
-    the prompt leaves no room in the context. What the evaluations and RL sample with."""
+    """Every prompt's n choices, generated together through the slot engine with the
+    calculator (prompt i samples with sampling.seed + i): an engine.Request per prompt,
+    done, or None where the prompt leaves no room in the context. What the evaluations
+    and RL sample with."""
     room = [len(prompt) < cfg.sequence_len for prompt in prompts]
-    sp = tok.special
+    special = tok.special
+    python_ids = (special["<|python_start|>"], special["<|python_end|>"])
     slots = fit_slots(cfg, sum(room) * n)
     # every chunk on all the slots: one program to compile, where a batch's tail is short
     eng = engine.Engine(params, cfg, slots=slots, kmax=32, attn=kernels.attention_fn(),
-                        python_ids=(sp["<|python_start|>"], sp["<|python_end|>"]), rows=(slots,))
+                        python_ids=python_ids, rows=(slots,))
     requests = []
     for i, prompt in enumerate(prompts):
         seeded = dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**32)
@@ -130,19 +142,20 @@ def generate_batch(params, cfg, tok, prompts, sampling, n=1):
     return requests
 
 
-def complete(params, cfg, tok, prompts, n=1, max_tokens=512, temperature=0.0, top_k=50, seed=0):
-    """Each prompt's n replies (generate_batch's, greedy by default), each reply's ids without its
-    stop token; empty ones where a prompt leaves no room in the context."""
+def complete(params, cfg, tok, prompts, n=1, max_tokens=512, temperature=0.0, top_k=50,
+             seed=0):
+    """Each prompt's n replies (generate_batch's, greedy by default), each reply's ids
+    without its stop token; empty ones where a prompt leaves no room in the context."""
     stops = data.reply_stops(tok)
-    sampling = engine.Sampling(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                               seed=seed, stop_ids=stops)
+    sampling = engine.Sampling(max_tokens=max_tokens, temperature=temperature,
+                               top_k=top_k, seed=seed, stop_ids=stops)
     replies = []
     for request in generate_batch(params, cfg, tok, prompts, sampling, n):
         choices = request.tokens if request is not None else [[]] * n
         replies.append([[t for t in choice if t not in stops] for choice in choices])
     return replies
 
-# ------------------------------------------------------------------- bits per byte, our tasks
+# ---------------------------------------------------------- bits per byte, our tasks
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
@@ -153,45 +166,71 @@ def _bpb_sums(params, inputs, targets, token_bytes, cfg):
 
 
 def evaluate_bpb(params, cfg, batches, token_bytes, steps):
-    """nanochat's bits per byte: summed nats over summed bytes of the targets; specials count 0
-    bytes. Each process evaluates its own batches with its own copy of the params; the sums are
-    added up over the processes."""
-    sums = np.zeros(2)
+    """nanochat's bits per byte: summed nats over summed bytes of the targets; specials
+    count 0 bytes. Each process evaluates its own batches with its own copy of the
+    params; the sums are added up over the processes."""
+    sums = np.zeros(2)  # nats, bytes
     for inputs, targets, _ in itertools.islice(batches, steps):
-        sums += [float(x) for x in _bpb_sums(params, inputs, targets, token_bytes, cfg)]
+        batch_sums = _bpb_sums(params, inputs, targets, token_bytes, cfg)
+        sums += [float(x) for x in batch_sums]
     if jax.process_count() > 1:
         sums = multihost_utils.process_allgather(sums).sum(0)
     return float(sums[0] / (math.log(2) * max(sums[1], 1)))
 
 
 def evaluate_tasks(params, cfg, tok, n=50, questions=(), seed=0, max_tokens=160):
-    """Exact-match accuracy per synthetic task on n conversations of its held-out split, and per
-    skill on hand-written questions (tasks.load_questions), greedy: ({task: acc}, {skill: acc})."""
-    convs = {task: list(itertools.islice(tk.task_conversations(task, "test", seed=seed), n))
-             for task in tk.TASKS}
-    asked = [[{"role": "user", "content": q["question"]}, {"role": "assistant", "content": "?"}]
+    """Exact-match accuracy per synthetic task on n conversations of its held-out split,
+    and per skill on hand-written questions (tasks.load_questions), greedy: ({task: acc},
+    {skill: acc})."""
+    # 1. the tasks' conversations and the questions, as chats to complete
+    convs = {}
+    for task in tk.TASKS:
+        held_out = tk.task_conversations(task, "test", seed=seed)
+        convs[task] = list(itertools.islice(held_out, n))
+    asked = [[{"role": "user", "content": q["question"]},
+              {"role": "assistant", "content": "?"}]
              for q in questions]
-    # every conversation's reply in one batch through the engine
+    # 2. every conversation's reply in one batch through the engine
     everything = [c for task in tk.TASKS for c in convs[task]] + asked
     prompts = [data.render_for_completion(tok, c) for c in everything]
-    replies = iter(tok.decode(r[0]) for r in complete(params, cfg, tok, prompts, 1, max_tokens))
+    completions = complete(params, cfg, tok, prompts, 1, max_tokens)
+    replies = iter(tok.decode(r[0]) for r in completions)
+    # 3. each reply checked, in the order asked
     accuracy = {}
     for task in tk.TASKS:
-        accuracy[task] = float(np.mean([tk.check(c, next(replies)) for c in convs[task]]))
+        checks = [tk.check(c, next(replies)) for c in convs[task]]
+        accuracy[task] = float(np.mean(checks))
     graded = []
     for q in questions:
         graded.append((q["skill"], tk.grade(q["skill"], q["answer"], next(replies))))
-    skills = {s: float(np.mean([ok for k, ok in graded if k == s])) for s in dict(graded)}
+    skills = {}
+    for skill in dict(graded):
+        oks = [ok for graded_skill, ok in graded if graded_skill == skill]
+        skills[skill] = float(np.mean(oks))
     return accuracy, skills
 
-def during_training(name, tok, cfg, results, log, device_batch_size, val_docs=None,
-                    eval_every=100, eval_steps=8, sample_every=100, stage_eval=None):
-    """train.train_loop's before_step for stage `name`: val bits per byte (of val_docs, by default
-    the default corpus's val split) every eval_every steps, a sample every sample_every steps, and
-    the stage's own evaluation, stage_eval(params, step, last, results, log) (RL's pass@k), given
-    the params as training holds them (sharded under --shard full)."""
+
+@dataclasses.dataclass(frozen=True)
+class Periodic:
+    """What training evaluates as it goes (during_training): val bits per byte of
+    val_docs (None: the default corpus's val split) every eval_every steps (0: never),
+    over eval_steps batches, and a sample every sample_every steps (0: never)."""
+    val_docs: object = None  # epoch -> texts (data.corpus)
+    eval_every: int = 100
+    eval_steps: int = 8
+    sample_every: int = 100
+
+
+def during_training(name, tok, cfg, results, log, device_batch_size, periodic=Periodic(),
+                    stage_eval=None):
+    """train.train_loop's before_step for stage `name`: periodic's val bits per byte and
+    samples, and the stage's own evaluation, stage_eval(params, step, last, results, log)
+    (RL's pass@k), given the params as training holds them (sharded under --shard
+    full)."""
     token_bytes = jnp.asarray(tok.token_bytes())
-    val_docs = val_docs or data.corpus(None, "val")
+    val_docs = periodic.val_docs or data.corpus(None, "val")
+    every = periodic.eval_every
+    # the sample's prompt: a base model continues text, a chat model answers
     text = "The " if name == "base" else "Who are you?"
     chat = [{"role": "user", "content": text}, {"role": "assistant", "content": "?"}]
     if name == "base":
@@ -202,26 +241,31 @@ def during_training(name, tok, cfg, results, log, device_batch_size, val_docs=No
     def before_step(params, step, last):
         if stage_eval is not None:
             stage_eval(params, step, last, results, log)
-        val_due = eval_every > 0 and (step % eval_every == 0 or last)
+        val_due = every > 0 and (step % every == 0 or last)
+        sample_every = periodic.sample_every
         sample_due = sample_every > 0 and step > 0 and (step % sample_every == 0 or last)
-        if val_due or sample_due:  # gathered only then: sharded, they are the whole model
-            p = sharding.local(params)
+        # gathered only then: sharded, they are the whole model
+        if val_due or sample_due:
+            own = sharding.local(params)
         if val_due:
             shard = data.every_nth(val_docs, jax.process_index(), jax.process_count())
             val = data.pretrain_batches(tok, shard, device_batch_size, cfg.sequence_len)
-            results["val_bpb"] = evaluate_bpb(p, cfg, val, token_bytes, eval_steps)
+            results["val_bpb"] = evaluate_bpb(own, cfg, val, token_bytes,
+                                              periodic.eval_steps)
             print(f"step {step:5d} | val bpb {results['val_bpb']:.4f}")
             log({"step": step, "val_bpb": results["val_bpb"]})
-            if last and name != "base":  # docstring recall: held-out first sentences, no docstring
+            # docstring recall: held-out first sentences, no docstring
+            if last and name != "base":
                 recall = data.sft_batches(tok, lambda _: tk.recall_conversations("test"),
                                           device_batch_size, cfg.sequence_len)
-                results["recall_bpb"] = evaluate_bpb(p, cfg, recall, token_bytes, eval_steps)
+                results["recall_bpb"] = evaluate_bpb(own, cfg, recall, token_bytes,
+                                                     periodic.eval_steps)
         if sample_due:
-            sample = complete(p, cfg, tok, [prompt], 1, 24)[0][0]
+            sample = complete(own, cfg, tok, [prompt], 1, 24)[0][0]
             print(f"  sample: {text!r} -> {tok.decode(sample)!r}")
     return before_step
 
-# ------------------------------------------------------------------------------------------ CORE
+# ------------------------------------------------------------------------------- CORE
 
 
 def _scalar(text):
@@ -241,110 +285,138 @@ def _scalar(text):
     return {"true": True, "false": False}.get(text, text)
 
 
-COMMENT = re.compile(r"""(^|\s)#(?=(?:[^"']|"[^"]*"|'[^']*')*$).*""")  # a '#' outside quotes
+# a '#' outside quotes, and what follows it
+COMMENT = re.compile(r"""(^|\s)#(?=(?:[^"']|"[^"]*"|'[^']*')*$).*""")
 
 
 def read_icl_tasks(path):
-    """The icl_tasks list of a core.yaml, read without PyYAML: flat mappings of scalars and lists
-    ([0] or '- 0' lines), each task opened by '-' (alone or before its first key), comments after
-    '#'."""
-    tasks, key = None, None
+    """The icl_tasks list of a core.yaml, read without PyYAML: flat mappings of scalars
+    and lists ([0] or '- 0' lines), each task opened by '-' (alone or before its first
+    key), comments after '#'."""
+    tasks = None  # None until icl_tasks: opens the list
+    key = None  # the last key read ("done": past the list)
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             line = COMMENT.sub("", line.rstrip("\n")).rstrip()
-            s = line.strip()
-            if not s:
+            content = line.strip()
+            if not content:
                 continue
-            if not line[0].isspace() and not s.startswith("-"):  # a top-level key
-                tasks, key = ([], None) if s == "icl_tasks:" else (tasks, "done")
+            # 1. a top-level key opens the list or, after it, closes it
+            if not line[0].isspace() and not content.startswith("-"):
+                if content == "icl_tasks:":
+                    tasks = []
+                    key = None
+                else:
+                    key = "done"
                 continue
             if tasks is None or key == "done":
                 continue
-            if s.startswith("-"):
-                if ":" not in s and key is not None and isinstance(tasks[-1][key], list):
-                    tasks[-1][key].append(_scalar(s[1:]))  # an element of a '- x' list
+            # 2. a '-' line: an element of a '- x' list, or a new task
+            if content.startswith("-"):
+                in_list = key is not None and isinstance(tasks[-1][key], list)
+                if ":" not in content and in_list:
+                    tasks[-1][key].append(_scalar(content[1:]))
                     continue
-                tasks.append({})  # a new task
-                s, key = s[1:].strip(), None
-                if not s:
+                tasks.append({})
+                content = content[1:].strip()
+                key = None
+                if not content:
                     continue
-            if ":" not in s or not tasks:
-                raise ValueError(f"{path}:{n}: cannot read {s!r}; core.yaml holds nanochat's "
-                                 "icl_tasks list")
-            key, value = (t.strip() for t in s.split(":", 1))
+            # 3. a key of the task and its value
+            if ":" not in content or not tasks:
+                raise ValueError(f"{path}:{n}: cannot read {content!r}; core.yaml holds "
+                                 "nanochat's icl_tasks list")
+            key, value = (part.strip() for part in content.split(":", 1))
             tasks[-1][key] = _scalar(value) if value else []
     if not tasks:
-        raise ValueError(f"{path}: no icl_tasks list; pass nanochat's eval_bundle directory "
-                         "(docs/evaluations.md)")
+        raise ValueError(f"{path}: no icl_tasks list; pass nanochat's eval_bundle "
+                         "directory (docs/evaluations.md)")
     return tasks
 
 
 CORE_TYPES = {"multiple_choice": ("query", "choices", "gold"),
               "schema": ("context_options", "continuation", "gold"),
               "language_modeling": ("context", "continuation")}
-BUNDLE_HELP = ("; get eval_bundle.zip from nanochat's base_eval.py (EVAL_BUNDLE_URL) and unzip it "
-               "(docs/evaluations.md)")
+BUNDLE_HELP = ("; get eval_bundle.zip from nanochat's base_eval.py (EVAL_BUNDLE_URL) "
+               "and unzip it (docs/evaluations.md)")
 
 
-def _bundle_task(bundle, t, baselines, max_per_task):
-    """One task of core.yaml with its examples, shuffled with Random(1337) as nanochat's are."""
-    label, kind, uri, shots = (t.get(k) for k in ("label", "icl_task_type", "dataset_uri",
-                                                  "num_fewshot"))
+def _bundle_task(bundle, entry, baselines, max_per_task):
+    """One task of core.yaml (its entry) with its examples, shuffled with Random(1337) as
+    nanochat's are."""
+    # 1. the entry's fields, and the task's random baseline
+    label = entry.get("label")
+    kind = entry.get("icl_task_type")
+    uri = entry.get("dataset_uri")
+    shots = entry.get("num_fewshot")
     shots_ok = isinstance(shots, list) and shots
     if kind not in CORE_TYPES or not isinstance(uri, str) or not shots_ok:
-        raise ValueError(f"{bundle}/core.yaml: task {label!r} needs icl_task_type (one of "
-                         f"{list(CORE_TYPES)}), dataset_uri and a num_fewshot list")
+        raise ValueError(f"{bundle}/core.yaml: task {label!r} needs icl_task_type (one "
+                         f"of {list(CORE_TYPES)}), dataset_uri and a num_fewshot list")
     if label not in baselines:
         raise ValueError(f"{bundle}/eval_meta_data.csv: no 'Random baseline' for task "
                          f"{label!r}{BUNDLE_HELP}")
+    # 2. its examples, each with the fields of its type
     path = os.path.join(bundle, "eval_data", uri)
     items = [row for _, row in data.json_lines(path, f"a {kind} example")]
     fields = CORE_TYPES[kind]
-    if bad := [i for i, r in enumerate(items)
-               if not isinstance(r, dict) or not all(k in r for k in fields)]:
-        raise ValueError(f"{path}: example {bad[0]} lacks one of {fields}, the fields of a {kind} "
-                         "task")
+    bad = [i for i, row in enumerate(items)
+           if not isinstance(row, dict) or not all(k in row for k in fields)]
+    if bad:
+        raise ValueError(f"{path}: example {bad[0]} lacks one of {fields}, the fields "
+                         f"of a {kind} task")
+    # 3. shuffled, cut, with room for the few-shot examples
     random.Random(1337).shuffle(items)
     items = items[:max_per_task] if max_per_task > 0 else items
     if len(items) <= int(shots[0]):
-        raise ValueError(f"task {label!r} takes {shots[0]}-shot examples from the others of its "
-                         f"{len(items)}; evaluate more examples per task")
-    return dict(label=label, type=kind, num_fewshot=int(shots[0]), baseline=baselines[label],
-                delimiter=t.get("continuation_delimiter", " "), data=items)
+        raise ValueError(f"task {label!r} takes {shots[0]}-shot examples from the "
+                         f"others of its {len(items)}; evaluate more examples per task")
+    return dict(label=label,
+                type=kind,
+                num_fewshot=int(shots[0]),
+                baseline=baselines[label],
+                delimiter=entry.get("continuation_delimiter", " "),
+                data=items)
 
 
 def load_bundle(bundle, max_per_task=-1):
-    """nanochat's eval_bundle (core.yaml, eval_meta_data.csv, eval_data/*.jsonl) as a list of tasks:
-    {label, type, num_fewshot, delimiter, baseline (percent), data (at most max_per_task)}."""
+    """nanochat's eval_bundle (core.yaml, eval_meta_data.csv, eval_data/*.jsonl) as a
+    list of tasks: {label, type, num_fewshot, delimiter, baseline (percent), data (at
+    most max_per_task)}."""
     for f in ("core.yaml", "eval_meta_data.csv", "eval_data"):
         if not os.path.exists(os.path.join(bundle, f)):
             raise FileNotFoundError(f"{bundle}: no {f} here, not an eval_bundle "
                                     f"directory{BUNDLE_HELP}")
+    # each task's random baseline, in percent
     with open(os.path.join(bundle, "eval_meta_data.csv"), encoding="utf-8") as f:
         try:
-            baselines = {r["Eval Task"]: float(r["Random baseline"]) for r in csv.DictReader(f)}
+            baselines = {row["Eval Task"]: float(row["Random baseline"])
+                         for row in csv.DictReader(f)}
         except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{bundle}/eval_meta_data.csv: want 'Eval Task' and 'Random "
-                             f"baseline' columns{BUNDLE_HELP}") from None
-    return [_bundle_task(bundle, t, baselines, max_per_task)
-            for t in read_icl_tasks(os.path.join(bundle, "core.yaml"))]
+            raise ValueError(f"{bundle}/eval_meta_data.csv: want 'Eval Task' and "
+                             f"'Random baseline' columns{BUNDLE_HELP}") from None
+    entries = read_icl_tasks(os.path.join(bundle, "core.yaml"))
+    return [_bundle_task(bundle, entry, baselines, max_per_task) for entry in entries]
 
 
 def core_prompts(item, kind, delimiter, fewshot):
-    """nanochat's CORE prompts (core_eval.render_prompts_*): each few-shot example and a blank line,
-    then the item once per choice (multiple choice), per context option (schema), or without and
-    with its continuation (language modeling)."""
+    """nanochat's CORE prompts (core_eval.render_prompts_*): each few-shot example and a
+    blank line, then the item once per choice (multiple choice), per context option
+    (schema), or without and with its continuation (language modeling)."""
     if kind == "multiple_choice":
-        shots = "".join(f"{e['query']}{delimiter}{e['choices'][e['gold']]}\n\n" for e in fewshot)
+        shots = "".join(f"{e['query']}{delimiter}{e['choices'][e['gold']]}\n\n"
+                        for e in fewshot)
         return [f"{shots}{item['query']}{delimiter}{c}" for c in item["choices"]]
     if kind == "schema":
-        shots = "".join(f"{e['context_options'][e['gold']]}{delimiter}{e['continuation']}\n\n"
-                        for e in fewshot)
-        return [f"{shots}{c}{delimiter}{item['continuation']}" for c in item["context_options"]]
+        shots = "".join(f"{e['context_options'][e['gold']]}{delimiter}"
+                        f"{e['continuation']}\n\n" for e in fewshot)
+        ending = f"{delimiter}{item['continuation']}"
+        return [f"{shots}{c}{ending}" for c in item["context_options"]]
     shots = "".join(f"{str(e['context']).strip()}{delimiter}{e['continuation']}\n\n"
                     for e in fewshot)
     prompt = f"{shots}{str(item['context']).strip()}{delimiter}"
-    return [prompt.strip(), prompt + str(item["continuation"])]  # without: stripped, as nanochat's
+    # without: stripped, as nanochat's
+    return [prompt.strip(), prompt + str(item["continuation"])]
 
 
 def _common(rows, reverse=False):
@@ -356,63 +428,87 @@ def _common(rows, reverse=False):
 
 def core_example(tok, task, idx):
     """(token rows, span starts, span ends) of example idx of a task, as nanochat's
-    evaluate_example builds them: rows start with BOS; multiple choice scores each row after the
-    prefix they share, schema the suffix they share, language modeling the continuation."""
-    items, kind, k = task["data"], task["type"], task["num_fewshot"]
+    evaluate_example builds them: rows start with BOS; multiple choice scores each row
+    after the prefix they share, schema the suffix they share, language modeling the
+    continuation."""
+    items = task["data"]
+    kind = task["type"]
+    # 1. the few-shot examples: k others, drawn with Random(1234 + idx)
+    k = task["num_fewshot"]
     fewshot = []
     if k > 0:
         others = [i for i in range(len(items)) if i != idx]
         fewshot = [items[i] for i in random.Random(1234 + idx).sample(others, k)]
+    # 2. the prompts' rows, and the span each is scored on
     prompts = core_prompts(items[idx], kind, task["delimiter"], fewshot)
     rows = [[tok.bos] + tok.encode(p) for p in prompts]
     ends = [len(r) for r in rows]
     if kind == "multiple_choice":
         return rows, [_common(rows)] * len(rows), ends
     if kind == "schema":
-        return rows, [e - _common(rows, reverse=True) for e in ends], ends
+        return rows, [end - _common(rows, reverse=True) for end in ends], ends
     without, with_ = rows
     if with_[:len(without)] != without or len(without) >= len(with_):
         raise ValueError(f"task {task['label']} example {idx}: the prompt without its "
-                         "continuation does not tokenize to a prefix of the prompt with it "
-                         "(nanochat asserts the same)")
+                         "continuation does not tokenize to a prefix of the prompt with "
+                         "it (nanochat asserts the same)")
     return [with_], [len(without)], [len(with_)]
 
 
-def evaluate_core(params, cfg, tok, tasks, row_sharding=None, batch_tokens=1 << 14, details=False,
-                  log=print):
-    """CORE as nanochat's evaluate_core: {results, centered_results, core_metric}; with details also
-    per_example: {label: each example's correctness and its rows' mean span losses}."""
+def core_decisions(task, examples, scores):
+    """Each example's correctness and its rows' mean span losses: examples as
+    core_example gives them, scores an iterator of each row's (nll, argmax) in order."""
+    correct = []
+    losses = []
+    for (rows, starts, ends), item in zip(examples, task["data"]):
+        # each row's span: the targets at positions start..end-1, predicted one before
+        spans = [(nll[start - 1:end - 1], pred[start - 1:end - 1], row[start:end])
+                 for row, start, end, (nll, pred) in zip(rows, starts, ends, scores)]
+        losses.append([float(nll.mean()) for nll, _, _ in spans])
+        if task["type"] == "language_modeling":
+            _, predicted, wanted = spans[0]
+            correct.append(bool(np.array_equal(predicted, wanted)))
+        else:
+            # the first option of the lowest mean loss, as list.index(min(...)) picks it
+            correct.append(losses[-1].index(min(losses[-1])) == item["gold"])
+    return correct, losses
+
+
+def evaluate_core(params, cfg, tok, tasks, row_sharding=None, batch_tokens=1 << 14,
+                  details=False, log=print):
+    """CORE as nanochat's evaluate_core: {results, centered_results, core_metric}; with
+    details also per_example: {label: each example's correctness and its rows' mean span
+    losses}."""
     out = {"results": {}, "centered_results": {}, "per_example": {}}
     score = functools.partial(next_token_scores, params, cfg=cfg)
     for task in tasks:
         t = time.perf_counter()
+        label = task["label"]
+        # 1. every row of every example, scored in batches
         examples = [core_example(tok, task, i) for i in range(len(task["data"]))]
-        every_row = [r for ex in examples for r in ex[0]]
-        scores = iter(map_rows(score, every_row, tok.bos, row_sharding, batch_tokens))
-        correct, losses = [], []
-        for (rows, starts, ends), item in zip(examples, task["data"]):
-            spans = [(nll[s - 1:e - 1], pred[s - 1:e - 1], row[s:e])
-                     for row, s, e, (nll, pred) in zip(rows, starts, ends, scores)]
-            losses.append([float(nll.mean()) for nll, _, _ in spans])
-            if task["type"] == "language_modeling":
-                correct.append(bool(np.array_equal(spans[0][1], spans[0][2])))
-            else:  # the first option of the lowest mean loss, as list.index(min(...)) picks it
-                correct.append(losses[-1].index(min(losses[-1])) == item["gold"])
-        acc = float(np.mean(np.array(correct, np.float32)))  # a float32 mean, as torch's
-        rb = 0.01 * task["baseline"]
-        centred = (acc - rb) / (1 - rb)
-        out["results"][task["label"]], out["centered_results"][task["label"]] = acc, centred
-        out["per_example"][task["label"]] = {"correct": correct, "mean_losses": losses}
-        log(f"CORE {task['label']} ({task['num_fewshot']}-shot {task['type']}): accuracy "
+        every_row = [row for rows, _, _ in examples for row in rows]
+        scored = map_rows(score, every_row, tok.bos, row_sharding, batch_tokens)
+        # 2. each example's decision
+        correct, losses = core_decisions(task, examples, iter(scored))
+        # 3. the accuracy (a float32 mean, as torch's), centred on the random baseline
+        acc = float(np.mean(np.array(correct, np.float32)))
+        baseline = 0.01 * task["baseline"]
+        centred = (acc - baseline) / (1 - baseline)
+        out["results"][label] = acc
+        out["centered_results"][label] = centred
+        out["per_example"][label] = {"correct": correct, "mean_losses": losses}
+        seconds = time.perf_counter() - t
+        log(f"CORE {label} ({task['num_fewshot']}-shot {task['type']}): accuracy "
             f"{acc:.4f} | centered {centred:.4f} | {len(correct)} examples in "
-            f"{time.perf_counter() - t:.1f} s")
+            f"{seconds:.1f} s")
+    # 4. CORE: the mean centred accuracy
     out["core_metric"] = sum(out["centered_results"].values()) / max(len(tasks), 1)
     if not details:
         del out["per_example"]
     log(f"CORE metric: {out['core_metric']:.4f}")
     return out
 
-# -------------------------------------------------------------------------------------- ChatCORE
+# --------------------------------------------------------------------------- ChatCORE
 
 
 def letter_ids(tok, name, convs):
@@ -421,44 +517,65 @@ def letter_ids(tok, name, convs):
     for c in convs:
         for choice in c["letters"]:
             if len(ids := tok.encode(choice)) != 1:
-                raise ValueError(f"{name}: the letter {choice!r} is {len(ids)} tokens in this "
-                                 "tokenizer; categorical evaluation needs one token per letter")
+                raise ValueError(f"{name}: the letter {choice!r} is {len(ids)} tokens "
+                                 "in this tokenizer; categorical evaluation needs one "
+                                 "token per letter")
             letter[choice] = ids[0]
     return letter
 
 
-def evaluate_chat(params, cfg, tok, tasks, row_sharding=None, num_samples=1, max_tokens=512,
-                  temperature=0.0, top_k=50, batch_tokens=1 << 14, log=print):
-    """nanochat's chat_eval on {name: conversations}: {"results": {name: accuracy}, "chatcore": the
-    mean centred accuracy when all five tasks ran, else None}. `params` may be sharded
-    (categorical); generation runs on the first device's copy."""
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """How ChatCORE's generative tasks sample: pass@num_samples, at most max_tokens a
+    reply, greedy by default (nanochat's chat_eval's)."""
+    num_samples: int = 1
+    max_tokens: int = 512
+    temperature: float = 0.0
+    top_k: int = 50
+
+
+def evaluate_chat(params, cfg, tok, tasks, row_sharding=None, generation=Generation(),
+                  batch_tokens=1 << 14, log=print):
+    """nanochat's chat_eval on {name: conversations}: {"results": {name: accuracy},
+    "chatcore": the mean centred accuracy when all five tasks ran, else None}. `params`
+    may be sharded (categorical); generation runs on the first device's copy."""
     results = {}
     for name, convs in tasks.items():
         t = time.perf_counter()
-        if tk.CHAT_TASKS[name][2] > 0:  # categorical: the largest logit among the choices' letters
-            prompts = [data.render_for_completion(tok, c["messages"]) for c in convs]
+        prompts = [data.render_for_completion(tok, c["messages"]) for c in convs]
+        # 1. categorical: the largest logit among the choices' letters
+        if tk.CHAT_TASKS[name][2] > 0:
             scores = functools.partial(last_logits, params, cfg=cfg)
             logits = map_rows(scores, prompts, tok.bos, row_sharding, batch_tokens)
             letter = letter_ids(tok, name, convs)
-            passed = [c["letters"][int(np.argmax(z[[letter[x] for x in c["letters"]]]))]
-                      == c["messages"][-1]["content"] for c, (z,) in zip(convs, logits)]
-        else:  # generative: pass@num_samples, every problem's samples in one batch
-            p = params if row_sharding is None else sharding.local(params)
-            prompts = [data.render_for_completion(tok, c["messages"]) for c in convs]
-            outs = complete(p, cfg, tok, prompts, num_samples, max_tokens, temperature, top_k)
+            passed = []
+            for c, (z,) in zip(convs, logits):
+                picked = int(np.argmax(z[[letter[x] for x in c["letters"]]]))
+                passed.append(c["letters"][picked] == c["messages"][-1]["content"])
+        # 2. generative: pass@num_samples, every problem's samples in one batch
+        else:
+            own = params if row_sharding is None else sharding.local(params)
+            outs = complete(own, cfg, tok, prompts,
+                            n=generation.num_samples,
+                            max_tokens=generation.max_tokens,
+                            temperature=generation.temperature,
+                            top_k=generation.top_k)
             passed = [any(tk.chat_check(name, c, tok.decode(o)) for o in samples)
                       for c, samples in zip(convs, outs)]
         results[name] = float(np.mean(passed)) if passed else 0.0
+        seconds = time.perf_counter() - t
         log(f"{name}: {sum(passed)}/{len(passed)} ({100 * results[name]:.2f}%) in "
-            f"{time.perf_counter() - t:.1f} s")
+            f"{seconds:.1f} s")
+    # 3. ChatCORE, when all five ran: the mean accuracy centred on nanochat's baselines
     chatcore = None
     if set(results) == set(tk.CHAT_TASKS):
-        base = {n: b for n, (_, _, b) in tk.CHAT_TASKS.items()}
-        chatcore = float(np.mean([(results[n] - base[n]) / (1 - base[n]) for n in base]))
+        base = {n: baseline for n, (_, _, baseline) in tk.CHAT_TASKS.items()}
+        centred = [(results[n] - base[n]) / (1 - base[n]) for n in base]
+        chatcore = float(np.mean(centred))
         log(f"ChatCORE metric: {chatcore:.4f}")
     return {"results": results, "chatcore": chatcore}
 
-# ---------------------------------------------------------------------------------- command line
+# ----------------------------------------------------------------------- command line
 
 
 class Parser(argparse.ArgumentParser):
@@ -469,24 +586,29 @@ class Parser(argparse.ArgumentParser):
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--checkpoint", default="checkpoints", help="ours: a step directory, a stage folder "
-      "(checkpoints/base) or a root, whose newest rl, sft or base step is taken (default: "
-      "checkpoints)")
-    a("--nanochat-checkpoint", help="a PyTorch nanochat run: a directory of model_<step>.pt, or "
-      "its base directory")
+    a("--checkpoint", default="checkpoints",
+      help="ours: a step directory, a stage folder (checkpoints/base) or a root, whose "
+           "newest rl, sft or base step is taken (default: checkpoints)")
+    a("--nanochat-checkpoint",
+      help="a PyTorch nanochat run: a directory of model_<step>.pt, or its base "
+           "directory")
     a("--eval-bundle", help="nanochat's eval_bundle directory: CORE")
     a("--chat-data", help="the directory of the ChatCORE datasets: ChatCORE")
     a("--tasks", nargs="+", choices=list(tk.CHAT_TASKS), default=list(tk.CHAT_TASKS),
       help="ChatCORE tasks (default: all five)")
-    a("--max-problems", type=int, default=-1, help="at most N examples per task (default -1: all)")
-    a("--num-samples", type=int, default=1, help="samples per generative problem: pass@N "
-      "(default 1)")
-    a("--max-new-tokens", type=int, default=512, help="most tokens per answer (default 512)")
-    a("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    a("--max-problems", type=int, default=-1,
+      help="at most N examples per task (default -1: all)")
+    a("--num-samples", type=int, default=1,
+      help="samples per generative problem: pass@N (default 1)")
+    a("--max-new-tokens", type=int, default=512,
+      help="most tokens per answer (default 512)")
+    a("--temperature", type=float, default=0.0,
+      help="sampling temperature (default 0: greedy)")
     a("--top-k", type=int, default=50, help="top-k sampling (default 50)")
-    a("--batch-tokens", type=int, default=1 << 14, help="tokens per scoring batch (default 16384)")
-    a("--distributed", action="store_true", help="jax.distributed.initialize() first (TPU pods, "
-      "SLURM)")
+    a("--batch-tokens", type=int, default=1 << 14,
+      help="tokens per scoring batch (default 16384)")
+    a("--distributed", action="store_true",
+      help="jax.distributed.initialize() first (TPU pods, SLURM)")
     args = p.parse_args(argv)
     if not (args.eval_bundle or args.chat_data):
         p.error("give --eval-bundle DIR (CORE) and/or --chat-data DIR (ChatCORE); "
@@ -498,30 +620,41 @@ def main(argv=None):
     args = parse_args(argv)
     if args.distributed:
         jax.distributed.initialize()
-    bundle = load_bundle(args.eval_bundle, args.max_problems) if args.eval_bundle else None
-    chat_tasks = {}  # bad input fails first, before the checkpoint loads
+    # 1. the data first: bad input fails before the checkpoint loads
+    bundle = None
+    if args.eval_bundle:
+        bundle = load_bundle(args.eval_bundle, args.max_problems)
+    chat_tasks = {}
     if args.chat_data:
         chat_tasks = tk.load_chat_tasks(args.chat_data, args.max_problems, args.tasks)
+    # 2. the model: nanochat's, or ours from a root or stage folder's newest step
     if args.nanochat_checkpoint:
         source = args.nanochat_checkpoint
         params, cfg, tok = checkpoint.load_nanochat(source)
     else:
-        source = checkpoint.find_step(args.checkpoint)  # a root or stage folder: its newest step
+        source = checkpoint.find_step(args.checkpoint)
         params, cfg, tok = checkpoint.load_model(source)
     if tok.n_vocab != cfg.vocab_size:
-        raise ValueError(f"the checkpoint's tokenizer has {tok.n_vocab} tokens but its model "
-                         f"{cfg.vocab_size}")
-    mesh = sharding.data_mesh()  # params replicated, each batch's rows split
+        raise ValueError(f"the checkpoint's tokenizer has {tok.n_vocab} tokens but its "
+                         f"model {cfg.vocab_size}")
+    # 3. the params replicated on every device, each batch's rows split over them
+    mesh = sharding.data_mesh()
     params = jax.device_put(params, NamedSharding(mesh, P()))
     row_sharding = NamedSharding(mesh, P("data"))
     print(f"{source}: {cfg}, {jax.device_count()} devices")
+    # 4. the evaluations
     results = {}
     if bundle:
-        results["core"] = evaluate_core(params, cfg, tok, bundle, row_sharding, args.batch_tokens)
+        results["core"] = evaluate_core(params, cfg, tok, bundle, row_sharding,
+                                        args.batch_tokens)
     if chat_tasks:
-        results["chatcore"] = evaluate_chat(params, cfg, tok, chat_tasks, row_sharding, args.num_samples,
-                                            args.max_new_tokens, args.temperature, args.top_k,
-                                            args.batch_tokens)
+        generation = Generation(num_samples=args.num_samples,
+                                max_tokens=args.max_new_tokens,
+                                temperature=args.temperature,
+                                top_k=args.top_k)
+        results["chatcore"] = evaluate_chat(params, cfg, tok, chat_tasks, row_sharding,
+                                            generation=generation,
+                                            batch_tokens=args.batch_tokens)
     print(json.dumps(results))
     return results
 
@@ -529,5 +662,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, FileNotFoundError, ImportError) as e:  # bad input: one line, no traceback
+    except (ValueError, FileNotFoundError, ImportError) as e:  # bad input: one line
         sys.exit(f"error: {e}")

@@ -1,5 +1,6 @@
-"""The process a script runs in, set up for speed: the persistent XLA compilation cache, and
-glibc malloc for XLA's CPU buffers (docs/performance.md says why, with its measurements).
+"""The process a script runs in, set up for speed: the persistent XLA compilation cache,
+and glibc malloc for XLA's CPU buffers (docs/performance.md says why, with its
+measurements).
 
 train.py, bench.py's training child and scaling.py's runner call both before their first
 compile; chat.py turns on the cache only.
@@ -12,35 +13,38 @@ import sys
 
 import jax
 
-HUGE_PAGES = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: malloc madvises its heap onto huge pages
+# glibc >= 2.35: malloc madvises its heap onto huge pages
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
 
 
 def use_compile_cache(path):
-    """Keep every compiled program in a persistent cache at path ('' for none): a second run of
-    the same shapes skips XLA's compiles."""
+    """Keep every compiled program in a persistent cache at path ('' for none): a second
+    run of the same shapes skips XLA's compiles."""
     if path:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def huge_pages_offered():
-    """glibc 2.35+ (which reads the hugetlb tunable) on a kernel that offers transparent huge
-    pages."""
+    """glibc 2.35+ (which reads the hugetlb tunable) on a kernel that offers transparent
+    huge pages."""
     with contextlib.suppress(OSError, ValueError, IndexError):
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             glibc = os.confstr("CS_GNU_LIBC_VERSION").split()[1]  # "glibc 2.36"
             version = tuple(map(int, glibc.split(".")))
-            return version >= (2, 35) and "[never]" not in f.read()  # always, or on madvise
+            # "always" or "madvise": huge pages on offer
+            return version >= (2, 35) and "[never]" not in f.read()
     return False
 
 
 def tune_malloc(restart=False):
-    """glibc malloc set for XLA's CPU buffers. A step's temporaries are one large block that
-    malloc would map afresh every step, for the kernel to fault back in a page at a time: on
-    transparent huge pages (glibc's hugetlb tunable) a fault is 2 MiB, not 4 KiB. Tunables are
-    read when a process starts, so with restart (a script, before its work) the process starts
-    over once, here, with the tunable set. Without huge pages malloc keeps one heap that never
-    shrinks instead. Either way each compile's freed memory is given back."""
+    """glibc malloc set for XLA's CPU buffers. A step's temporaries are one large block
+    that malloc would map afresh every step, for the kernel to fault back in a page at a
+    time: on transparent huge pages (glibc's hugetlb tunable) a fault is 2 MiB, not
+    4 KiB. Tunables are read when a process starts, so with restart (a script, before its
+    work) the process starts over once, here, with the tunable set. Without huge pages
+    malloc keeps one heap that never shrinks instead. Either way each compile's freed
+    memory is given back."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc (macOS, musl): nothing to tune

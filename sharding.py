@@ -1,28 +1,17 @@
 """Where the training state lives on a one-axis "data" mesh: train.py's --shard modes.
 
 - none: parameters and optimizer state replicated on every device (plain data parallel).
-- optimizer (ZeRO-2, arXiv 1910.02054): the optimizer state split over the devices and the
-  gradients reduce-scattered to it; each device updates its share of the moments and
-  parameters, and XLA gathers the new parameters.
-- full (FSDP): the parameters split the same way too; XLA gathers each
-  layer's weights where the forward and backward use them and reduce-scatters the gradients.
-Each leaf splits on one axis of its own, the first of those its kind allows that divides the
-device count. The optimizer state is kept split on any axis (the stack of per-layer matrices,
-else a matrix's dimension: the vocab of wte and of the value embeddings, the width of lm_head);
-AdamW updates it elementwise where it lies, while Muon's update regroups each stack of matrices
-(padded with zero matrices to a multiple of the devices) so that each device orthogonalizes
-whole matrices, as nanochat's ranks do: Polar Express never runs on a split matrix, whatever the
-layer count. Under full, the parameters and gradients split on a matrix's own first dimension
-(the axis after a stack's), so one layer sliced out of a stack is still split and XLA gathers one
-layer's weights at a time (split on the stack axis, each slice would gather the whole stack);
-the update's inputs and outputs are resharded between the layouts, as nanochat's optimizer
-reduce-scatters gradients to the rank owning each matrix. A leaf with no axis that divides (the
-(1,) scalars) stays replicated. The collectives are the compiler's (GSPMD): only the shardings of
-the step's inputs and outputs, and of Muon's stacks, are given; the model and optimizer name no
-mesh axis.
-Several hosts join one mesh through `jax.distributed.initialize` (`init_distributed`), each
-process packing its own shard of the documents (data.process_batches) into its rows of a global
-batch (`global_arrays`); the gathers a checkpoint, a sample or an evaluation needs are here too.
+- optimizer (ZeRO-2, arXiv 1910.02054): the optimizer state split over the devices and
+  the gradients reduce-scattered to it; XLA gathers the updated parameters.
+- full (FSDP): the parameters split too; XLA gathers each layer's weights where the
+  forward and backward use them.
+Each leaf splits on the first axis its kind allows that divides the device count
+(`leaf_spec`); Muon's stacks split on the stack axis while it updates them, so each
+device orthogonalizes whole matrices. Only the shardings of the step's inputs, outputs
+and Muon's stacks are given: the collectives are the compiler's (GSPMD), and the model
+and optimizer name no mesh axis. Several hosts join one mesh (`init_distributed`); the
+gathers a checkpoint, a sample or an evaluation needs are here too. docs/scaling-out.md
+tells the layout and the memory it takes.
 """
 
 import json
@@ -37,12 +26,17 @@ MODES = ("none", "optimizer", "full")
 
 
 def leaf_spec(shape, n, kind):
-    """A leaf's PartitionSpec over n devices on the "data" axis: its first axis, in the order its
-    kind allows, that divides n. "stack": the leading one (Muon's stacks while it updates them);
-    "matrix": a matrix's own two, then a stack's (full's params and gradients); "any": every one
-    (the optimizer state). None keeps it whole, as does a leaf with no axis that divides."""
+    """A leaf's PartitionSpec over n devices on the "data" axis: its first axis, in the
+    order its kind allows, that divides n. "stack": the leading one (Muon's stacks while
+    it updates them); "matrix": a matrix's own two, then a stack's (full's params and
+    gradients); "any": every one (the optimizer state). None keeps it whole, as does a
+    leaf with no axis that divides."""
     axes = range(len(shape))
-    allowed = {None: [], "stack": axes[:1], "matrix": [*axes[-2:], *axes[:-2]], "any": axes}
+    allowed = {None: [],
+               "stack": axes[:1],
+               "matrix": [*axes[-2:], *axes[:-2]],
+               "any": axes}
+    # the first allowed axis that divides n: an equal share on every device
     for axis in allowed[kind]:
         if n > 1 and shape[axis] % n == 0:
             return P(*[None] * axis, "data")
@@ -56,20 +50,29 @@ def specs(tree, n, kind):
 
 def kinds(mode):
     """The kinds of (params and gradients, optimizer state) under a --shard mode."""
-    return ("matrix" if mode == "full" else None), (None if mode == "none" else "any")
+    params_kind = "matrix" if mode == "full" else None
+    state_kind = None if mode == "none" else "any"
+    return params_kind, state_kind
 
 
 def state_specs(params, opt_state, n, mode):
-    """The PartitionSpecs of (params, opt_state), trees of arrays or shapes, under a mode."""
-    p_kind, o_kind = kinds(mode)
-    return specs(params, n, p_kind), specs(opt_state, n, o_kind)
+    """The PartitionSpecs of (params, opt_state), trees of arrays or shapes, under a
+    mode."""
+    params_kind, state_kind = kinds(mode)
+    return specs(params, n, params_kind), specs(opt_state, n, state_kind)
 
 
-def bytes_per_device(tree, specs, n):
-    """The bytes each of n devices holds of a tree (arrays or shapes) split as specs say."""
-    sizes = [math.prod(a.shape) * np.dtype(a.dtype).itemsize // (n if s != P() else 1)
-             for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=is_spec))]
-    return sum(sizes)
+def bytes_per_device(tree, tree_specs, n):
+    """The bytes each of n devices holds of a tree (arrays or shapes) split as its
+    tree_specs say."""
+    leaves = jax.tree.leaves(tree)
+    leaf_specs = jax.tree.leaves(tree_specs, is_leaf=is_spec)
+    total = 0
+    for leaf, spec in zip(leaves, leaf_specs):
+        nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        # a split leaf leaves 1/n of its bytes on each device, a whole one all of them
+        total += nbytes // (n if spec != P() else 1)
+    return total
 
 
 def is_spec(x):
@@ -79,80 +82,95 @@ def is_spec(x):
 def memory(params, opt_state, n, mode):
     """Bytes per device of the parameters, the gradients (sharded as the params) and the
     optimizer state."""
-    p_specs, o_specs = state_specs(params, opt_state, n, mode)
-    p = bytes_per_device(params, p_specs, n)
-    return {"params": p, "grads": p, "optimizer": bytes_per_device(opt_state, o_specs, n)}
+    params_specs, opt_specs = state_specs(params, opt_state, n, mode)
+    params_bytes = bytes_per_device(params, params_specs, n)
+    return {"params": params_bytes,
+            "grads": params_bytes,
+            "optimizer": bytes_per_device(opt_state, opt_specs, n)}
 
 
 def constrain(tree, mesh, kind):
-    """Inside the jitted step: tree laid out as its kind says (specs') on mesh (nothing without
-    one)."""
+    """Inside the jitted step: tree laid out as its kind says (specs') on mesh (nothing
+    without one)."""
     if mesh is None:
         return tree
-    return jax.tree.map(lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)),
-                        tree, specs(tree, mesh.size, kind))
+
+    # a constraint, not a transfer: the compiler (GSPMD) places the collectives
+    def laid_out(leaf, spec):
+        return jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
+    return jax.tree.map(laid_out, tree, specs(tree, mesh.size, kind))
 
 
 def data_mesh():
-    """Every device of every process on one "data" axis: the mesh training and evaluation use."""
+    """Every device of every process on one "data" axis: the mesh training and
+    evaluation use."""
     return Mesh(np.array(jax.devices()), ("data",))
 
 
 def place(params, opt_state, mesh, mode):
-    """(params, opt_state): host or device arrays put onto mesh, split as the mode (one of
-    MODES, choose_mode's) says."""
-    p_specs, o_specs = state_specs(params, opt_state, mesh.size, mode)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), (p_specs, o_specs),
+    """(params, opt_state): host or device arrays put onto mesh, split as the mode (one
+    of MODES, choose_mode's) says."""
+    # each leaf's NamedSharding, then one transfer for the whole state
+    both_specs = state_specs(params, opt_state, mesh.size, mode)
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), both_specs,
                              is_leaf=is_spec)
     return jax.device_put((params, opt_state), shardings)
 
 
 def choose_mode(mode, n, log=print):
-    """The mode a run uses: optimizer by default on several devices (nanochat's), none on one."""
+    """The mode a run uses: optimizer by default on several devices (nanochat's), none
+    on one."""
     if mode is None:
         return "optimizer" if n > 1 else "none"
     if mode not in MODES:
         raise ValueError(f"--shard {mode!r}: pass one of {', '.join(MODES)}")
     if mode != "none" and n == 1:
-        log(f"warning: --shard {mode} needs several devices; this run has one, so --shard none")
+        log(f"warning: --shard {mode} needs several devices; this run has one, "
+            "so --shard none")
         return "none"
     return mode
 
 
 def describe(params, opt_state, n, mode):
     """The startup line's words on the mode and the bytes per device."""
-    mib = {k: f"{v / 2**20:,.1f}" for k, v in memory(params, opt_state, n, mode).items()}
-    return (f"--shard {mode}: per device {mib['params']} MiB params, {mib['grads']} MiB grads, "
-            f"{mib['optimizer']} MiB optimizer state")
+    held = memory(params, opt_state, n, mode)
+    mib = {part: f"{nbytes / 2**20:,.1f}" for part, nbytes in held.items()}
+    return (f"--shard {mode}: per device {mib['params']} MiB params, "
+            f"{mib['grads']} MiB grads, {mib['optimizer']} MiB optimizer state")
 
 
-# ------------------------------------------------------------------------- several processes
+# -------------------------------------------------------------------- several processes
 
 
-def init_distributed(coordinator=None, num_processes=None, process_id=None, distributed=False):
-    """Join the other processes of a multi-host run (a coordinator, or distributed: found by
-    jax.distributed.initialize on TPU pods and under SLURM); alone, do nothing."""
+def init_distributed(coordinator=None, num_processes=None, process_id=None,
+                     distributed=False):
+    """Join the other processes of a multi-host run (a coordinator, or distributed:
+    found by jax.distributed.initialize on TPU pods and under SLURM); alone, do
+    nothing."""
     if coordinator or distributed:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPUs; others ignore it
+        # the CPUs' collectives (other backends ignore it)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator, num_processes, process_id)
 
 
 def global_arrays(arrays, batch_sharding):
     """Global arrays laid out by batch_sharding, from each process's own rows of them
     (numpy)."""
-    return tuple(jax.make_array_from_process_local_data(batch_sharding, a) for a in arrays)
+    made = (jax.make_array_from_process_local_data(batch_sharding, a) for a in arrays)
+    return tuple(made)
 
 
 def to_host(x):
-    """A device array as numpy in every process (a multi-host array is gathered first)."""
+    """A device array as numpy in every process (a multi-host array is gathered
+    first)."""
     if jax.process_count() > 1:
         return multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(x)
 
 
 def gather_tree(tree):
-    """A tree of (possibly sharded) arrays whole on this host, as numpy: what a process writes.
-    On several hosts a collective: every process calls it."""
+    """A tree of (possibly sharded) arrays whole on this host, as numpy: what a process
+    writes. On several hosts a collective: every process calls it."""
     if jax.process_count() == 1:
         return jax.device_get(tree)
     return multihost_utils.process_allgather(tree, tiled=True)
@@ -161,8 +179,10 @@ def gather_tree(tree):
 def local(params):
     """This process's own copy of the params (what sampling and generation run on): its
     replica, or the whole of sharded ones (train.py --shard full), gathered."""
-    if all(x.is_fully_replicated for x in jax.tree.leaves(params)):
-        return jax.tree.map(lambda x: x.addressable_data(0), params)
+    # replicated: the copy on this process's first device, no communication
+    if all(leaf.is_fully_replicated for leaf in jax.tree.leaves(params)):
+        return jax.tree.map(lambda leaf: leaf.addressable_data(0), params)
+    # sharded: gathered whole (a collective), onto this process's first device
     return jax.device_put(gather_tree(params), jax.local_devices()[0])
 
 
@@ -173,21 +193,29 @@ def gather_states(states):
         return states
     # each process's states as JSON bytes, padded with spaces to the longest
     blob = np.frombuffer(json.dumps(states).encode(), np.uint8)
-    n = int(multihost_utils.process_allgather(np.array([blob.size])).max())
-    padded = np.pad(blob, (0, n - blob.size), constant_values=ord(" "))
+    sizes = multihost_utils.process_allgather(np.array([blob.size]))
+    longest = int(sizes.max())
+    padded = np.pad(blob, (0, longest - blob.size), constant_values=ord(" "))
+    # every process's row, each a JSON list of states
     rows = multihost_utils.process_allgather(padded)
-    return [s for row in rows for s in json.loads(bytes(row).decode())]
+    return [state for row in rows for state in json.loads(bytes(row).decode())]
 
-# ---------------------------------------------------------------------------------- flags
+# -------------------------------------------------------------------------------- flags
 
 
 def add_flags(p):
-    """train.py's flags of this file: the layout, and the processes of a multi-host run."""
+    """train.py's flags of this file: the layout, and the processes of a multi-host
+    run."""
     a = p.add_argument_group("scale out (docs/scaling-out.md)").add_argument
     a("--shard", default=None, choices=MODES,
-      help="split the optimizer state, or it and the params (default: optimizer on >1 device)")
+      help="split the optimizer state, or it and the params (default: optimizer on >1 "
+           "device)")
     a("--data-shards", type=int, default=0, help="document shards (0: one per process)")
-    a("--coordinator", default=None, help="host:port of process 0, for multi-host jax.distributed")
-    a("--num-processes", type=int, default=None, help="processes of a --coordinator run")
-    a("--process-id", type=int, default=None, help="this process's rank, 0 to --num-processes - 1")
-    a("--distributed", action="store_true", help="jax.distributed.initialize() on TPU pods, SLURM")
+    a("--coordinator", default=None,
+      help="host:port of process 0, for multi-host jax.distributed")
+    a("--num-processes", type=int, default=None,
+      help="processes of a --coordinator run")
+    a("--process-id", type=int, default=None,
+      help="this process's rank, 0 to --num-processes - 1")
+    a("--distributed", action="store_true",
+      help="jax.distributed.initialize() on TPU pods, SLURM")

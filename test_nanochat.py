@@ -3076,8 +3076,8 @@ def test_gsm8k_humaneval_and_chatcore(tmp_path, btok, monkeypatch):
             text = f"#### {tasks.gsm8k_answer(ref[-1]['text'])}" if isinstance(ref, list) else ref
             prompt = data.render_for_completion(btok, c["messages"])
             refs[tuple(prompt)] = text if right else text[:-3] + "1"
-        return lambda p, cfg, tok, prompts, n, *a: [[btok.encode(refs[tuple(prompt)])] * n
-                                                    for prompt in prompts]
+        return lambda p, cfg, tok, prompts, n, *a, **k: [[btok.encode(refs[tuple(prompt)])] * n
+                                                         for prompt in prompts]
 
     for right in (True, False):
         monkeypatch.setattr(evaluate, "complete", answer(right))
@@ -3429,7 +3429,7 @@ RL_TINY = dict(prompts=2, samples=2, max_tokens=8, eval_n=0, iterations=4)
 
 def run_stage(root, name, iterations=None, resume=False, **stage_kwargs):
     """A tiny base (T 128), SFT or RL stage through train.run_stage, as train.main wires it.
-    stage_kwargs: the stage's (rl.rl_stage's for RL, on top of RL_TINY)."""
+    stage_kwargs: the stage's (rl.Settings' for RL, on top of RL_TINY)."""
     tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
     if name == "base":
         cfg = train.model_config(tok.n_vocab, **{**TINY_MODEL, "max_seq_len": 128})
@@ -3438,7 +3438,8 @@ def run_stage(root, name, iterations=None, resume=False, **stage_kwargs):
         stage = train.sft_stage(root, tok, data.corpus(None, "train"), iterations=iterations)
     else:
         given = {} if iterations is None else {"iterations": iterations}
-        stage = train.Stage(**rl.rl_stage(root, tok, **{**RL_TINY, **given, **stage_kwargs}))
+        settings = rl.Settings(**{**RL_TINY, **given, **stage_kwargs})
+        stage = train.Stage(**rl.rl_stage(root, tok, settings))
     optim = train.Optim(**{**TINY_OPTIM, "total_batch_size": 512})
     run = train.Run(out=root, device_batch_size=4, resume=resume)
     return train.run_stage(stage, tok, run, optim, {"eval_every": 0, "sample_every": 0})
@@ -3633,7 +3634,7 @@ before = files()
 for name, run in {
         "model": lambda: train.main(base + ["--resume", "--depth", "3"]),
         "batch": lambda: train.main(base + ["--total-batch-size", "256"]),
-        "samples": lambda: rl.rl_stage(root, None, samples=6)}.items():
+        "samples": lambda: rl.rl_stage(root, None, rl.Settings(samples=6))}.items():
     try:
         run()
     except ValueError as e:
@@ -5005,9 +5006,10 @@ def test_corpus_room_is_what_a_run_reads_once(tmp_path):
     # more documents than the loader's buffer holds
     texts = (" ".join(rng.choice(words, n)) for n in rng.integers(3, 12, 3000))
     path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
-    runner = scaling.train_runner(str(tmp_path), batch=128, device_batch_size=4, vocab_size=270,
-                                  aspect_ratio=32, head_dim=32, T=32, eval_steps=1,
-                                  data_paths=[str(path)])
+    shape = scaling.Shape(batch=128, vocab_size=270, aspect_ratio=32, head_dim=32, T=32)
+    settings = scaling.RunSettings(str(tmp_path), shape=shape, device_batch_size=4, eval_steps=1,
+                                   data_paths=[str(path)])
+    runner = scaling.train_runner(settings)
     room = scaling.corpus_room(data.Tokenizer.load(str(tmp_path / "tokenizer.json")), [str(path)],
                                4, 32)
     steps = room // 128

@@ -1,12 +1,13 @@
 """PyTorch's serialization format, read and written without torch.
 
-- Reading (`read_torch_state_dict`, `read_torch_tensor`): a `torch.save` zip's data.pkl through a
-  restricted unpickler that resolves only the globals tensors need (`TORCH_GLOBALS`), so a pickle
-  naming anything else (os.system, ...) is refused before it can run; storages are raw
-  little-endian fp32, bf16, ... (`STORAGES`), each tensor a bounds-checked strided copy.
-- Writing (`write_torch_state_dict`): protocol-2 pickles emitted opcode by opcode (`torch_pickle`:
-  pickle names no global it cannot import), zip members 64-byte aligned as torch aligns them for
-  torch.load(mmap=True).
+- Reading (`read_torch_state_dict`, `read_torch_tensor`): a `torch.save` zip's data.pkl
+  through a restricted unpickler that resolves only the globals tensors need
+  (`TORCH_GLOBALS`), so a pickle naming anything else (os.system, ...) is refused before
+  it can run; storages are raw little-endian fp32, bf16, ... (`STORAGES`), each tensor a
+  bounds-checked strided copy.
+- Writing (`write_torch_state_dict`): protocol-2 pickles emitted opcode by opcode
+  (`torch_pickle`: pickle names no global it cannot import), zip members 64-byte aligned
+  as torch aligns them for torch.load(mmap=True).
 """
 
 import collections
@@ -21,59 +22,79 @@ import zlib
 import jax.numpy as jnp
 import numpy as np
 
-# ---------------------------------------------------------------------------------------- reading
+# ------------------------------------------------------------------------------ reading
 
 
 class Unpickler(pickle.Unpickler):
-    """Resolves only the globals in `allowed`; anything else is refused before it can be called."""
+    """Resolves only the globals in `allowed`; anything else is refused before it can be
+    called."""
 
     def __init__(self, file, path, allowed, storage=None):
         super().__init__(file)
-        self.path, self.allowed, self.storage = path, allowed, storage
+        self.path = path
+        self.allowed = allowed
+        self.storage = storage
 
     def find_class(self, module, name):
         if (module, name) not in self.allowed:
             raise pickle.UnpicklingError(
-                f"{self.path}: refusing to load {module}.{name}: nanochat's files hold only "
-                "tensors, dicts and tokenizer state, so this one is corrupt or malicious")
+                f"{self.path}: refusing to load {module}.{name}: nanochat's files hold "
+                "only tensors, dicts and tokenizer state, so this one is corrupt or "
+                "malicious")
         return self.allowed[module, name]
 
     def persistent_load(self, pid):
-        storage = isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-        if self.storage is None or not storage:
-            raise pickle.UnpicklingError(f"{self.path}: unexpected persistent id; not a torch "
-                                         "checkpoint")
+        # torch's ("storage", type, key, location, numel)
+        is_storage = isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+        if self.storage is None or not is_storage:
+            raise pickle.UnpicklingError(f"{self.path}: unexpected persistent id; not a "
+                                         "torch checkpoint")
         return self.storage(*pid[1:])
 
 
 def _rebuild_tensor(storage, offset, size, stride, *_):
-    """torch._utils._rebuild_tensor_v2 for numpy: a copy of the strided view, bounds-checked."""
-    end = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1 if all(size) else offset
+    """torch._utils._rebuild_tensor_v2 for numpy: a copy of the strided view,
+    bounds-checked."""
+    # 1. one past the last element the view reads (an empty tensor reads none)
+    end = offset
+    if all(size):
+        end = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1
     if offset < 0 or min(stride, default=0) < 0 or end > storage.size:
-        raise pickle.UnpicklingError("corrupt checkpoint: a tensor runs past its storage")
+        raise pickle.UnpicklingError("corrupt checkpoint: a tensor runs past its "
+                                     "storage")
+    # 2. the strided view (strides in bytes), copied
     strides = [s * storage.itemsize for s in stride]
-    return np.array(np.lib.stride_tricks.as_strided(storage[offset:], size, strides))
+    view = np.lib.stride_tricks.as_strided(storage[offset:], size, strides)
+    return np.array(view)
 
 
-STORAGES = {name: np.dtype(dt).newbyteorder("<") for name, dt in (
-    ("FloatStorage", np.float32), ("BFloat16Storage", jnp.bfloat16), ("HalfStorage", np.float16),
-    ("DoubleStorage", np.float64), ("IntStorage", np.int32), ("LongStorage", np.int64))}
+STORAGE_TYPES = (("FloatStorage", np.float32),
+                 ("BFloat16Storage", jnp.bfloat16),
+                 ("HalfStorage", np.float16),
+                 ("DoubleStorage", np.float64),
+                 ("IntStorage", np.int32),
+                 ("LongStorage", np.int64))
+# torch's storage types and their little-endian dtypes
+STORAGES = {name: np.dtype(dt).newbyteorder("<") for name, dt in STORAGE_TYPES}
 TORCH_GLOBALS = {("collections", "OrderedDict"): collections.OrderedDict,
                  ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
                  **{("torch", name): dtype for name, dtype in STORAGES.items()}}
 
 
 def read_torch_state_dict(path):
-    """A `torch.save`d state_dict (zip format) as {name: numpy array}, without torch and without
-    running code; a damaged or foreign file is a ValueError naming it."""
-    sd = _read_torch_file(path)
-    if not isinstance(sd, dict) or not all(isinstance(v, np.ndarray) for v in sd.values()):
+    """A `torch.save`d state_dict (zip format) as {name: numpy array}, without torch and
+    without running code; a damaged or foreign file is a ValueError naming it."""
+    state_dict = _read_torch_file(path)
+    tensors = isinstance(state_dict, dict) and all(isinstance(v, np.ndarray)
+                                                   for v in state_dict.values())
+    if not tensors:
         raise ValueError(f"{path}: not a state_dict of tensors")
-    return dict(sd)
+    return dict(state_dict)
 
 
 def read_torch_tensor(path):
-    """One `torch.save`d tensor (tokenizer/token_bytes.pt) as numpy, as read_torch_state_dict."""
+    """One `torch.save`d tensor (tokenizer/token_bytes.pt) as numpy, as
+    read_torch_state_dict."""
     a = _read_torch_file(path)
     if not isinstance(a, np.ndarray):
         raise ValueError(f"{path}: not a single tensor")
@@ -83,7 +104,8 @@ def read_torch_tensor(path):
 def _read_torch_file(path):
     try:
         return _read_torch_zip(path)
-    except (zipfile.BadZipFile, KeyError, EOFError, pickle.UnpicklingError, ValueError) as e:
+    except (zipfile.BadZipFile, KeyError, EOFError, pickle.UnpicklingError,
+            ValueError) as e:
         said = str(e)  # our own errors name the file already
         if not said.startswith(f"{path}: "):
             said = f"{path}: a damaged torch checkpoint ({type(e).__name__}: {said})"
@@ -92,80 +114,106 @@ def _read_torch_file(path):
 
 def _read_torch_zip(path):
     with zipfile.ZipFile(path) as z:
-        pkl = next((n for n in z.namelist() if n.endswith("/data.pkl")), None)
+        # 1. the pickle, and the byte order of the storages beside it
+        names = z.namelist()
+        pkl = next((n for n in names if n.endswith("/data.pkl")), None)
         if pkl is None:
-            raise ValueError(f"{path}: not a torch zip checkpoint (no data.pkl); re-save it with "
-                             "torch >= 1.6")
+            raise ValueError(f"{path}: not a torch zip checkpoint (no data.pkl); "
+                             "re-save it with torch >= 1.6")
         prefix = pkl[:-len("data.pkl")]
-        if prefix + "byteorder" in z.namelist() and z.read(prefix + "byteorder") != b"little":
-            raise ValueError(f"{path}: a big-endian checkpoint; convert it on a little-endian "
-                             "machine")
+        byteorder = prefix + "byteorder"
+        if byteorder in names and z.read(byteorder) != b"little":
+            raise ValueError(f"{path}: a big-endian checkpoint; convert it on a "
+                             "little-endian machine")
+
+        # 2. each storage the pickle names, read from its member, length-checked
 
         def storage(dtype, key, location, numel):
             if not isinstance(dtype, np.dtype):
                 raise pickle.UnpicklingError(f"{path}: a storage of unknown type")
             raw = z.read(f"{prefix}data/{key}")
             if len(raw) < numel * dtype.itemsize:
-                raise pickle.UnpicklingError(f"{path}: storage {key} is shorter than its {numel} "
-                                             "elements")
+                raise pickle.UnpicklingError(f"{path}: storage {key} is shorter than "
+                                             f"its {numel} elements")
             return np.frombuffer(raw, dtype, count=numel)
 
+        # 3. the restricted unpickling
         with z.open(pkl) as f:
             return Unpickler(f, path, TORCH_GLOBALS, storage).load()
 
-# ---------------------------------------------------------------------------------------- writing
+# ------------------------------------------------------------------------------ writing
 
 
 def _ops(x):
-    """x as pickle opcodes: bytes as is, str, int (LONG1 from 2**31) or a tuple of these."""
+    """x as pickle opcodes: bytes as is, str, int (LONG1 from 2**31) or a tuple of
+    these."""
     if isinstance(x, bytes):
         return x
     if isinstance(x, str):
-        return pickle.BINUNICODE + struct.pack("<I", len(x.encode())) + x.encode()
+        encoded = x.encode()
+        return pickle.BINUNICODE + struct.pack("<I", len(encoded)) + encoded
     if isinstance(x, tuple):
         return pickle.MARK + b"".join(_ops(item) for item in x) + pickle.TUPLE
-    return pickle.BININT + struct.pack("<i", x) if x < 2**31 else pickle.LONG1 + b"\x08" + \
-        struct.pack("<q", x)
+    if x < 2**31:
+        return pickle.BININT + struct.pack("<i", x)
+    return pickle.LONG1 + b"\x08" + struct.pack("<q", x)
 
 
 def torch_pickle(obj):
     """(data.pkl, arrays) of torch.save(obj), obj a dict name -> array or one array."""
-    kinds = {dt.name: name for name, dt in STORAGES.items()}
-    ordered_dict = pickle.GLOBAL + b"collections\nOrderedDict\n" + pickle.EMPTY_TUPLE + \
-        pickle.REDUCE  # OrderedDict()
+    storage_types = {dt.name: name for name, dt in STORAGES.items()}
+    # OrderedDict()
+    ordered_dict = pickle.GLOBAL + b"collections\nOrderedDict\n"
+    ordered_dict += pickle.EMPTY_TUPLE + pickle.REDUCE
 
-    def tensor(a, key):  # _rebuild_tensor_v2(storage, 0, shape, strides, False, OrderedDict())
-        if a.dtype.name not in kinds:
-            raise ValueError(f"cannot write a {a.dtype} tensor; cast it to one of {list(kinds)}")
-        kind = pickle.GLOBAL + f"torch\n{kinds[a.dtype.name]}\n".encode()
-        storage = _ops(("storage", kind, key, "cpu", a.size)) + pickle.BINPERSID  # data/<key>
-        strides = tuple(math.prod(a.shape[i + 1:]) for i in range(a.ndim))  # C order, elements
-        return pickle.GLOBAL + b"torch._utils\n_rebuild_tensor_v2\n" + \
-            _ops((storage, 0, a.shape, strides, pickle.NEWFALSE, ordered_dict)) + pickle.REDUCE
-    arrays = [np.asarray(a) for a in (obj.values() if isinstance(obj, dict) else [obj])]
+    # _rebuild_tensor_v2(storage, 0, shape, strides, False, OrderedDict())
+    def tensor(a, key):
+        if a.dtype.name not in storage_types:
+            raise ValueError(f"cannot write a {a.dtype} tensor; cast it to one of "
+                             f"{list(storage_types)}")
+        # the storage: a persistent id naming data/<key>
+        storage_type = pickle.GLOBAL + f"torch\n{storage_types[a.dtype.name]}\n".encode()
+        storage = _ops(("storage", storage_type, key, "cpu", a.size)) + pickle.BINPERSID
+        # C order, in elements
+        strides = tuple(math.prod(a.shape[i + 1:]) for i in range(a.ndim))
+        rebuild = pickle.GLOBAL + b"torch._utils\n_rebuild_tensor_v2\n"
+        arguments = (storage, 0, a.shape, strides, pickle.NEWFALSE, ordered_dict)
+        return rebuild + _ops(arguments) + pickle.REDUCE
+    # a dict's items, in order, each tensor's storage numbered; or the one tensor
     if isinstance(obj, dict):
-        items = [_ops(k) + tensor(a, str(i)) for i, (k, a) in enumerate(zip(obj, arrays))]
+        arrays = [np.asarray(a) for a in obj.values()]
+        items = [_ops(name) + tensor(a, str(i))
+                 for i, (name, a) in enumerate(zip(obj, arrays))]
         body = ordered_dict + pickle.MARK + b"".join(items) + pickle.SETITEMS
     else:
+        arrays = [np.asarray(obj)]
         body = tensor(arrays[0], "0")
     return pickle.PROTO + b"\x02" + body + pickle.STOP, arrays
 
 
 def write_torch_state_dict(path, state_dict, archive=None):
-    """torch.save(state_dict, path) without torch; members under archive/ (torch: path's stem)."""
+    """torch.save(state_dict, path) without torch; members under archive/ (torch: path's
+    stem)."""
     pkl, arrays = torch_pickle(state_dict)
-    head = [("data.pkl", pkl), (".format_version", b"1"), (".storage_alignment", b"64"),
+    # 1. the members: the pickle and its format, the storages (made one at a time), an id
+    head = [("data.pkl", pkl),
+            (".format_version", b"1"),
+            (".storage_alignment", b"64"),
             ("byteorder", b"little")]
-    storages = ((f"data/{i}", a.astype(a.dtype.newbyteorder("<")).tobytes())  # one at a time
+    storages = ((f"data/{i}", a.astype(a.dtype.newbyteorder("<")).tobytes())
                 for i, a in enumerate(arrays))
-    tail = [("version", b"3\n"),  # torch writes a random 20 digits and a CRC: any 40 do
+    # torch writes a random 20 digits and a CRC: any 40 do
+    tail = [("version", b"3\n"),
             (".data/serialization_id", f"{zlib.crc32(pkl):040d}".encode())]
     archive = archive or os.path.splitext(os.path.basename(path))[0]
+    # 2. each stored (no compression), its data 64-byte aligned
     with open(path, "wb") as f, zipfile.ZipFile(f, "w") as z:
         for name, raw in itertools.chain(head, storages, tail):
-            info = zipfile.ZipInfo(f"{archive}/{name}")  # stored: no compression
-            # torch's padding, extra field "FB" + length + "Z"s; zipfile's zip64 field past 2 GB
+            info = zipfile.ZipInfo(f"{archive}/{name}")
+            # torch's padding, extra field "FB" + length + "Z"s; zipfile adds a zip64
+            # field past 2 GB
             zip64 = 20 if len(raw) * 1.05 > zipfile.ZIP64_LIMIT else 0
-            pad = -(f.tell() + 30 + len(info.filename) + 4 + zip64) % 64
+            header = 30 + len(info.filename) + 4 + zip64
+            pad = -(f.tell() + header) % 64
             info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
             z.writestr(info, raw)

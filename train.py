@@ -527,8 +527,9 @@ def run_stage(stage, tok, run=Run(), optim=Optim(), evals=None, record=None):
                 results["tokens"] += entry["tokens"]
                 results["train_time"] += entry["dt"]
         before = evaluate.during_training(stage.name, tok, cfg, results, log,
-                                          run.device_batch_size, stage_eval=stage.evaluate,
-                                          **(evals or {}))
+                                          run.device_batch_size,
+                                          periodic=evaluate.Periodic(**(evals or {})),
+                                          stage_eval=stage.evaluate)
         hooks = Hooks(before_step=before, save=checkpoint_saver(stage, tok, run, meta, results),
                       save_every=run.save_every, log=log, stop=stop)
         # 4. the loop
@@ -675,9 +676,10 @@ def main(argv=None):
         params, cfg, losses, info = run_stage(stage, tok, run, optim, evals, record=vars(args))
         results[name] = report.evaluate_stage(
             name, params, cfg, tok, losses, info,
-            out=args.out, argv=argv or sys.argv[1:], eval_tasks=args.eval_tasks,
-            questions=questions, bundle=(args.eval_bundle, bundle),
-            chat_tasks=(args.chat_data, chat_tasks), row_sharding=row_sharding)
+            out=args.out, argv=argv or sys.argv[1:], evaluations=report.Evaluations(
+                eval_tasks=args.eval_tasks, questions=questions,
+                bundle=(args.eval_bundle, bundle),
+                chat_tasks=(args.chat_data, chat_tasks), row_sharding=row_sharding))
     results["total_minutes"] = (time.perf_counter() - t) / 60
     print(json.dumps(results))
     return results
@@ -695,11 +697,11 @@ def build_stage(name, args, tok, docs):
         return sft_stage(args.out, tok, docs, seed=args.seed, conversations=extra,
                          text_every=args.sft_text_every, iterations=args.sft_iterations,
                          lr_frac=args.init_lr_frac)
-    return Stage(**rl.rl_stage(args.out, tok, task_names=args.rl_tasks, seed=args.seed,
-                               chat_data=args.chat_data, prompts=args.rl_prompts,
-                               samples=args.rl_samples, max_tokens=args.rl_max_tokens,
-                               iterations=args.rl_iterations, lr_frac=args.rl_lr_frac,
-                               eval_n=args.rl_eval, eval_every=args.rl_eval_every))
+    return Stage(**rl.rl_stage(args.out, tok, rl.Settings(
+        task_names=args.rl_tasks, seed=args.seed, chat_data=args.chat_data,
+        prompts=args.rl_prompts, samples=args.rl_samples, max_tokens=args.rl_max_tokens,
+        iterations=args.rl_iterations, lr_frac=args.rl_lr_frac, eval_n=args.rl_eval,
+        eval_every=args.rl_eval_every)))
 
 
 if __name__ == "__main__":
