@@ -99,7 +99,7 @@ def rl_stage(out, tok, task_names=("spelling", "counting"), seed=0, chat_data=No
     if samples % jax.device_count():  # a question's replies are one micro-batch, split by rows
         raise ValueError(f"--rl-samples {samples} must be a multiple of the {jax.device_count()} "
                          "devices (each takes an equal share of a question's replies)")
-    params, cfg = checkpoint.load_stage(out, "sft", tok)
+    params, cfg, path = checkpoint.load_stage(out, "sft", tok)
 
     def fits(messages):  # room to answer
         return len(data.render_for_completion(tok, messages)) < cfg.sequence_len - 1
@@ -130,7 +130,7 @@ def rl_stage(out, tok, task_names=("spelling", "counting"), seed=0, chat_data=No
                  momentum_end=0.95, momentum_warmup=1, weight_decay=0.0)
     return dict(name="rl", cfg=cfg, init=lambda: params, sample=next_batch, evaluate=passk,
                 iterations=iterations if iterations > 0 else epoch, lr_frac=lr_frac,
-                shape=f"{prompts} prompts x {samples} samples", schedule=sched)
+                shape=f"{prompts} prompts x {samples} samples", schedule=sched, source=path)
 
 # -------------------------------------------------------------------------------- command line
 
