@@ -200,7 +200,8 @@ def load_params(path):
     params, _, meta = load_checkpoint(path, optimizer=False)
     if spec := meta.get("lora"):
         base, _ = load_params(lora_base(path, spec["base"]))
-        params = lora.merge(base, params, spec["alpha"] / spec["rank"])
+        frozen = lora.frozen(base, spec["rank"], spec["alpha"], spec.get("tokens", ()))
+        params = lora.apply(frozen, params)
     return params, meta
 
 

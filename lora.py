@@ -8,8 +8,10 @@ trains a few million numbers and keeps the base frozen.
 The model never sees an adapter: `merge` makes its weights from (base, adapters),
 and `jax.grad` differentiates the adapters alone, so the base gets no gradient and
 no optimizer state. The targets are the stacked block matrices, named as nanochat's
-state_dict names them within a layer ("attn.c_q", ..., "mlp.c_proj"). Why merging
-rather than x @ W + (x @ A) @ B * scale, and the measurements: docs/lora.md.
+state_dict names them within a layer ("attn.c_q", ..., "mlp.c_proj"). A few token
+ids (the chat's special tokens, which pretraining never taught) also get a trainable
+delta of their wte row and lm_head column, as PEFT's trainable_token_indices. Why
+merging rather than x @ W + (x @ A) @ B * scale, and the measurements: docs/lora.md.
 """
 
 import zlib
@@ -40,12 +42,18 @@ def check(params, rank, targets):
                              "smaller rank")
 
 
-def init(params, rank, targets, key):
+def init(params, rank, targets, key, tokens=()):
     """Adapters of the base params' targets, {kind: {name: {"A", "B"}}}: A (L, in, r)
     uniform in +-1/sqrt(in), PEFT's Kaiming init; B (L, r, out) zero, so that the
-    adapted model starts as the base. Each A has its own key, from its target's name."""
+    adapted model starts as the base. Each A has its own key, from its target's name.
+    With token ids, "tokens" holds zero deltas of their wte rows (N, C) and lm_head
+    columns (C, N)."""
     check(params, rank, targets)
     adapters = {}
+    if len(tokens):
+        n_embd = params["wte"].shape[1]
+        adapters["tokens"] = {"wte": np.zeros((len(tokens), n_embd), np.float32),
+                              "lm_head": np.zeros((n_embd, len(tokens)), np.float32)}
     for target in targets:
         kind, name = target.split(".")
         *stack, n_in, n_out = params["h"][kind][name].shape
@@ -58,22 +66,37 @@ def init(params, rank, targets, key):
     return adapters
 
 
-def merge(params, adapters, scale):
+def merge(params, adapters, scale, tokens=None):
     """The base params with each adapted matrix W replaced by W + scale * A @ B (fp32,
-    stacked over the layers); every other leaf is the base's own array."""
+    stacked over the layers), and the token deltas added at the ids `tokens`; every
+    other leaf is the base's own array."""
+    merged = dict(params)
     h = {kind: dict(mats) for kind, mats in params["h"].items()}
     for kind, mats in adapters.items():
+        if kind == "tokens":  # not a block matrix: below
+            continue
         for name, ab in mats.items():
             # the product has W's shape (L, in, out); B = 0 adds exact zeros
             delta = jnp.matmul(ab["A"], ab["B"])
             h[kind][name] = params["h"][kind][name] + scale * delta
-    return {**params, "h": h}
+    if "tokens" in adapters:
+        rows = adapters["tokens"]
+        merged["wte"] = jnp.asarray(params["wte"]).at[tokens].add(rows["wte"])
+        merged["lm_head"] = jnp.asarray(params["lm_head"]).at[:, tokens].add(rows["lm_head"])
+    return {**merged, "h": h}
 
 
-def frozen(base, rank, alpha):
-    """The frozen part of a LoRA step (train.train_step's `frozen`): the base params
-    and the scale alpha / rank, an fp32 array so that it lays out and traces as one."""
-    return {"base": base, "scale": np.float32(alpha / rank)}
+def frozen(base, rank, alpha, tokens=()):
+    """The frozen part of a LoRA step (train.train_step's `frozen`): the base params,
+    the scale alpha / rank (an fp32 array, laid out and traced as one) and the ids of
+    the token deltas."""
+    return {"base": base, "scale": np.float32(alpha / rank),
+            "tokens": np.asarray(tokens, np.int32)}
+
+
+def apply(frozen, adapters):
+    """The model's params: the adapters merged onto frozen's base."""
+    return merge(frozen["base"], adapters, frozen["scale"], frozen["tokens"])
 
 
 def merged(fn, frozen):
@@ -83,21 +106,25 @@ def merged(fn, frozen):
         return fn
 
     def call(adapters, *rest):
-        return fn(merge(frozen["base"], adapters, frozen["scale"]), *rest)
+        return fn(apply(frozen, adapters), *rest)
     return call
 
 
 def param_groups(adapters, lr_mult=1.0, momentum=0.95, weight_decay=0.0, lr=0.02,
                  muon_dtype="float32", kind="adamw"):
-    """(labels, groups) for muon.py: every adapter in one group, "lora", at lr *
-    lr_mult. kind "adamw": PEFT's optimizer (betas 0.9, 0.999, eps 1e-8); "muon":
-    A and B stepped as matrices (docs/lora.md measures both)."""
+    """(labels, groups) for muon.py: the A and B factors in group "lora", at lr *
+    lr_mult, the token deltas in "lora_tokens" (AdamW). kind "adamw": PEFT's optimizer
+    (betas 0.9, 0.999, eps 1e-8); "muon": A and B stepped as matrices (docs/lora.md
+    measures both)."""
     # the schedules trace lr_mult, momentum and weight_decay: nothing recompiles
+    adamw = dict(kind="adamw", lr=lr * lr_mult, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=weight_decay)
+    groups = {"lora": adamw, "lora_tokens": adamw}
     if kind == "muon":
-        group = dict(kind="muon", lr=lr * lr_mult, momentum=momentum,
-                     weight_decay=weight_decay, beta2=0.9, dtype=muon_dtype)
-    else:
-        group = dict(kind="adamw", lr=lr * lr_mult, betas=(0.9, 0.999), eps=1e-8,
-                     weight_decay=weight_decay)
-    labels = jax.tree.map(lambda _: "lora", adapters)
-    return labels, {"lora": group}
+        groups["lora"] = dict(kind="muon", lr=lr * lr_mult, momentum=momentum,
+                              weight_decay=weight_decay, beta2=0.9, dtype=muon_dtype)
+    labels = {}
+    for name, tree in adapters.items():
+        group = "lora_tokens" if name == "tokens" else "lora"
+        labels[name] = jax.tree.map(lambda _, group=group: group, tree)
+    return labels, groups

@@ -1005,9 +1005,10 @@ def factored(base, adapters, scale):
     return {**base, "h": h}
 
 
-def trained_adapters(base, rank, seed):
-    """lora.init's adapters with B drawn too, as training would leave them."""
-    adapters = lora.init(base, rank, lora.TARGETS, jax.random.key(seed))
+def trained_adapters(base, rank, seed, tokens=()):
+    """lora.init's adapters with B (and the token deltas) drawn too, as training would leave
+    them."""
+    adapters = lora.init(base, rank, lora.TARGETS, jax.random.key(seed), tokens)
     rng = np.random.default_rng(seed)
     return jax.tree.map(lambda a: a + rng.normal(0, 0.05, a.shape).astype(np.float32), adapters)
 
@@ -1037,6 +1038,16 @@ def test_lora_with_b_zero_is_the_base_and_merged_equals_unmerged(tiny_params):
         base["h"]["attn"]["ve_gate"]
     only_q = lora.merge(base, {"attn": {"c_q": trained["attn"]["c_q"]}}, 4.0)
     assert only_q["h"]["attn"]["c_k"] is base["h"]["attn"]["c_k"]
+    # token deltas: zero at first, then added to their wte rows and lm_head columns alone
+    ids = np.array([3, 7])
+    zero = lora.init(base, 4, lora.TARGETS, jax.random.key(21), tokens=ids)["tokens"]
+    np.testing.assert_array_equal(forward(lora.merge(base, {"tokens": zero}, 4.0, ids), x, TINY),
+                                  forward(base, x, TINY))
+    ones = {"tokens": jax.tree.map(np.ones_like, zero)}
+    moved = lora.merge(base, ones, 4.0, ids)
+    assert list(np.flatnonzero((moved["wte"] != base["wte"]).any(1))) == [3, 7]
+    assert list(np.flatnonzero((moved["lm_head"] != base["lm_head"]).any(0))) == [3, 7]
+    np.testing.assert_array_equal(moved["wte"][7], base["wte"][7] + 1)
 
 
 def test_lora_step_trains_the_adapters_alone(tiny_params):
@@ -1050,8 +1061,8 @@ def test_lora_step_trains_the_adapters_alone(tiny_params):
     lrs = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, scalar_lr=0.5)
     base = jax.device_put(perturbed(tiny_params, jax.random.key(24)))
     kept = jax.device_get(base)
-    frozen = lora.frozen(base, rank=4, alpha=8.0)
-    adapters = lora.init(base, 4, lora.TARGETS, jax.random.key(25))
+    frozen = lora.frozen(base, rank=4, alpha=8.0, tokens=(3, 7))
+    adapters = lora.init(base, 4, lora.TARGETS, jax.random.key(25), tokens=(3, 7))
     opt = muon.init(adapters, *lora.param_groups(adapters))
     x = jax.random.randint(jax.random.key(26), (2, 2, 16), 0, TINY.vocab_size)
     y = jnp.roll(x, -1, axis=2)
@@ -1061,7 +1072,12 @@ def test_lora_step_trains_the_adapters_alone(tiny_params):
                                                 frozen=frozen)
         losses.append(float(m["loss"]))
     assert losses[-1] < losses[0] - 0.05, losses
-    shapes = jax.tree.map(jnp.shape, lora.init(base, 4, lora.TARGETS, jax.random.key(0)))
+    shapes = jax.tree.map(jnp.shape, lora.init(base, 4, lora.TARGETS, jax.random.key(0), (3, 7)))
+    assert shapes["tokens"] == {"wte": (2, 32), "lm_head": (32, 2)}
+    # a token's wte row moves where it is an input; every lm_head column moves (the softmax)
+    present = [bool((x == t).any()) for t in (3, 7)]
+    assert (np.abs(adapters["tokens"]["wte"]).max(axis=1) > 0).tolist() == present
+    assert np.abs(adapters["tokens"]["lm_head"]).max(axis=0).all()
     assert jax.tree.map(jnp.shape, adapters) == shapes
     assert jax.tree.map(jnp.shape, opt["mom"]) == shapes == jax.tree.map(jnp.shape, opt["var"])
     base_shapes = {a.shape for a in jax.tree.leaves(base) if a.ndim > 1}
@@ -1094,15 +1110,16 @@ def test_lora_checkpoint_names_its_base_loads_merged_and_exports_merged(tmp_path
             "tokenizer": "tokenizer.json"}
     base_dir = checkpoint.save_checkpoint(str(root / "base"), 5, base, init_opt(base), meta,
                                           files={"tokenizer.json": tok.save})
-    adapters = trained_adapters(base, 4, 13)
+    adapters = trained_adapters(base, 4, 13, tokens=[260, 264])
     opt = muon.init(adapters, *lora.param_groups(adapters))
     ref = checkpoint.reference(base_dir, str(root / "sft"))
     assert ref["path"] == os.path.join("..", "base", "step_000005")
-    spec = {"rank": 4, "alpha": 8.0, "targets": list(lora.TARGETS), "base": ref}
+    spec = {"rank": 4, "alpha": 8.0, "targets": list(lora.TARGETS), "tokens": [260, 264],
+            "base": ref}
     checkpoint.save_checkpoint(str(root / "sft"), 7, adapters, opt,
                                {**meta, "stage": "sft", "step": 7, "lora": spec},
                                files={"tokenizer.json": tok.save})
-    merged = jax.device_get(lora.merge(base, adapters, 2.0))
+    merged = jax.device_get(lora.merge(base, adapters, 2.0, np.array([260, 264])))
     params, got_cfg, _ = checkpoint.load_model(str(root))
     assert got_cfg == cfg
     chex.assert_trees_all_equal(jax.device_get(params), merged)
@@ -1167,7 +1184,8 @@ def run_lora(root, name, iterations, rank=4, **run_kwargs):
         stage = train.sft_stage(root, tok, data.corpus(None, "train"), iterations=iterations)
     else:
         stage = train.Stage(**rl.rl_stage(root, tok, **{**RL_TINY, "iterations": iterations}))
-    stage = train.lora_stage(stage, root, rank, 8.0, lora.TARGETS, jax.random.key(0))
+    stage = train.lora_stage(stage, root, rank, 8.0, lora.TARGETS, jax.random.key(0),
+                             tokens=sorted(tok.special.values()))
     optim = train.Optim(**{**TINY_OPTIM, "total_batch_size": 512})
     run = train.Run(out=root, device_batch_size=4, **run_kwargs)
     return train.run_stage(stage, tok, run, optim, {"eval_every": 0, "sample_every": 0})
@@ -1193,7 +1211,7 @@ def test_lora_stages_resume_exactly_and_leave_their_base(train_root, tmp_path):
     assert len(full) == 4 and np.isfinite(full).all() and same_files(base_dir, kept)
     sft_dir = checkpoint.latest_checkpoint(root, ("sft",))
     adapters, opt, meta = checkpoint.load_checkpoint(sft_dir)
-    assert set(adapters) == {"attn", "mlp"} and opt["mom"].keys() == adapters.keys()
+    assert set(adapters) == {"attn", "mlp", "tokens"} and opt["mom"].keys() == adapters.keys()
     assert meta["lora"]["rank"] == 4 and meta["lora"]["base"]["path"] == os.path.join(
         "..", "base", "step_000002")
     chex.assert_trees_all_equal(jax.device_get(checkpoint.load_model(sft_dir)[0]),

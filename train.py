@@ -120,7 +120,7 @@ def weighted_loss(params, cfg, inputs, targets, weights=None, attn=nc.causal_att
     advantages) sum(nll * w) / valid, nanochat's chat_rl objective with DAPO's
     token-level normalization. With frozen, params are LoRA adapters of its base."""
     if frozen is not None:
-        params = lora.merge(frozen["base"], params, frozen["scale"])
+        params = lora.apply(frozen, params)
     if weights is None:
         return nc.loss_fn(params, inputs, targets, cfg, attn=attn, remat=remat)
     # -log p of each token
@@ -420,20 +420,22 @@ def sft_stage(out, tok, documents, seed=0, conversations=(), text_every=8, itera
                  source=path)
 
 
-def lora_stage(stage, out, rank, alpha, targets, key):
-    """The stage training LoRA adapters of `rank` on `targets` (lora.py), scaled by alpha /
-    rank, over its initial params, frozen; its checkpoints hold the adapters and name that
-    base by its path from the stage's folder and its CRC-32 (checkpoint.load_params)."""
+def lora_stage(stage, out, rank, alpha, targets, key, tokens=()):
+    """The stage training LoRA adapters of `rank` on `targets` and deltas of the `tokens`'
+    embeddings (lora.py), scaled by alpha / rank, over its initial params, frozen; its
+    checkpoints hold the adapters and name that base by its path from the stage's folder
+    and its CRC-32 (checkpoint.load_params)."""
     if not stage.source:
         raise ValueError(f"--lora-rank adapts a trained model, and {stage.name} starts from "
                          "none: pass --stage sft or rl")
     base = stage.init()
     lora.check(base, rank, targets)
     reference = checkpoint.reference(stage.source, os.path.join(out, stage.name))
-    spec = {"rank": rank, "alpha": alpha, "targets": list(targets), "base": reference}
+    spec = {"rank": rank, "alpha": alpha, "targets": list(targets), "tokens": list(tokens),
+            "base": reference}
     return dataclasses.replace(stage,
-                               init=lambda: lora.init(base, rank, targets, key),
-                               frozen=lora.frozen(base, rank, alpha),
+                               init=lambda: lora.init(base, rank, targets, key, tokens),
+                               frozen=lora.frozen(base, rank, alpha, tokens),
                                lora=spec)
 
 
@@ -762,9 +764,10 @@ def build_stage(name, args, tok, docs):
                                     samples=args.rl_samples, max_tokens=args.rl_max_tokens,
                                     iterations=args.rl_iterations, lr_frac=args.rl_lr_frac,
                                     eval_n=args.rl_eval, eval_every=args.rl_eval_every))
+    # the chat's special tokens, which pretraining never taught, get embedding deltas too
     if args.lora_rank:  # (lora.init derives each target's key from the seed's)
         stage = lora_stage(stage, args.out, args.lora_rank, args.lora_alpha, args.lora_targets,
-                           key=jax.random.key(args.seed))
+                           key=jax.random.key(args.seed), tokens=sorted(tok.special.values()))
     return stage
 
 
