@@ -79,6 +79,7 @@ def merge(params, adapters, scale, tokens=None):
             # the product has W's shape (L, in, out); B = 0 adds exact zeros
             delta = jnp.matmul(ab["A"], ab["B"])
             h[kind][name] = params["h"][kind][name] + scale * delta
+    # the token deltas: added at their ids (the gradient gathers those rows alone)
     if "tokens" in adapters:
         rows = adapters["tokens"]
         merged["wte"] = jnp.asarray(params["wte"]).at[tokens].add(rows["wte"])
@@ -111,11 +112,11 @@ def merged(fn, frozen):
 
 
 def param_groups(adapters, lr_mult=1.0, momentum=0.95, weight_decay=0.0, lr=0.02,
-                 muon_dtype="float32", kind="adamw"):
+                 muon_dtype="float32", kind="muon"):
     """(labels, groups) for muon.py: the A and B factors in group "lora", at lr *
-    lr_mult, the token deltas in "lora_tokens" (AdamW). kind "adamw": PEFT's optimizer
-    (betas 0.9, 0.999, eps 1e-8); "muon": A and B stepped as matrices (docs/lora.md
-    measures both)."""
+    lr_mult, the token deltas in "lora_tokens" (AdamW). kind "muon": A and B stepped
+    as matrices, which won on the default run (docs/lora.md); "adamw": PEFT's optimizer
+    (betas 0.9, 0.999, eps 1e-8)."""
     # the schedules trace lr_mult, momentum and weight_decay: nothing recompiles
     adamw = dict(kind="adamw", lr=lr * lr_mult, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=weight_decay)
@@ -123,6 +124,7 @@ def param_groups(adapters, lr_mult=1.0, momentum=0.95, weight_decay=0.0, lr=0.02
     if kind == "muon":
         groups["lora"] = dict(kind="muon", lr=lr * lr_mult, momentum=momentum,
                               weight_decay=weight_decay, beta2=0.9, dtype=muon_dtype)
+    # each leaf labelled with its group, the token deltas apart
     labels = {}
     for name, tree in adapters.items():
         group = "lora_tokens" if name == "tokens" else "lora"

@@ -1052,8 +1052,8 @@ def test_lora_with_b_zero_is_the_base_and_merged_equals_unmerged(tiny_params):
 
 def test_lora_step_trains_the_adapters_alone(tiny_params):
     """The one jitted step with frozen= differentiates and updates the adapters only: its state
-    is the adapters and their AdamW moments (no leaf of the base's shapes; gradients and
-    optimizer state 19% of a full step's at this width), the compiled step outputs nothing more, the base is bit-identical after
+    is the adapters and their moments (Muon's for A and B, AdamW's for the token deltas) (no leaf of the base's shapes; gradients and
+    optimizer state 14% of a full step's at this width), the compiled step outputs nothing more, the base is bit-identical after
     the steps and not donated, and the loss on a repeated batch falls."""
     s = dict(num_iterations=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=1.0,
              momentum_start=0.95, momentum=0.95, momentum_end=0.95, momentum_warmup=1,
@@ -1079,13 +1079,15 @@ def test_lora_step_trains_the_adapters_alone(tiny_params):
     assert (np.abs(adapters["tokens"]["wte"]).max(axis=1) > 0).tolist() == present
     assert np.abs(adapters["tokens"]["lm_head"]).max(axis=0).all()
     assert jax.tree.map(jnp.shape, adapters) == shapes
-    assert jax.tree.map(jnp.shape, opt["mom"]) == shapes == jax.tree.map(jnp.shape, opt["var"])
+    assert jax.tree.map(jnp.shape, opt["mom"]) == shapes
+    assert opt["var"]["attn"]["c_q"]["A"].shape == (3, 32, 1)  # NorMuon's, factored
+    assert opt["var"]["tokens"]["wte"].shape == (2, 32)
     base_shapes = {a.shape for a in jax.tree.leaves(base) if a.ndim > 1}
     assert not base_shapes & {a.shape for a in jax.tree.leaves((adapters, opt))}
     state = sharding.memory(adapters, opt, 1, "none")
     full = sharding.memory(base, init_opt(base), 1, "none")
     ratio = (state["grads"] + state["optimizer"]) / (full["grads"] + full["optimizer"])
-    assert 0.15 < ratio < 0.25, ratio  # width 32: rank 4 is an eighth of a matrix's rank
+    assert 0.1 < ratio < 0.2, ratio  # width 32: rank 4 is an eighth of a matrix's rank
     # the compiled step's outputs: the adapters' state, three scalars and XLA's tuple tables (8
     # bytes a leaf), no gradient of the base (its smallest matrix alone: 4 KiB)
     compiled = train.jit_train_step.lower(adapters, opt, (x, y), 0, s, lrs, cfg=TINY,
@@ -1187,7 +1189,7 @@ def run_lora(root, name, iterations, rank=4, **run_kwargs):
     stage = train.lora_stage(stage, root, rank, 8.0, lora.TARGETS, jax.random.key(0),
                              tokens=sorted(tok.special.values()))
     optim = train.Optim(**{**TINY_OPTIM, "total_batch_size": 512})
-    run = train.Run(out=root, device_batch_size=4, **run_kwargs)
+    run = train.Run(**{"out": root, "device_batch_size": 4, **run_kwargs})
     return train.run_stage(stage, tok, run, optim, {"eval_every": 0, "sample_every": 0})
 
 
@@ -1242,7 +1244,7 @@ import test_nanochat as t
 root, out = t.pathlib.Path(sys.argv[1]), {}
 for mode in ("none", "optimizer", "full"):
     d = shutil.copytree(root / "one", root / mode, ignore=shutil.ignore_patterns("sft"))
-    out[mode] = t.run_lora(str(d), "sft", 3, shard=mode)[2]
+    out[mode] = t.run_lora(str(d), "sft", 3, shard=mode, device_batch_size=1)[2]
 print(json.dumps(out))
 """
 
