@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import data
 import engine
 import kernels
+import lora
 import muon
 import nanochat as nc
 import report
@@ -597,15 +598,24 @@ MEMORY_NOTE = ("XLA's CPU buffer assignment, memory-optimized schedule: an estim
 
 
 def step_memory(cfg, devices, device_batch_size, shard="optimizer", remat=False,
-                attention="splash"):
+                attention="splash", lora_rank=0):
     """The training step of cfg compiled for `devices` emulated CPU devices from abstract shapes
     (no weights allocated): the exact bytes per device of params, gradients and optimizer state
     (from the shardings), and the compiled step's arguments, outputs, temporaries and total.
     attention: a route of kernels.ROUTES; splash (interpreted here) keeps what a fused attention
-    keeps for the backward, q, k, v, the output and the softmax statistics."""
+    keeps for the backward, q, k, v, the output and the softmax statistics. lora_rank: the step
+    trains adapters of every block matrix (lora.py); params are then the adapters, and frozen
+    the base's bytes per device."""
     mesh = Mesh(np.array(jax.devices("cpu")[:devices]), ("data",))
     params = nc.param_shapes(cfg)
-    opt_state = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
+    groups = nc.param_groups
+    base, frozen = None, None
+    if lora_rank:  # the step's params: the adapters; the base is a frozen argument
+        base = params
+        params = jax.eval_shape(lambda p: lora.init(p, lora_rank, lora.TARGETS,
+                                                    jax.random.key(0)), base)
+        groups = lora.param_groups
+    opt_state = jax.eval_shape(lambda p: muon.init(p, *groups(p)), params)
     shard = sharding.choose_mode(shard, devices, log=lambda line: None)
 
     def abstract(tree, specs):
@@ -613,6 +623,9 @@ def step_memory(cfg, devices, device_batch_size, shard="optimizer", remat=False,
                                                               sharding=NamedSharding(mesh, s)),
                             tree, specs)
     p_specs, o_specs = sharding.state_specs(params, opt_state, devices, shard)
+    if lora_rank:  # laid out as the params are
+        base_specs, _ = sharding.state_specs(base, {}, devices, shard)
+        frozen = lora.frozen(abstract(base, base_specs), lora_rank, alpha=16.0)
     rows = jax.ShapeDtypeStruct((1, device_batch_size * devices, cfg.sequence_len), jnp.int32,
                                 sharding=NamedSharding(mesh, P(None, "data")))
     t0 = time.perf_counter()
@@ -621,12 +634,15 @@ def step_memory(cfg, devices, device_batch_size, shard="optimizer", remat=False,
             abstract(params, p_specs), abstract(opt_state, o_specs), (rows, rows), 0,
             train.base_schedule(1000, weight_decay=0.2), train.learning_rates(), cfg=cfg,
             attn=kernels.attention_fn(attention),
-            layout=train.Layout(shard=shard, mesh=mesh if shard != "none" else None, remat=remat))
+            layout=train.Layout(shard=shard, mesh=mesh if shard != "none" else None, remat=remat),
+            frozen=frozen)
         # CPU XLA's default schedule is for concurrency and keeps every activation alive
         scheduler = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
         compiled = lowered.compile(scheduler)
     m = compiled.memory_analysis()
     state = sharding.memory(params, opt_state, devices, shard)
+    if lora_rank:
+        state["frozen"] = sharding.memory(base, {}, devices, shard)["params"]
     state = {f"{k}_bytes": v for k, v in state.items()}
     step = {"arguments_bytes": m.argument_size_in_bytes, "outputs_bytes": m.output_size_in_bytes,
             "aliased_bytes": m.alias_size_in_bytes, "temporaries_bytes": m.temp_size_in_bytes}
@@ -636,16 +652,17 @@ def step_memory(cfg, devices, device_batch_size, shard="optimizer", remat=False,
             "total_gb": round(total / 1e9, 3), "compile_s": round(time.perf_counter() - t0, 1)}
 
 
-def bench_memory(cfg, devices, device_batch_size, shard, remat, attention, fit=()):
+def bench_memory(cfg, devices, device_batch_size, shard, remat, attention, fit=(),
+                 lora_rank=0):
     """One JSON line: step_memory of cfg, per device. With fit (GB, 10^9 bytes): the device batch
     doubled from 1 while it fits the largest, a line each, then a line with the largest power of
     two fitting each (nanochat's total batch of 2^19 tokens needs one), 0 where none does."""
     head = {"bench": "memory", "depth": cfg.n_layer, "params": nc.num_scaling_params(cfg)["total"],
             "devices": devices, "max_seq_len": cfg.sequence_len, "remat": remat,
-            "attention": attention}
+            "attention": attention, "lora_rank": lora_rank}
 
     def measure(batch):
-        r = step_memory(cfg, devices, batch, shard, remat, attention)
+        r = step_memory(cfg, devices, batch, shard, remat, attention, lora_rank)
         print(json.dumps({**head, "device_batch_size": batch, **r, "estimate": MEMORY_NOTE}),
               flush=True)
         return r
@@ -712,6 +729,8 @@ def parse_args(argv=None):
       help="route whose memory is estimated (splash: a fused kernel's, interpreted)")
     m("--fit", type=float, nargs="*", default=[],
       help="GB per device: the largest power-of-two device batch fitting each")
+    m("--lora-rank", type=int, default=0,
+      help="the step trains LoRA adapters of this rank on a frozen base (0: every weight)")
     return p.parse_args(argv)
 
 
@@ -725,7 +744,7 @@ def main(argv=None):
         cfg = nc.config_for_depth(args.depth, 32768, sequence_len=args.max_seq_len,
                                   compute_dtype="bfloat16")  # nanochat's recipe's model
         bench_memory(cfg, args.devices, args.device_batch_size, args.shard, args.remat,
-                     args.attention, args.fit)
+                     args.attention, args.fit, args.lora_rank)
     elif args.mode == "tokenizer":
         bench_tokenizer(args.mb, args.vocab_size, args.repeats)
     elif args.mode == "decode":

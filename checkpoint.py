@@ -5,6 +5,9 @@
   each file's CRC-32) and tokenizer.json. A step is written to a temporary directory that is
   renamed, and whatever it replaces or prunes is renamed away before it is deleted: a failed write
   or a kill -9 at any moment leaves each step directory complete or absent.
+- LoRA's (train.py --lora-rank): params.msgpack holds the adapters, meta.json's "lora" their rank,
+  alpha, targets and base (its path and CRC-32); `load_params` merges them onto that base after
+  checking it, so every loader, chat.py, evaluate.py and the export take them as they are.
 - nanochat's (PyTorch): model_<step>.pt (a torch.save zip) and meta_<step>.json, with
   tokenizer/tokenizer.pkl (a pickled tiktoken Encoding), read without torch (torch_files.py: a
   restricted unpickler resolves only the globals that tensors and the tokenizer's state need, so a
@@ -33,6 +36,7 @@ import numpy as np
 import tiktoken
 
 import data
+import lora
 import nanochat as nc
 import torch_files
 
@@ -133,6 +137,48 @@ def load_checkpoint(path, optimizer=True):
     return params, opt_state, meta
 
 
+def params_crc(path):
+    """The CRC-32 of a step directory's params.msgpack, as its meta.json records it (or None)."""
+    with open(os.path.join(path, "meta.json")) as f:
+        return json.load(f).get("crc32", {}).get("params.msgpack")
+
+
+def reference(path, stage_dir):
+    """How a LoRA checkpoint names its base, the step directory path: the path from the
+    adapters' stage folder, the absolute one, and the CRC-32 of its params."""
+    return {"path": os.path.relpath(path, stage_dir), "abspath": os.path.abspath(path),
+            "crc32": params_crc(path)}
+
+
+def lora_base(path, ref):
+    """The step directory of the base that the adapters at path were trained on: ref's path from
+    their stage folder, else its absolute one, whichever holds params of ref's CRC-32."""
+    found = []
+    for base in (os.path.join(os.path.dirname(path), ref["path"]), ref["abspath"]):
+        if os.path.isfile(os.path.join(base, "meta.json")):
+            crc = params_crc(base)
+            if crc == ref["crc32"]:
+                return base
+            found.append(f"{base} has CRC-32 {crc}")
+    if not found:
+        raise FileNotFoundError(f"{path} holds LoRA adapters of {ref['abspath']}, which is "
+                                "missing: put that base checkpoint back where it was")
+    raise ValueError(f"{path} holds LoRA adapters of a base whose params have CRC-32 "
+                     f"{ref['crc32']}, but {'; '.join(found)}: restore the base they were "
+                     "trained on")
+
+
+def load_params(path):
+    """(params, meta) of a step directory: a LoRA checkpoint's adapters merged onto the base it
+    names (lora_base checks it is the one; a base of adapters too is merged first)."""
+    params, _, meta = load_checkpoint(path, optimizer=False)
+    if spec := meta.get("lora"):
+        base, _ = load_params(lora_base(path, spec["base"]))
+        frozen = lora.frozen(base, spec["rank"], spec["alpha"], spec.get("tokens", ()))
+        params = lora.apply(frozen, params)
+    return params, meta
+
+
 def load_newest(root, log=print):
     """(path, params, opt_state, meta) of the newest step directory under root that loads, or None.
     A damaged one (saves are atomic, so only the disk or a hand can damage one) is named and
@@ -176,23 +222,23 @@ def config_from(d, where):
 
 
 def load_stage(out, stage, tok):
-    """(params, cfg) of the newest checkpoint of `stage` under out (train.py's --out), which must
-    have been trained with the tokenizer tok."""
+    """(params, cfg, its step directory) of the newest checkpoint of `stage` under out (train.py's
+    --out), which must have been trained with the tokenizer tok."""
     path = latest_checkpoint(out, (stage,))
     if path is None:
         raise FileNotFoundError(f"no {stage} checkpoint under {out}/{stage}: run `python train.py "
                                 f"--stage {stage}` first")
-    params, _, meta = load_checkpoint(path, optimizer=False)
+    params, meta = load_params(path)
     if data.Tokenizer.load(os.path.join(path, meta["tokenizer"])).tokens != tok.tokens:
         raise ValueError(f"{path} was trained with another tokenizer than {out}/tokenizer.json; "
                          "start from a checkpoint of this --out, or train its stages again")
-    return params, config_from(meta["config"], os.path.join(path, "meta.json"))
+    return params, config_from(meta["config"], os.path.join(path, "meta.json")), path
 
 
 def load_model(path="checkpoints"):
     """(params, cfg, tok) of a checkpoint of ours: see find_step for what `path` may name."""
     step_dir = find_step(path)
-    params, _, meta = load_checkpoint(step_dir, optimizer=False)
+    params, meta = load_params(step_dir)
     cfg = config_from(meta["config"], os.path.join(step_dir, "meta.json"))
     tok = data.Tokenizer.load(os.path.join(step_dir, meta["tokenizer"]))
     return jax.tree.map(jnp.asarray, params), cfg, tok
@@ -372,7 +418,7 @@ def load_for_export(path, step=None):
     step_dir = os.path.normpath(find_step(path))
     if step is not None:  # that step of the stage find_step picks
         step_dir = os.path.join(os.path.dirname(step_dir), f"step_{step:06d}")
-    params, _, meta = load_checkpoint(step_dir, optimizer=False)
+    params, meta = load_params(step_dir)
     cfg = config_from(meta["config"], os.path.join(step_dir, "meta.json"))
     tok = data.Tokenizer.load(os.path.join(step_dir, meta["tokenizer"]))
     stage = meta.get("stage", os.path.basename(os.path.dirname(os.path.abspath(step_dir))))

@@ -142,7 +142,7 @@ def rl_stage(out, tok, settings=Settings()):
                          f"{jax.device_count()} devices (each takes an equal share of a "
                          "question's replies)")
     # 2. the model and the tasks, their questions those that leave room to answer
-    params, cfg = checkpoint.load_stage(out, "sft", tok)
+    params, cfg, path = checkpoint.load_stage(out, "sft", tok)
 
     def fits(messages):
         return len(data.render_for_completion(tok, messages)) < cfg.sequence_len - 1
@@ -167,7 +167,8 @@ def rl_stage(out, tok, settings=Settings()):
                 iterations=settings.iterations if settings.iterations > 0 else epoch,
                 lr_frac=settings.lr_frac,
                 shape=f"{settings.prompts} prompts x {settings.samples} samples",
-                schedule=sched)
+                schedule=sched,
+                source=path)
 
 
 def batch_sampler(rl_tasks, cfg, tok, settings):

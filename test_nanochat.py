@@ -54,6 +54,7 @@ import engine
 import evaluate
 import execution
 import kernels
+import lora
 import muon
 import nanochat as nc
 import rl
@@ -160,24 +161,25 @@ IMPORTS = {
     "kernels": {"nanochat"},
     "runtime": set(),
     "muon": set(),
+    "lora": set(),
     "data": set(),
     "execution": set(),
     "tasks": {"data", "execution"},
     "torch_files": set(),
-    "checkpoint": {"data", "nanochat", "torch_files"},
+    "checkpoint": {"data", "lora", "nanochat", "torch_files"},
     "engine": {"nanochat"},
     "sharding": set(),
     "evaluate": {"checkpoint", "data", "engine", "kernels", "nanochat", "sharding", "tasks"},
     "report": {"data", "evaluate", "nanochat", "sharding"},
     "rl": {"checkpoint", "data", "engine", "evaluate", "sharding", "tasks"},
-    "train": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "report", "rl",
-              "runtime", "sharding", "tasks"},
+    "train": {"checkpoint", "data", "evaluate", "kernels", "lora", "muon", "nanochat", "report",
+              "rl", "runtime", "sharding", "tasks"},
     "chat": {"checkpoint", "data", "engine", "kernels", "runtime"},
     "scaling_fits": set(),
     "scaling": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "runtime",
                 "scaling_fits", "sharding", "train"},
-    "bench": {"data", "engine", "kernels", "muon", "nanochat", "report", "runtime", "sharding",
-              "train"},
+    "bench": {"data", "engine", "kernels", "lora", "muon", "nanochat", "report", "runtime",
+              "sharding", "train"},
 }
 
 
@@ -706,6 +708,91 @@ def test_optimizer_groups_follow_nanochat(monkeypatch):
     assert groups["resid_lambdas"]["lr"] == pytest.approx(0.4 * 0.01 * 0.5)
     assert groups["smear"]["lr"] == pytest.approx(0.2 * 0.5)
     assert groups["h"]["lr"] == pytest.approx(0.02 * 0.5)
+
+
+# --------------------------------------------------------------------------------------------------
+# lora.py: adapters as a transform of the params (merged, and against the unmerged path)
+# --------------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_pytree_node_class
+class Factored:
+    """A LoRA target the model uses unmerged, x @ W + (x @ A) @ B * s: the path lora.merge's
+    W + s A @ B replaces. A pytree of (W, A, B), stacked or one layer's ([i] slices a stack)."""
+
+    def __init__(self, w, a, b, s):
+        self.w, self.a, self.b, self.s = w, a, b, s
+
+    def tree_flatten(self):
+        return (self.w, self.a, self.b), self.s
+
+    @classmethod
+    def tree_unflatten(cls, s, leaves):
+        return cls(*leaves, s)
+
+    @property
+    def shape(self):
+        return self.w.shape
+
+    def __getitem__(self, i):
+        return Factored(self.w[i], self.a[i], self.b[i], self.s)
+
+    def __rmatmul__(self, x):  # nc.linear's x (N, in) @ w
+        return x @ self.w + (x @ self.a) @ self.b * self.s
+
+
+def factored(base, adapters, scale):
+    """The base params with each target a Factored weight."""
+    h = {kind: dict(mats) for kind, mats in base["h"].items()}
+    for kind, mats in adapters.items():
+        for name, ab in mats.items():
+            h[kind][name] = Factored(base["h"][kind][name], ab["A"], ab["B"], scale)
+    return {**base, "h": h}
+
+
+def trained_adapters(base, rank, seed, tokens=()):
+    """lora.init's adapters with B (and the token deltas) drawn too, as training would leave
+    them."""
+    adapters = lora.init(base, rank, lora.TARGETS, jax.random.key(seed), tokens)
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda a: a + rng.normal(0, 0.05, a.shape).astype(np.float32), adapters)
+
+
+def test_lora_with_b_zero_is_the_base_and_merged_equals_unmerged():
+    """B = 0: the adapted model's logits are the base's, bit for bit. Trained adapters: the merged
+    weights W + s A @ B give the logits of the unmerged x @ W + (x @ A) @ B s within 2e-5 (fp32
+    sums in another order; 4e-6 measured), and every leaf but the targets is the base's own."""
+    base = random_params(TINY, 20)
+    adapters = lora.init(base, 4, lora.TARGETS, jax.random.key(21))
+    assert jax.tree.map(jnp.shape, adapters) == {
+        "attn": {name: {"A": (3, 32, 4), "B": (3, 4, n)} for name, n in
+                 (("c_q", 32), ("c_k", 16), ("c_v", 16), ("c_proj", 32))},
+        "mlp": {"c_fc": {"A": (3, 32, 4), "B": (3, 4, 128)},
+                "c_proj": {"A": (3, 128, 4), "B": (3, 4, 32)}}}
+    assert not any(np.any(ab["B"]) for mats in adapters.values() for ab in mats.values())
+    x = jax.random.randint(jax.random.key(22), (2, 16), 0, TINY.vocab_size)
+    np.testing.assert_array_equal(forward(lora.merge(base, adapters, 4.0), x, TINY),
+                                  forward(base, x, TINY))
+    trained = trained_adapters(base, 4, 23)
+    merged = lora.merge(base, trained, 4.0)
+    logits = forward(merged, x, TINY)
+    np.testing.assert_allclose(logits, forward(factored(base, trained, 4.0), x, TINY), rtol=0,
+                               atol=2e-5)
+    assert np.abs(logits - forward(base, x, TINY)).max() > 0.1  # the adapters do change it
+    assert merged["wte"] is base["wte"] and merged["h"]["attn"]["ve_gate"] is \
+        base["h"]["attn"]["ve_gate"]
+    only_q = lora.merge(base, {"attn": {"c_q": trained["attn"]["c_q"]}}, 4.0)
+    assert only_q["h"]["attn"]["c_k"] is base["h"]["attn"]["c_k"]
+    # token deltas: zero at first, then added to their wte rows and lm_head columns alone
+    ids = np.array([3, 7])
+    zero = lora.init(base, 4, lora.TARGETS, jax.random.key(21), tokens=ids)["tokens"]
+    np.testing.assert_array_equal(forward(lora.merge(base, {"tokens": zero}, 4.0, ids), x, TINY),
+                                  forward(base, x, TINY))
+    ones = {"tokens": jax.tree.map(np.ones_like, zero)}
+    moved = lora.merge(base, ones, 4.0, ids)
+    assert list(np.flatnonzero((moved["wte"] != base["wte"]).any(1))) == [3, 7]
+    assert list(np.flatnonzero((moved["lm_head"] != base["lm_head"]).any(0))) == [3, 7]
+    np.testing.assert_array_equal(moved["wte"][7], base["wte"][7] + 1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -3736,6 +3823,230 @@ def test_two_processes_agree_on_ctrl_c(train_root, tmp_path, capsys):
     with open(os.path.join(root, "base", "metrics.jsonl")) as f:
         # no step twice, none skipped
         assert [json.loads(line)["step"] for line in f] == list(range(1, 201))
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA stages: the frozen-base step, adapter checkpoints, resume, devices
+# --------------------------------------------------------------------------------------------------
+
+
+def test_lora_step_trains_the_adapters_alone():
+    """The one jitted step with frozen= differentiates and updates the adapters only: its state
+    is the adapters and their moments (Muon's for A and B, AdamW's for the token deltas), no
+    leaf of the base's shapes (gradients and optimizer state 14% of a full step's at this
+    width); the compiled step outputs nothing more, the base is bit-identical after the steps
+    and not donated, and the loss on a repeated batch falls."""
+    s, lrs = FLAT, LRS
+    base = jax.device_put(random_params(TINY, 24))
+    kept = jax.device_get(base)
+    frozen = lora.frozen(base, rank=4, alpha=8.0, tokens=(3, 7))
+    adapters = lora.init(base, 4, lora.TARGETS, jax.random.key(25), tokens=(3, 7))
+    opt = muon.init(adapters, *lora.param_groups(adapters))
+    x = jax.random.randint(jax.random.key(26), (2, 2, 16), 0, TINY.vocab_size)
+    y = jnp.roll(x, -1, axis=2)
+    losses = []
+    for i in range(6):
+        adapters, opt, m = train.jit_train_step(adapters, opt, (x, y), i, s, lrs, cfg=TINY,
+                                                frozen=frozen)
+        losses.append(float(m["loss"]))
+    assert losses[-1] < losses[0] - 0.05, losses
+    shapes = jax.tree.map(jnp.shape, lora.init(base, 4, lora.TARGETS, jax.random.key(0), (3, 7)))
+    assert shapes["tokens"] == {"wte": (2, 32), "lm_head": (32, 2)}
+    # a token's wte row moves where it is an input; every lm_head column moves (the softmax)
+    present = [bool((x == t).any()) for t in (3, 7)]
+    assert (np.abs(adapters["tokens"]["wte"]).max(axis=1) > 0).tolist() == present
+    assert np.abs(adapters["tokens"]["lm_head"]).max(axis=0).all()
+    assert jax.tree.map(jnp.shape, adapters) == shapes
+    assert jax.tree.map(jnp.shape, opt["mom"]) == shapes
+    assert opt["var"]["attn"]["c_q"]["A"].shape == (3, 32, 1)  # NorMuon's, factored
+    assert opt["var"]["tokens"]["wte"].shape == (2, 32)
+    base_shapes = {a.shape for a in jax.tree.leaves(base) if a.ndim > 1}
+    assert not base_shapes & {a.shape for a in jax.tree.leaves((adapters, opt))}
+    state = sharding.memory(adapters, opt, 1, "none")
+    full = sharding.memory(base, init_opt(base), 1, "none")
+    ratio = (state["grads"] + state["optimizer"]) / (full["grads"] + full["optimizer"])
+    assert 0.1 < ratio < 0.2, ratio  # width 32: rank 4 is an eighth of a matrix's rank
+    # the compiled step's outputs: the adapters' state, three scalars and XLA's tuple tables (8
+    # bytes a leaf), no gradient of the base (its smallest matrix alone: 4 KiB)
+    compiled = train.jit_train_step.lower(adapters, opt, (x, y), 0, s, lrs, cfg=TINY,
+                                          frozen=frozen).compile()
+    state_bytes = state["params"] + state["optimizer"]
+    assert state_bytes <= compiled.memory_analysis().output_size_in_bytes <= state_bytes + 1024
+    chex.assert_trees_all_equal(jax.device_get(base), kept)
+    assert not any(a.is_deleted() for a in jax.tree.leaves(base))
+
+
+def test_lora_checkpoint_names_its_base_loads_merged_and_exports_merged(tmp_path):
+    """An adapter checkpoint holds the adapters (and their optimizer state) and its base's path
+    and CRC-32: load_model merges them onto that base, also after the root moved; export writes
+    the merged weights, which nanochat's reader (load_nanochat) gives back bit for bit, the same
+    state_dict as exporting the merged params. A missing base or another one: one-line errors."""
+    cfg = nc.Config(sequence_len=64, vocab_size=265, n_layer=2, n_head=2, n_kv_head=1, n_embd=64,
+                    window_pattern="L")
+    tok = data.byte_tokenizer()
+    base = random_params(cfg, 12)
+    root = tmp_path / "checkpoints"
+    meta = {"stage": "base", "step": 5, "config": dataclasses.asdict(cfg),
+            "tokenizer": "tokenizer.json"}
+    base_dir = checkpoint.save_checkpoint(str(root / "base"), 5, base, init_opt(base), meta,
+                                          files={"tokenizer.json": tok.save})
+    adapters = trained_adapters(base, 4, 13, tokens=[260, 264])
+    opt = muon.init(adapters, *lora.param_groups(adapters))
+    ref = checkpoint.reference(base_dir, str(root / "sft"))
+    assert ref["path"] == os.path.join("..", "base", "step_000005")
+    spec = {"rank": 4, "alpha": 8.0, "targets": list(lora.TARGETS), "tokens": [260, 264],
+            "base": ref}
+    checkpoint.save_checkpoint(str(root / "sft"), 7, adapters, opt,
+                               {**meta, "stage": "sft", "step": 7, "lora": spec},
+                               files={"tokenizer.json": tok.save})
+    merged = jax.device_get(lora.merge(base, adapters, 2.0, np.array([260, 264])))
+    params, got_cfg, _ = checkpoint.load_model(str(root))
+    assert got_cfg == cfg
+    chex.assert_trees_all_equal(jax.device_get(params), merged)
+    # the adapter checkpoint's arrays: 8% of the base checkpoint's bytes here
+    size = lambda d: sum(os.path.getsize(os.path.join(d, f)) for f in ("params.msgpack",
+                                                                      "opt.msgpack"))
+    assert size(root / "sft" / "step_000007") < 0.1 * size(base_dir)
+    # export: the merged weights, as nanochat's reader loads them
+    dest = tmp_path / "nanochat"
+    path = checkpoint.main(["export", str(root), str(dest)])
+    got, _, _ = checkpoint.load_nanochat(str(dest))
+    chex.assert_trees_all_equal(jax.device_get(got), merged)
+    again = checkpoint.export_nanochat(merged, cfg, tok, str(tmp_path / "merged"), "sft", 7)
+    ours, theirs = (torch_files.read_torch_state_dict(p) for p in (path, again))
+    assert ours.keys() == theirs.keys()
+    assert all(np.array_equal(ours[k], theirs[k]) for k in ours)
+    # moved: the base is found from the adapters' stage folder
+    moved = shutil.move(str(root), str(tmp_path / "moved"))
+    chex.assert_trees_all_equal(jax.device_get(checkpoint.load_model(moved)[0]), merged)
+    # another base at that path, then none: nothing loads
+    checkpoint.save_checkpoint(os.path.join(moved, "base"), 5, random_params(cfg, 14), None, meta,
+                               files={"tokenizer.json": tok.save})
+    with pytest.raises(ValueError, match=r"sft.step_000007 holds LoRA adapters of a base whose "
+                       r"params have CRC-32 \d+, but .*base.step_000005 has CRC-32 \d+: restore"):
+        checkpoint.load_model(moved)
+    shutil.rmtree(os.path.join(moved, "base"))
+    with pytest.raises(FileNotFoundError, match=r"holds LoRA adapters of .*checkpoints.base."
+                       r"step_000005, which is missing: put that base checkpoint back"):
+        checkpoint.load_for_export(moved)
+
+
+def test_lora_bad_input_is_one_line_and_writes_nothing(train_root, tmp_path):
+    root = fresh_root(train_root, tmp_path)
+    with pytest.raises(ValueError, match="--lora-rank adapts a trained model: pass --stage sft"):
+        train.main(["--stage", "base", "--lora-rank", "4", "--out", root, *TRAIN_ARGS])
+    assert os.listdir(root) == ["tokenizer.json"]
+    with pytest.raises(ValueError, match=r"--lora-rank 33 exceeds attn.c_q's smaller dimension 32 "
+                       r"\(32 x 32\): pass a smaller rank"):
+        lora.check(nc.param_shapes(TINY), 33, lora.TARGETS)
+    with pytest.raises(ValueError, match=r"mlp.c_proj's smaller dimension 32 \(128 x 32\)"):
+        lora.check(nc.param_shapes(TINY), 33, ["mlp.c_proj"])
+    with pytest.raises(ValueError, match="--lora-targets 'attn.c_x' is unknown: choose among "
+                       "attn.c_q attn.c_k"):
+        lora.check(nc.param_shapes(TINY), 4, ["attn.c_x"])
+    with pytest.raises(SystemExit):  # argparse names the targets there are
+        train.parse_args(["--lora-targets", "attn.c_x"])
+    stage = train.base_stage(TINY, data.corpus(None, "train"), jax.random.key(0))
+    with pytest.raises(ValueError, match="base starts from none: pass --stage sft or rl"):
+        train.lora_stage(stage, root, 4, 8.0, lora.TARGETS, jax.random.key(0))
+    r = subprocess.run([sys.executable, "train.py", "--stage", "base", "--lora-rank", "4",
+                        "--out", root], cwd=pathlib.Path(__file__).parent, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "pass --stage sft" in r.stderr
+    assert os.listdir(root) == ["tokenizer.json"]
+    # --stage all: the base's width (64) checked before the tokenizer is trained
+    empty = tmp_path / "empty"
+    with pytest.raises(ValueError, match="--lora-rank 65 exceeds attn.c_q's smaller dimension"):
+        train.main(["--lora-rank", "65", "--out", str(empty), *TRAIN_ARGS])
+    assert not empty.exists()
+
+
+def run_lora(root, name, iterations, rank=4, **run_kwargs):
+    """A LoRA SFT or RL stage (RL_TINY's) on run_stage's tiny T-128 model through train.run_stage,
+    as train.main wires --lora-rank; run_kwargs: train.Run's."""
+    tok = data.Tokenizer.load(os.path.join(root, "tokenizer.json"))
+    if name == "sft":
+        stage = train.sft_stage(root, tok, data.corpus(None, "train"), iterations=iterations)
+    else:
+        settings = rl.Settings(**{**RL_TINY, "iterations": iterations})
+        stage = train.Stage(**rl.rl_stage(root, tok, settings))
+    stage = train.lora_stage(stage, root, rank, 8.0, lora.TARGETS, jax.random.key(0),
+                             tokens=sorted(tok.special.values()))
+    optim = train.Optim(**{**TINY_OPTIM, "total_batch_size": 512})
+    run = train.Run(**{"out": root, "device_batch_size": 4, **run_kwargs})
+    return train.run_stage(stage, tok, run, optim, {"eval_every": 0, "sample_every": 0})
+
+
+def same_files(a, b):
+    return all(pathlib.Path(a, f).read_bytes() == pathlib.Path(b, f).read_bytes()
+               for f in os.listdir(a))
+
+
+@pytest.mark.slow  # base, LoRA SFT (run, cut, resumed) and LoRA RL stages
+def test_lora_stages_resume_exactly_and_leave_their_base(train_root, tmp_path):
+    """LoRA SFT resumed from its step-2 checkpoint continues bit for bit; the base checkpoint's
+    files are untouched; the step directories hold the adapters, their AdamW state and the base's
+    reference; load_model gives the params the stage returned. LoRA RL on the LoRA SFT names it
+    as its base, and loading it merges both. Resuming with another rank is refused."""
+    root = fresh_root(train_root, tmp_path / "full")
+    run_stage(root, "base", 2)
+    base_dir = checkpoint.latest_checkpoint(root, ("base",))
+    kept = shutil.copytree(base_dir, tmp_path / "kept")
+    cut = shutil.copytree(root, tmp_path / "cut")
+    params, _, full, _ = run_lora(root, "sft", 4)
+    assert len(full) == 4 and np.isfinite(full).all() and same_files(base_dir, kept)
+    sft_dir = checkpoint.latest_checkpoint(root, ("sft",))
+    adapters, opt, meta = checkpoint.load_checkpoint(sft_dir)
+    assert set(adapters) == {"attn", "mlp", "tokens"} and opt["mom"].keys() == adapters.keys()
+    assert meta["lora"]["rank"] == 4 and meta["lora"]["base"]["path"] == os.path.join(
+        "..", "base", "step_000002")
+    chex.assert_trees_all_equal(jax.device_get(checkpoint.load_model(sft_dir)[0]),
+                                jax.device_get(params))
+    # cut at step 2, resumed
+    _, _, first, _ = run_lora(str(cut), "sft", 4, save_every=2)
+    assert first == full
+    shutil.rmtree(os.path.join(cut, "sft", "step_000004"))
+    resumed, _, rest, _ = run_lora(str(cut), "sft", 4, resume=True)
+    assert rest == full[2:]
+    chex.assert_trees_all_equal(jax.device_get(resumed), jax.device_get(params))
+    with pytest.raises(ValueError, match=r"holds LoRA \{'rank': 4.*but these flags train "
+                       r"\{'rank': 8.*resume with the flags and base it was trained with"):
+        run_lora(str(cut), "sft", 4, rank=8, resume=True)
+    # RL's adapters on SFT's adapters on the base
+    rl_params, _, losses, _ = run_lora(root, "rl", 2)
+    assert len(losses) == 2 and same_files(base_dir, kept)
+    rl_dir = checkpoint.latest_checkpoint(root)
+    assert checkpoint.load_checkpoint(rl_dir)[2]["lora"]["base"]["path"] == os.path.join(
+        "..", "sft", "step_000004")
+    chex.assert_trees_all_equal(jax.device_get(checkpoint.load_model(root)[0]),
+                                jax.device_get(rl_params))
+
+
+LORA_CHILD = """
+import json, shutil, sys
+import test_nanochat as t
+root, out = t.pathlib.Path(sys.argv[1]), {}
+for mode in ("none", "optimizer", "full"):
+    d = shutil.copytree(root / "one", root / mode, ignore=shutil.ignore_patterns("sft"))
+    out[mode] = t.run_lora(str(d), "sft", 3, shard=mode, device_batch_size=1)[2]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # a child of 4 emulated devices, 3 compiles
+def test_lora_on_four_devices_equals_one(train_root, tmp_path):
+    """LoRA SFT on 4 emulated devices under --shard none, optimizer and full (the frozen base
+    split as the params are) trains to one device's losses (rtol 1e-5, as the base stage's
+    test)."""
+    one = fresh_root(train_root, tmp_path / "one")
+    run_stage(one, "base", 2)
+    _, _, losses, _ = run_lora(one, "sft", 3)
+    out, _ = emulated_devices(4, "-c", LORA_CHILD, str(tmp_path))
+    for mode, four in out.items():
+        np.testing.assert_allclose(four, losses, rtol=1e-5, err_msg=mode)
+
+
+# --------------------------------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------------------

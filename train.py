@@ -32,6 +32,7 @@ import checkpoint
 import data
 import evaluate
 import kernels
+import lora
 import muon
 import nanochat as nc
 import report
@@ -100,10 +101,12 @@ def schedules(step, s):
 
 
 def weighted_loss(params, cfg, inputs, targets, weights=None, attn=nc.causal_attention,
-                  remat=False):
+                  remat=False, frozen=None):
     """The mean cross-entropy over valid targets; with per-token weights (RL's
     advantages) sum(nll * w) / valid, nanochat's chat_rl objective with DAPO's
-    token-level normalization."""
+    token-level normalization. With frozen, params are LoRA adapters of its base."""
+    if frozen is not None:
+        params = lora.apply(frozen, params)
     if weights is None:
         return nc.loss_fn(params, inputs, targets, cfg, attn=attn, remat=remat)
     # -log p of each token
@@ -112,22 +115,28 @@ def weighted_loss(params, cfg, inputs, targets, weights=None, attn=nc.causal_att
 
 
 def train_step(params, opt_state, batch, step, sched, lrs, cfg, attn=nc.causal_attention,
-               layout=Layout()):
+               layout=Layout(), frozen=None):
     """Forward, backward over A micro-batches and one MuonAdamW update. batch: (inputs,
     targets), int (A, B, T) each, and RL's per-token weights (A, B, T); sched:
     `schedules`' constants; lrs: the base learning rates (`learning_rates`); attn: the
-    model's attention (kernels.py)."""
+    model's attention (kernels.py). frozen: LoRA's {"base": params, "scale": alpha / r};
+    params are then its adapters, the only leaves differentiated and updated."""
     mesh = layout.mesh
-    # 1. this step's hyper-parameters, as muon.py's parameter groups
+    # 1. this step's hyper-parameters, as muon.py's parameter groups (LoRA's adapters take
+    # the matrices' learning rate)
     lrm, momentum, weight_decay = schedules(step, sched)
-    labels, groups = nc.param_groups(params, lrm, momentum, weight_decay,
-                                     muon_dtype=cfg.compute_dtype, **lrs)
+    if frozen is None:
+        labels, groups = nc.param_groups(params, lrm, momentum, weight_decay,
+                                         muon_dtype=cfg.compute_dtype, **lrs)
+    else:
+        labels, groups = lora.param_groups(params, lrm, momentum, weight_decay,
+                                           lr=lrs["matrix_lr"], muon_dtype=cfg.compute_dtype)
     p_kind, o_kind = sharding.kinds(layout.shard)
 
     # 2. the gradients summed over the micro-batches, then divided by A as nanochat does
     def micro(grads, b):
         loss_and_grad = jax.value_and_grad(weighted_loss)
-        loss, g = loss_and_grad(params, cfg, *b, attn=attn, remat=layout.remat)
+        loss, g = loss_and_grad(params, cfg, *b, attn=attn, remat=layout.remat, frozen=frozen)
         return sharding.constrain(jax.tree.map(jnp.add, grads, g), mesh, p_kind), loss
     zeros = jax.tree.map(jnp.zeros_like, params)
     grads, losses = jax.lax.scan(micro, zeros, batch)
@@ -333,6 +342,10 @@ class Stage:
     sample: Callable | None = None  # RL: sample(params, step, batch_sharding)
     evaluate: Callable | None = None  # more evaluation before each step (RL's pass@k)
     shape: str = ""  # the startup line's words for a step's batch (RL's)
+    source: str = ""  # the step directory init's params come from (SFT's base, RL's SFT)
+    # LoRA (lora_stage): init gives adapters of this {"base": params, "scale": alpha / r}
+    frozen: dict | None = None
+    lora: dict | None = None  # the adapters' config and base reference, for the checkpoints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,7 +390,7 @@ def sft_stage(out, tok, documents, seed=0, conversations=(), text_every=8, itera
     conversations) with a pretraining document every `text_every` conversations, and
     nanochat's chat_sft schedule: lr_frac of the lrs, no warmup, a linear warmdown over
     the last half to 0, no weight decay."""
-    params, cfg = checkpoint.load_stage(out, "base", tok)
+    params, cfg, path = checkpoint.load_stage(out, "base", tok)
     # the tasks' conversations, the user's, and a corpus document every text_every
     mixture = tasks.sft_mixture(seed, list(conversations), documents, text_every)
     schedule = dict(warmup_steps=0, warmdown_ratio=0.5, final_lr_frac=0.0, momentum=0.95,
@@ -389,7 +402,27 @@ def sft_stage(out, tok, documents, seed=0, conversations=(), text_every=8, itera
                  schedule=schedule,
                  lr_frac=lr_frac,
                  packer=data.sft_batches,
-                 docs=mixture)
+                 docs=mixture,
+                 source=path)
+
+
+def lora_stage(stage, out, rank, alpha, targets, key, tokens=()):
+    """The stage training LoRA adapters of `rank` on `targets` and deltas of the `tokens`'
+    embeddings (lora.py), scaled by alpha / rank, over its initial params, frozen; its
+    checkpoints hold the adapters and name that base by its path from the stage's folder
+    and its CRC-32 (checkpoint.load_params)."""
+    if not stage.source:
+        raise ValueError(f"--lora-rank adapts a trained model, and {stage.name} starts from "
+                         "none: pass --stage sft or rl")
+    base = stage.init()
+    lora.check(base, rank, targets)
+    reference = checkpoint.reference(stage.source, os.path.join(out, stage.name))
+    spec = {"rank": rank, "alpha": alpha, "targets": list(targets), "tokens": list(tokens),
+            "base": reference}
+    return dataclasses.replace(stage,
+                               init=lambda: lora.init(base, rank, targets, key, tokens),
+                               frozen=lora.frozen(base, rank, alpha, tokens),
+                               lora=spec)
 
 
 def packed_plan(stage, optim, rows):
@@ -423,11 +456,15 @@ def resume_or_init(stage, out_dir, resume, sched, lrs):
         if saved != stage.cfg:  # another --depth, --max-seq-len, ...: the weights would not fit
             raise ValueError(f"{path} holds {saved}, but these flags make {stage.cfg}: resume "
                              "with the flags it was trained with, or train into another --out")
+        if meta.get("lora") != stage.lora:  # adapters of another rank or base, or none
+            raise ValueError(f"{path} holds LoRA {meta.get('lora')}, but these flags train "
+                             f"{stage.lora}: resume with the flags and base it was trained with")
         print(f"resuming {path} at step {meta['step']}")
         return meta["step"], params, opt_state, meta["schedule"], meta["lrs"], meta["data_states"]
-    # 2. else the stage's first params and a fresh optimizer state
+    # 2. else the stage's first params (LoRA: adapters) and a fresh optimizer state
     params = stage.init()
-    return 0, params, muon.init(params, *nc.param_groups(params)), sched, lrs, None
+    groups = nc.param_groups if stage.frozen is None else lora.param_groups
+    return 0, params, muon.init(params, *groups(params)), sched, lrs, None
 
 
 def print_startup(stage, sched, shape, attention, lr_scale, layout_words):
@@ -506,17 +543,19 @@ def run_stage(stage, tok, run=Run(), optim=Optim(), evals=None, record=None):
                                                                  sched, lrs)
     mesh = sharding.data_mesh()
     shard = sharding.choose_mode(run.shard, mesh.size)
-    params, opt_state = sharding.place(params, opt_state, mesh, shard)
+    # (LoRA's frozen base laid out as its adapters are)
+    (params, frozen), opt_state = sharding.place((params, stage.frozen), opt_state, mesh, shard)
     layout = Layout(shard=shard, mesh=mesh if shard != "none" else None, remat=run.remat)
     next_batch, states = stage_batches(tok, stage, run, batch, mesh, states)
     words = sharding.describe(params, opt_state, jax.device_count(), shard)
     print_startup(stage, sched, shape, run.attention, lr_scale, words)
     # 3. the step, the checkpoints and the metrics
     step_fn = functools.partial(train_step if run.debug else jit_train_step, sched=sched, lrs=lrs,
-                                cfg=cfg, attn=kernels.attention_fn(run.attention), layout=layout)
+                                cfg=cfg, attn=kernels.attention_fn(run.attention), layout=layout,
+                                frozen=frozen)
     os.makedirs(out_dir, exist_ok=True)
     meta = {"stage": stage.name, "config": dataclasses.asdict(cfg), "tokenizer": "tokenizer.json",
-            "schedule": sched, "lrs": lrs, "args": record or {}}
+            "schedule": sched, "lrs": lrs, "args": record or {}, "lora": stage.lora}
     results = {"val_bpb": None, "tokens": 0, "train_time": 0.0}
     t = time.perf_counter()
     metrics = os.path.join(out_dir, "metrics.jsonl") if jax.process_index() == 0 else os.devnull
@@ -530,15 +569,17 @@ def run_stage(stage, tok, run=Run(), optim=Optim(), evals=None, record=None):
                                           run.device_batch_size,
                                           periodic=evaluate.Periodic(**(evals or {})),
                                           stage_eval=stage.evaluate)
-        hooks = Hooks(before_step=before, save=checkpoint_saver(stage, tok, run, meta, results),
+        hooks = Hooks(before_step=lora.merged(before, frozen),
+                      save=checkpoint_saver(stage, tok, run, meta, results),
                       save_every=run.save_every, log=log, stop=stop)
-        # 4. the loop
+        # 4. the loop (LoRA: over the adapters; the evaluations and RL's samples merge them)
+        next_batch = lora.merged(next_batch, frozen)
         params, _, losses = train_loop(params, opt_state, next_batch, states, step,
                                        steps=sched["num_iterations"], step_fn=step_fn,
                                        flops=nc.estimate_flops(cfg), hooks=hooks,
                                        scope=functools.partial(step_scope, run.debug, mesh))
     info = {**results, "steps": sched["num_iterations"], "time": time.perf_counter() - t}
-    return params, cfg, losses, info
+    return lora.merged(lambda p: p, frozen)(params), cfg, losses, info
 
 # ---------------------------------------------------------------------------------- command line
 
@@ -618,6 +659,15 @@ def add_optim_flags(p):
     a("--init-lr-frac", type=float, default=0.8, help="SFT lrs as a fraction of the base lrs")
 
 
+def add_lora_flags(p):
+    a = p.add_argument_group("LoRA: SFT and RL train adapters of a frozen model (docs/lora.md)")
+    a = a.add_argument
+    a("--lora-rank", type=int, default=0, help="adapters' rank r (0: train every weight)")
+    a("--lora-alpha", type=float, default=16.0, help="the adapters' scale is alpha / r")
+    a("--lora-targets", nargs="+", default=list(lora.TARGETS), choices=lora.TARGETS,
+      metavar="TARGET", help="the layers' matrices adapted")
+
+
 def add_eval_flags(p):
     a = p.add_argument_group("evaluation, checkpoints, debugging").add_argument
     a("--eval-every", type=int, default=100, help="val bits per byte every N steps (0: never)")
@@ -638,8 +688,8 @@ def add_eval_flags(p):
 
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=HelpFormatter)
-    for add in (add_run_flags, add_model_flags, add_optim_flags, rl.add_flags, add_eval_flags,
-                sharding.add_flags):
+    for add in (add_run_flags, add_model_flags, add_optim_flags, add_lora_flags, rl.add_flags,
+                add_eval_flags, sharding.add_flags):
         add(p)
     args = p.parse_args(argv)
     # the RL flags not given: ours, or nanochat's on GSM8K
@@ -650,6 +700,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    check_lora_flags(args)  # before anything is written
     runtime.use_compile_cache(args.compile_cache)
     sharding.init_distributed(args.coordinator, args.num_processes, args.process_id,
                               args.distributed)
@@ -685,8 +736,24 @@ def main(argv=None):
     return results
 
 
+def check_lora_flags(args):
+    """--lora-rank's bad input, found before anything is written: a stage that starts from
+    no model, or (--stage all) a rank or target the model of these flags cannot take."""
+    if not args.lora_rank:
+        return
+    if args.stage in ("base", "tokenizer"):
+        raise ValueError("--lora-rank adapts a trained model: pass --stage sft, rl or all (all "
+                         "trains the base in full)")
+    if args.stage == "all":
+        # the base these flags will train (its matrices do not depend on the vocab)
+        cfg = model_config(args.vocab_size, depth=args.depth, aspect_ratio=args.aspect_ratio,
+                           head_dim=args.head_dim, max_seq_len=args.max_seq_len)
+        lora.check(nc.param_shapes(cfg), args.lora_rank, args.lora_targets)
+
+
 def build_stage(name, args, tok, docs):
-    """The stage `name` as train.py's flags describe it."""
+    """The stage `name` as train.py's flags describe it; SFT and RL with --lora-rank train
+    adapters of the model they start from."""
     if name == "base":
         cfg = model_config(tok.n_vocab, depth=args.depth, aspect_ratio=args.aspect_ratio,
                            head_dim=args.head_dim, max_seq_len=args.max_seq_len,
@@ -694,14 +761,21 @@ def build_stage(name, args, tok, docs):
         return base_stage(cfg, docs, jax.random.key(args.seed), args.num_iterations)
     if name == "sft":
         extra = [c for path in args.sft_data for c in data.load_conversations(path)]
-        return sft_stage(args.out, tok, docs, seed=args.seed, conversations=extra,
-                         text_every=args.sft_text_every, iterations=args.sft_iterations,
-                         lr_frac=args.init_lr_frac)
-    return Stage(**rl.rl_stage(args.out, tok, rl.Settings(
-        task_names=args.rl_tasks, seed=args.seed, chat_data=args.chat_data,
-        prompts=args.rl_prompts, samples=args.rl_samples, max_tokens=args.rl_max_tokens,
-        iterations=args.rl_iterations, lr_frac=args.rl_lr_frac, eval_n=args.rl_eval,
-        eval_every=args.rl_eval_every)))
+        stage = sft_stage(args.out, tok, docs, seed=args.seed, conversations=extra,
+                          text_every=args.sft_text_every, iterations=args.sft_iterations,
+                          lr_frac=args.init_lr_frac)
+    else:
+        settings = rl.Settings(task_names=args.rl_tasks, seed=args.seed,
+                               chat_data=args.chat_data, prompts=args.rl_prompts,
+                               samples=args.rl_samples, max_tokens=args.rl_max_tokens,
+                               iterations=args.rl_iterations, lr_frac=args.rl_lr_frac,
+                               eval_n=args.rl_eval, eval_every=args.rl_eval_every)
+        stage = Stage(**rl.rl_stage(args.out, tok, settings))
+    # the chat's special tokens, which pretraining never taught, get embedding deltas too
+    if args.lora_rank:  # (lora.init derives each target's key from the seed's)
+        stage = lora_stage(stage, args.out, args.lora_rank, args.lora_alpha, args.lora_targets,
+                           key=jax.random.key(args.seed), tokens=sorted(tok.special.values()))
+    return stage
 
 
 if __name__ == "__main__":
