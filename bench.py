@@ -662,7 +662,8 @@ def bench_memory(cfg, devices, device_batch_size, shard, remat, attention, fit=(
             "attention": attention, "lora_rank": lora_rank}
 
     def measure(batch):
-        r = step_memory(cfg, devices, batch, shard, remat, attention, lora_rank)
+        r = step_memory(cfg, devices, batch, shard=shard, remat=remat, attention=attention,
+                        lora_rank=lora_rank)
         print(json.dumps({**head, "device_batch_size": batch, **r, "estimate": MEMORY_NOTE}),
               flush=True)
         return r
@@ -743,8 +744,12 @@ def main(argv=None):
         jax.config.update("jax_num_cpu_devices", args.devices)  # before the CPU backend starts
         cfg = nc.config_for_depth(args.depth, 32768, sequence_len=args.max_seq_len,
                                   compute_dtype="bfloat16")  # nanochat's recipe's model
-        bench_memory(cfg, args.devices, args.device_batch_size, args.shard, args.remat,
-                     args.attention, args.fit, args.lora_rank)
+        bench_memory(cfg, args.devices, args.device_batch_size,
+                     shard=args.shard,
+                     remat=args.remat,
+                     attention=args.attention,
+                     fit=args.fit,
+                     lora_rank=args.lora_rank)
     elif args.mode == "tokenizer":
         bench_tokenizer(args.mb, args.vocab_size, args.repeats)
     elif args.mode == "decode":

@@ -456,9 +456,10 @@ def same_tokenizer(path, tok):
     return (theirs.tokens, theirs.pat_str, theirs.special) == (tok.tokens, tok.pat_str, tok.special)
 
 
-def export_nanochat(params, cfg, tok, dest, stage, step, meta_extra=None, model_tag=None,
-                    force=False, embeddings="auto", log=print):
-    """Write a model into dest, a NANOCHAT_BASE_DIR, as nanochat saves it; returns its .pt path."""
+def export_nanochat(params, cfg, tok, dest, stage, step, *, meta_extra=None, model_tag=None,
+                    force=False, embeddings="auto"):
+    """Write a model into dest, a NANOCHAT_BASE_DIR, as nanochat saves it; returns its .pt path.
+    Says what it wrote (and any embeddings it rounded) on stdout."""
     if stage not in NANOCHAT_DIRS:
         raise ValueError(f"stage {stage!r}: nanochat's are base, sft, rl; export one of those")
     if tok.n_vocab != cfg.vocab_size:
@@ -473,7 +474,7 @@ def export_nanochat(params, cfg, tok, dest, stage, step, meta_extra=None, model_
     if os.path.exists(pkl) and not force and not same_tokenizer(pkl, tok):
         raise ValueError(f"{pkl} is another tokenizer than this model's: export into another "
                          "directory, or pass --force (force=True) to replace it")
-    sd, dtype = nanochat_state_dict(params, cfg, embeddings, log)
+    sd, dtype = nanochat_state_dict(params, cfg, embeddings, log=print)
     known = {"step": step, **(meta_extra or {}),
              "model_config": {k: v for k, v in dataclasses.asdict(cfg).items()  # GPTConfig's
                               if k != "compute_dtype"}}
@@ -485,7 +486,7 @@ def export_nanochat(params, cfg, tok, dest, stage, step, meta_extra=None, model_
         os.path.join(folder, f"meta_{step:06d}.json"): lambda p: pathlib.Path(p).write_text(meta),
         os.path.join(folder, f"model_{step:06d}.pt"):
             lambda p: torch_files.write_torch_state_dict(p, sd)})
-    log(f"{model}: {stage} step {step}, {dtype} embeddings")
+    print(f"{model}: {stage} step {step}, {dtype} embeddings")
     return model
 
 # -------------------------------------------------------------------------------- command line
@@ -514,8 +515,11 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     params, cfg, tok, stage, step, meta = load_for_export(args.source, args.step)
-    return export_nanochat(params, cfg, tok, args.dest, stage, step, meta, args.model_tag,
-                           args.force, args.embeddings)
+    return export_nanochat(params, cfg, tok, args.dest, stage, step,
+                           meta_extra=meta,
+                           model_tag=args.model_tag,
+                           force=args.force,
+                           embeddings=args.embeddings)
 
 
 if __name__ == "__main__":

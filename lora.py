@@ -33,8 +33,8 @@ def check(params, rank, targets):
         if target not in TARGETS:
             raise ValueError(f"--lora-targets {target!r} is unknown: choose among "
                              f"{' '.join(TARGETS)}")
-        kind, name = target.split(".")
-        *_, n_in, n_out = params["h"][kind][name].shape
+        part, name = target.split(".")
+        *_, n_in, n_out = params["h"][part][name].shape
         # a rank past the smaller side adds parameters and no expressiveness
         if rank > min(n_in, n_out):
             raise ValueError(f"--lora-rank {rank} exceeds {target}'s smaller "
@@ -43,7 +43,7 @@ def check(params, rank, targets):
 
 
 def init(params, rank, targets, key, tokens=()):
-    """Adapters of the base params' targets, {kind: {name: {"A", "B"}}}: A (L, in, r)
+    """Adapters of the base params' targets, {part: {name: {"A", "B"}}}: A (L, in, r)
     uniform in +-1/sqrt(in), PEFT's Kaiming init; B (L, r, out) zero, so that the
     adapted model starts as the base. Each A has its own key, from its target's name.
     With token ids, "tokens" holds zero deltas of their wte rows (N, C) and lm_head
@@ -55,14 +55,14 @@ def init(params, rank, targets, key, tokens=()):
         adapters["tokens"] = {"wte": np.zeros((len(tokens), n_embd), np.float32),
                               "lm_head": np.zeros((n_embd, len(tokens)), np.float32)}
     for target in targets:
-        kind, name = target.split(".")
-        *stack, n_in, n_out = params["h"][kind][name].shape
+        part, name = target.split(".")
+        *stack, n_in, n_out = params["h"][part][name].shape
         k = jax.random.fold_in(key, zlib.crc32(target.encode()))
         bound = n_in**-0.5
         a = jax.random.uniform(k, (*stack, n_in, rank), jnp.float32, -bound, bound)
         # B = 0: the first step moves B alone (A's gradient, scale * dW B^T, is zero)
         b = np.zeros((*stack, rank, n_out), np.float32)
-        adapters.setdefault(kind, {})[name] = {"A": a, "B": b}
+        adapters.setdefault(part, {})[name] = {"A": a, "B": b}
     return adapters
 
 
@@ -71,14 +71,14 @@ def merge(params, adapters, scale, tokens=None):
     stacked over the layers), and the token deltas added at the ids `tokens`; every
     other leaf is the base's own array."""
     merged = dict(params)
-    h = {kind: dict(mats) for kind, mats in params["h"].items()}
-    for kind, mats in adapters.items():
-        if kind == "tokens":  # not a block matrix: below
+    h = {part: dict(mats) for part, mats in params["h"].items()}
+    for part, mats in adapters.items():
+        if part == "tokens":  # not a block matrix: below
             continue
         for name, ab in mats.items():
             # the product has W's shape (L, in, out); B = 0 adds exact zeros
             delta = jnp.matmul(ab["A"], ab["B"])
-            h[kind][name] = params["h"][kind][name] + scale * delta
+            h[part][name] = params["h"][part][name] + scale * delta
     # the token deltas: added at their ids (the gradient gathers those rows alone)
     if "tokens" in adapters:
         rows = adapters["tokens"]

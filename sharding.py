@@ -5,7 +5,7 @@
   the gradients reduce-scattered to it; XLA gathers the updated parameters.
 - full (FSDP): the parameters split too; XLA gathers each layer's weights where the
   forward and backward use them.
-Each leaf splits on the first axis its kind allows that divides the device count
+Each leaf splits on the first of its allowed axes that divides the device count
 (`leaf_spec`); Muon's stacks split on the stack axis while it updates them, so each
 device orthogonalizes whole matrices. Only the shardings of the step's inputs, outputs
 and Muon's stacks are given: the collectives are the compiler's (GSPMD), and the model
@@ -25,41 +25,42 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 MODES = ("none", "optimizer", "full")
 
 
-def leaf_spec(shape, n, kind):
-    """A leaf's PartitionSpec over n devices on the "data" axis: its first axis, in the
-    order its kind allows, that divides n. "stack": the leading one (Muon's stacks while
+def leaf_spec(shape, n, split_on):
+    """A leaf's PartitionSpec over n devices on the "data" axis: the first axis, in the
+    order split_on allows, that divides n. "stack": the leading one (Muon's stacks while
     it updates them); "matrix": a matrix's own two, then a stack's (full's params and
     gradients); "any": every one (the optimizer state). None keeps it whole, as does a
     leaf with no axis that divides."""
-    axes = range(len(shape))
+    dims = range(len(shape))
     allowed = {None: [],
-               "stack": axes[:1],
-               "matrix": [*axes[-2:], *axes[:-2]],
-               "any": axes}
+               "stack": dims[:1],
+               "matrix": [*dims[-2:], *dims[:-2]],
+               "any": dims}
     # the first allowed axis that divides n: an equal share on every device
-    for axis in allowed[kind]:
+    for axis in allowed[split_on]:
         if n > 1 and shape[axis] % n == 0:
             return P(*[None] * axis, "data")
     return P()
 
 
-def specs(tree, n, kind):
-    """leaf_spec of every leaf of tree (arrays or shapes), all of one kind."""
-    return jax.tree.map(lambda a: leaf_spec(a.shape, n, kind), tree)
+def specs(tree, n, split_on):
+    """leaf_spec of every leaf of tree (arrays or shapes), all split on the same axes."""
+    return jax.tree.map(lambda a: leaf_spec(a.shape, n, split_on), tree)
 
 
-def kinds(mode):
-    """The kinds of (params and gradients, optimizer state) under a --shard mode."""
-    params_kind = "matrix" if mode == "full" else None
-    state_kind = None if mode == "none" else "any"
-    return params_kind, state_kind
+def split_on(mode):
+    """The axes (leaf_spec's split_on) of (params and gradients, optimizer state) under a
+    --shard mode."""
+    params_axes = "matrix" if mode == "full" else None
+    state_axes = None if mode == "none" else "any"
+    return params_axes, state_axes
 
 
 def state_specs(params, opt_state, n, mode):
     """The PartitionSpecs of (params, opt_state), trees of arrays or shapes, under a
     mode."""
-    params_kind, state_kind = kinds(mode)
-    return specs(params, n, params_kind), specs(opt_state, n, state_kind)
+    params_axes, state_axes = split_on(mode)
+    return specs(params, n, params_axes), specs(opt_state, n, state_axes)
 
 
 def bytes_per_device(tree, tree_specs, n):
@@ -89,16 +90,16 @@ def memory(params, opt_state, n, mode):
             "optimizer": bytes_per_device(opt_state, opt_specs, n)}
 
 
-def constrain(tree, mesh, kind):
-    """Inside the jitted step: tree laid out as its kind says (specs') on mesh (nothing
-    without one)."""
+def constrain(tree, mesh, split_on):
+    """Inside the jitted step: tree laid out on mesh, split on the axes split_on allows
+    (specs'); nothing without a mesh."""
     if mesh is None:
         return tree
 
     # a constraint, not a transfer: the compiler (GSPMD) places the collectives
     def laid_out(leaf, spec):
         return jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
-    return jax.tree.map(laid_out, tree, specs(tree, mesh.size, kind))
+    return jax.tree.map(laid_out, tree, specs(tree, mesh.size, split_on))
 
 
 def data_mesh():

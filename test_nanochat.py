@@ -2242,7 +2242,7 @@ def pickle_globals(raw):
     return found
 
 
-def test_export_round_trips_our_checkpoint(tmp_path, bpe_golden):
+def test_export_round_trips_our_checkpoint(tmp_path, bpe_golden, capsys):
     """An SFT checkpoint of ours (testdata's nanochat config, so that the programs its import test
     compiled serve, with our own 512-token tokenizer), exported from its root as `checkpoint.py
     export` does, reads back with load_nanochat bit for bit: weights, tokenizer, logits, greedy
@@ -2276,9 +2276,10 @@ def test_export_round_trips_our_checkpoint(tmp_path, bpe_golden):
     reply = generated(got, cfg, prompt, max_tokens=20)[0][:, 0].tolist()
     assert reply == generated(params, cfg, prompt, max_tokens=20)[0][:, 0].tolist()
     assert got_tok.decode(reply) == tok.decode(reply)
-    said = []
+    capsys.readouterr()
     checkpoint.export_nanochat(params, cfg, tok, str(dest), "sft", 7, force=True,
-                               embeddings="bfloat16", log=said.append)
+                               embeddings="bfloat16")
+    said = capsys.readouterr().out.splitlines()
     assert said[0] == ("rounded value_embeds.1.weight, transformer.wte.weight from float32 to "
                        "bfloat16 (--embeddings bfloat16)") and len(said) == 2
     sd = torch_files.read_torch_state_dict(path)
@@ -2291,7 +2292,7 @@ def test_export_round_trips_our_checkpoint(tmp_path, bpe_golden):
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, rounded["h"], params["h"])))
 
 
-def test_export_of_nanochat_checkpoint_gives_its_bytes_back(tmp_path):
+def test_export_of_nanochat_checkpoint_gives_its_bytes_back(tmp_path, capsys):
     """testdata's real nanochat checkpoint, imported and exported again: every tensor's bytes,
     dtype (bf16 embeddings: they are exact in bf16) and shape, the meta's model_config and the
     keys nanochat's scripts read, tokenizer.pkl byte for byte and token_bytes.pt's tensor; zips
@@ -2299,9 +2300,9 @@ def test_export_of_nanochat_checkpoint_gives_its_bytes_back(tmp_path):
     real = TESTDATA / "nanochat_checkpoint"
     params, cfg, tk, stage, step, meta = checkpoint.load_for_export(str(real))
     assert (stage, step) == ("base", 100)
-    said = []
-    path = checkpoint.export_nanochat(params, cfg, tk, str(tmp_path), stage, step, meta,
-                                      log=said.append)
+    path = checkpoint.export_nanochat(params, cfg, tk, str(tmp_path), stage, step,
+                                      meta_extra=meta)
+    said = capsys.readouterr().out.splitlines()
     assert said == [f"{path}: base step 100, bfloat16 embeddings"]
     a, b = torch_files.read_torch_state_dict(NANOCHAT_D2 / "model_000100.pt"), \
         torch_files.read_torch_state_dict(path)
@@ -2338,8 +2339,8 @@ def test_exported_pickles_name_only_what_the_restricted_readers_allow(tmp_path):
     weights_only loader allows for a state_dict), tokenizer.pkl only tiktoken.core.Encoding."""
     real = TESTDATA / "nanochat_checkpoint"
     params, cfg, tk, stage, step, meta = checkpoint.load_for_export(str(real))
-    checkpoint.export_nanochat(params, cfg, tk, str(tmp_path), stage, step, meta,
-                               embeddings="float32", log=lambda *_: None)
+    checkpoint.export_nanochat(params, cfg, tk, str(tmp_path), stage, step, meta_extra=meta,
+                               embeddings="float32")
     seen = {}
     for pt in ("base_checkpoints/d2/model_000100.pt", "tokenizer/token_bytes.pt"):
         with zipfile.ZipFile(tmp_path / pt) as z:
@@ -2361,7 +2362,7 @@ def test_export_refuses_bad_input_and_leaves_dest_as_it_was(tmp_path, monkeypatc
     real = TESTDATA / "nanochat_checkpoint"
     params, cfg, tk, _, _, meta = checkpoint.load_for_export(str(real))
     dest = tmp_path / "dest"
-    export = functools.partial(checkpoint.export_nanochat, params, cfg, log=lambda *_: None)
+    export = functools.partial(checkpoint.export_nanochat, params, cfg)
     export(tk, str(dest), "base", 100)
 
     def listing():

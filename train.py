@@ -131,30 +131,30 @@ def train_step(params, opt_state, batch, step, sched, lrs, cfg, attn=nc.causal_a
     else:
         labels, groups = lora.param_groups(params, lrm, momentum, weight_decay,
                                            lr=lrs["matrix_lr"], muon_dtype=cfg.compute_dtype)
-    p_kind, o_kind = sharding.kinds(layout.shard)
+    params_axes, state_axes = sharding.split_on(layout.shard)
 
     # 2. the gradients summed over the micro-batches, then divided by A as nanochat does
     def micro(grads, b):
         loss_and_grad = jax.value_and_grad(weighted_loss)
         loss, g = loss_and_grad(params, cfg, *b, attn=attn, remat=layout.remat, frozen=frozen)
-        return sharding.constrain(jax.tree.map(jnp.add, grads, g), mesh, p_kind), loss
+        return sharding.constrain(jax.tree.map(jnp.add, grads, g), mesh, params_axes), loss
     zeros = jax.tree.map(jnp.zeros_like, params)
     grads, losses = jax.lax.scan(micro, zeros, batch)
     grads = jax.tree.map(lambda g: g / batch[0].shape[0], grads)
     # 3. (with a mesh) the gradients reduce-scattered, the params sliced to the state's
     # layout, and Muon's stacks split into whole matrices per device
-    grads = sharding.constrain(grads, mesh, o_kind)
-    params = sharding.constrain(params, mesh, o_kind)
+    grads = sharding.constrain(grads, mesh, state_axes)
+    params = sharding.constrain(params, mesh, state_axes)
     shards, constrain_stack = 1, None
     if mesh is not None:
         shards = mesh.size
-        constrain_stack = functools.partial(sharding.constrain, mesh=mesh, kind="stack")
+        constrain_stack = functools.partial(sharding.constrain, mesh=mesh, split_on="stack")
     params, opt_state = muon.update(grads, opt_state, params, labels, groups,
                                     shards=shards, constrain_stack=constrain_stack)
     # 4. the state back in the layout it came in (no recompile), and whether all was
     # finite
-    params = sharding.constrain(params, mesh, p_kind)
-    opt_state = sharding.constrain(opt_state, mesh, o_kind)
+    params = sharding.constrain(params, mesh, params_axes)
+    opt_state = sharding.constrain(opt_state, mesh, state_axes)
     finite = jnp.isfinite(losses).all()
     finite &= jnp.all(jnp.array([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
     return params, opt_state, {"loss": losses.mean(), "lrm": lrm, "finite": finite}
