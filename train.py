@@ -445,6 +445,23 @@ def sampled_plan(stage, optim):
     return sched, lrs
 
 
+def stage_plan(stage, optim, device_batch_size):
+    """(sched, lrs, tokens per step, batch lr scale, the startup line's words for a
+    step): sampled_plan's for RL, packed_plan's for a packed stage, whose batch must
+    fill whole rows on every device."""
+    if stage.sample is not None:
+        sched, lrs = sampled_plan(stage, optim)
+        return sched, lrs, None, 1.0, stage.shape
+    T = stage.cfg.sequence_len
+    rows = device_batch_size * jax.device_count()
+    sched, lrs, batch, lr_scale = packed_plan(stage, optim, rows)
+    if rows < 1 or batch % (rows * T):  # (at least a row on each device of the mesh)
+        raise ValueError(f"--total-batch-size {batch} must be a multiple of {rows * T} "
+                         f"(device batch {device_batch_size}, at least 1, x devices x T)")
+    shape = f"{batch:,} tokens ({batch // (rows * T)} x {rows} x {T})"
+    return sched, lrs, batch, lr_scale, shape
+
+
 def resume_or_init(stage, out_dir, resume, sched, lrs):
     """(step, params, opt_state, sched, lrs, loader states): the stage's newest
     checkpoint with resume (its schedule and position), else its initial params and
@@ -526,18 +543,8 @@ def run_stage(stage, tok, run=Run(), optim=Optim(), evals=None, record=None):
     (train.py: its flags)."""
     cfg = stage.cfg
     out_dir = os.path.join(run.out, stage.name)
-    T = cfg.sequence_len
-    rows = run.device_batch_size * jax.device_count()
     # 1. the schedule and learning rates: RL's own, a packed stage's by nanochat's rules
-    if stage.sample is not None:
-        sched, lrs = sampled_plan(stage, optim)
-        batch, lr_scale, shape = None, 1.0, stage.shape
-    else:
-        sched, lrs, batch, lr_scale = packed_plan(stage, optim, rows)
-        if rows < 1 or batch % (rows * T):  # (at least a row on each device of the mesh)
-            raise ValueError(f"--total-batch-size {batch} must be a multiple of {rows * T} "
-                             f"(device batch {run.device_batch_size}, at least 1, x devices x T)")
-        shape = f"{batch:,} tokens ({batch // (rows * T)} x {rows} x {T})"
+    sched, lrs, batch, lr_scale, shape = stage_plan(stage, optim, run.device_batch_size)
     # 2. the params and optimizer state, fresh or resumed, laid out on the devices
     step, params, opt_state, sched, lrs, states = resume_or_init(stage, out_dir, run.resume,
                                                                  sched, lrs)
