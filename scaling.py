@@ -607,11 +607,12 @@ def add_run_flags(p):
            "transformer")
     a("--out", default="scaling_results",
       help="results CSV, plots and one checkpoint root per run")
-    a("--batch", type=int, default=2048, help="tokens per step")
-    a("--seq-len", type=int, default=128, help="context length T")
-    a("--vocab-size", type=int, default=384, help="tokenizer vocab size")
-    a("--aspect-ratio", type=int, default=12, help="model_dim = depth x aspect ratio")
-    a("--head-dim", type=int, default=12, help="attention head size")
+    a("--batch", type=int, default=Shape.batch, help="tokens per step")
+    a("--seq-len", type=int, default=Shape.T, help="context length T")
+    a("--vocab-size", type=int, default=Shape.vocab_size, help="tokenizer vocab size")
+    a("--aspect-ratio", type=int, default=Shape.aspect_ratio,
+      help="model_dim = depth x aspect ratio")
+    a("--head-dim", type=int, default=Shape.head_dim, help="attention head size")
     a("--bootstrap", type=int, default=200,
       help="bootstrap resamples for the 90%% intervals")
     a("--fit-only", action="store_true",
