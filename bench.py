@@ -225,8 +225,8 @@ def bench_accel(depths=(12, 20), steps=10):
         B, r = largest_batch(cfg, steps)
         tok_s = B * cfg.sequence_len / r["step_s"]
         flops = nc.estimate_flops(cfg) * tok_s
-        route = kernels.route("auto", device.platform, jnp.bfloat16, cfg.sequence_len,
-                              cfg.head_dim)
+        route = kernels.resolve_route("auto", device.platform, jnp.bfloat16,
+                                      cfg.sequence_len, cfg.head_dim)
         print(json.dumps({"bench": "accel", "what": "train", "device": device.device_kind,
                           "depth": depth, "attention": route,
                           "params": nc.num_scaling_params(cfg)["total"],

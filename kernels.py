@@ -24,7 +24,7 @@ import nanochat as nc
 ROUTES = ("auto", "cudnn", "splash", "cpu", "xla", "plain")
 
 
-def route(name, backend, dtype, T, head_dim):
+def resolve_route(name, backend, dtype, T, head_dim):
     """The route `name` stands for: itself unless "auto"; then cuDNN on a GPU in bf16,
     splash on a TPU when T and head_dim are multiples of 128, "cpu" on a CPU, else the
     plain attention."""
@@ -159,7 +159,7 @@ def _route_attention(name):
         # a whole sequence: the route's attention
         T = q.shape[1]
         head_dim = q.shape[-1]
-        picked = route(name, backend, q.dtype, T, head_dim)
+        picked = resolve_route(name, backend, q.dtype, T, head_dim)
         if picked in ("cudnn", "xla"):
             return jax.nn.dot_product_attention(q, k, v,
                                                 is_causal=True,

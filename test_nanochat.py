@@ -477,7 +477,7 @@ def test_model_names_no_backend():
 
 def test_attention_route_is_picked_by_backend_and_shape():
     def route(impl, backend, dtype, T=2048, D=128):
-        return kernels.route(impl, backend, jnp.dtype(dtype), T, D)
+        return kernels.resolve_route(impl, backend, jnp.dtype(dtype), T, D)
 
     assert route("auto", "gpu", "bfloat16") == "cudnn"
     assert route("auto", "gpu", "float32") == "plain"

@@ -488,8 +488,9 @@ def print_startup(stage, sched, shape, attention, lr_scale, layout_words):
     """The startup line: the model, its size, the steps, the devices, the kernel, the
     layout."""
     cfg = stage.cfg
-    route = kernels.route(attention, jax.default_backend(), jnp.dtype(cfg.compute_dtype),
-                          cfg.sequence_len, cfg.head_dim)
+    dtype = jnp.dtype(cfg.compute_dtype)
+    route = kernels.resolve_route(attention, jax.default_backend(), dtype,
+                                  cfg.sequence_len, cfg.head_dim)
     print(f"{stage.name}: {cfg}\n{nc.num_scaling_params(cfg)['total']:,} params, "
           f"{sched['num_iterations']} steps of {shape}, {jax.device_count()} devices, attention "
           f"{route}, lr scale {lr_scale:.3f}, Muon wd {sched['weight_decay']:.3g}\n"
