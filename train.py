@@ -587,7 +587,9 @@ def run_stage(stage, tok, run=Run(), optim=Optim(), evals=None, record=None):
                                        flops=nc.estimate_flops(cfg), hooks=hooks,
                                        scope=functools.partial(step_scope, run.debug, mesh))
     info = {**results, "steps": sched["num_iterations"], "time": time.perf_counter() - t}
-    return lora.merged(lambda p: p, frozen)(params), cfg, losses, info
+    if frozen is not None:  # LoRA: the model's params, the adapters merged onto their base
+        params = lora.apply(frozen, params)
+    return params, cfg, losses, info
 
 # ---------------------------------------------------------------------------------- command line
 
