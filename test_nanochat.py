@@ -1,19 +1,25 @@
-"""Tests for nanochat-jax, CPU-only and offline.
+"""Tests for nanochat-jax, offline, on a CPU (CI) or on an accelerator.
 
     python -m pytest -q -n 2 -m "not slow" test_nanochat.py    # the quick tier, between changes
     python -m pytest -q -n 2 --dist worksteal test_nanochat.py  # everything, as CI runs it
+    python -m pytest -q -m "not slow" test_nanochat.py          # on a TPU: one process holds it
 
 The slow tests (several processes, a browser, the whole pipeline, server soaks, sweeps, and
-programs compiled for one test alone) carry the `slow` marker. Golden numbers in testdata/ come
-from the real PyTorch nanochat; testdata/README.md says how they were made and which tolerances
-their fp32-vs-fp64 reruns justify.
+programs compiled for one test alone) carry the `slow` marker; the `accelerator` tier (the bf16
+step, the compiled splash kernel: what only a chip does) runs where the default backend is not a
+CPU and is skipped elsewhere. Golden numbers in testdata/ come from the real PyTorch nanochat;
+testdata/README.md says how they were made and which tolerances their fp32-vs-fp64 reruns justify.
+On a chip the fp32 comparisons run at full matmul precision or on its CPU device, child processes
+on the CPU, and tests that need a socket skip where none opens (The machine, below).
 
 The sections follow the product files in import order (IMPORTS below), each test under the file
-whose function it exercises; end-to-end runs through train.py sit under train.py.
+whose function it exercises; end-to-end runs through train.py sit under train.py; the
+accelerator tier comes last.
 """
 
 import ast
 import collections
+import contextlib
 import dataclasses
 import functools
 import http.client
@@ -83,6 +89,64 @@ def shared_compile_cache(tmp_path_factory):
     os.environ["JAX_COMPILATION_CACHE_DIR"] = path
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     runtime.use_compile_cache(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# The machine: a chip's numbers, child processes, sockets. On a CPU the fixtures change nothing:
+# CI compiles and compares what it always did.
+
+def on_chip():
+    """Whether jax's default backend is an accelerator (a TPU, a GPU), not a CPU."""
+    return jax.default_backend() != "cpu"
+
+
+@pytest.fixture
+def fp32_matmuls():
+    """Matmuls at full fp32 precision, for a comparison against fp32 numbers: a chip runs fp32
+    matmuls as bf16 passes by default (3 digits agree), a CPU's are fp32 already."""
+    precision = jax.default_matmul_precision("highest") if on_chip() else contextlib.nullcontext()
+    with precision:
+        yield
+
+
+@pytest.fixture
+def on_cpu():
+    """The CPU device, for a comparison through exp, log and tanh against fp32 numbers: a chip's
+    agree to 4-5 digits, even at full matmul precision. kernels.attention_fn("auto") and
+    train.model_config(dtype="auto") still see the chip's backend."""
+    cpu = jax.devices("cpu")[0]
+    device = jax.default_device(cpu) if on_chip() else contextlib.nullcontext()
+    with device:
+        yield
+
+
+@pytest.fixture(autouse=True)
+def accelerator_tier(request):
+    """Skips the tests marked `accelerator` where the default backend is a CPU (CI's)."""
+    if request.node.get_closest_marker("accelerator") and not on_chip():
+        pytest.skip("the accelerator tier: no accelerator here")
+
+
+# A child process that runs our Python stays off the chip (one process holds a TPU; a second one
+# fails at its lockfile rather than fall back to the CPU), and without the advice jax prints as it
+# is imported on a TPU host (transparent hugepages), so that its stderr is the program's own.
+OFF_CHIP = {"JAX_PLATFORMS": "cpu",
+            "PYTHONWARNINGS": "ignore::UserWarning:jax._src.cloud_tpu_init"}
+
+
+def child_env(**changes):
+    """The environment of a child process that runs our Python: ours, OFF_CHIP, these changes."""
+    return {**os.environ, **OFF_CHIP, **changes}
+
+
+@pytest.fixture(scope="session")
+def loopback():
+    """Skips a test that needs a TCP socket on 127.0.0.1 where none can be opened (a sandbox's)."""
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+    except OSError as e:
+        pytest.skip(f"this machine cannot open a socket: {e}")
 
 
 # --------------------------------------------------------------------------------------------------
