@@ -593,7 +593,7 @@ def test_tune_malloc_restarts_a_script_onto_huge_pages():
             "print('tunables', os.environ.get('GLIBC_TUNABLES'), 'huge_kb', huge[0])")
     r = subprocess.run([sys.executable, "-c", code], cwd=pathlib.Path(__file__).parent,
                        capture_output=True, text=True, check=True,
-                       env={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"})
+                       env={k: v for k, v in child_env().items() if k != "GLIBC_TUNABLES"})
     lines = r.stdout.splitlines()
     if runtime.huge_pages_offered():
         # the same process, started over once
@@ -2252,7 +2252,8 @@ def test_damaged_checkpoint_is_skipped_by_resume_and_kill9_never_leaves_half_a_s
              f"{{'step': step}})\n")
     shutil.rmtree(root)
     for delay in (0.6, 0.9, 1.3, 1.7, 2.2, None):
-        p = subprocess.Popen([sys.executable, "-c", saver], cwd=pathlib.Path(__file__).parent)
+        p = subprocess.Popen([sys.executable, "-c", saver], cwd=pathlib.Path(__file__).parent,
+                             env=child_env())
         if delay is None:  # the last one once a save is whole: a loaded machine imports slowly
             deadline = time.time() + 120
             while not checkpoint.checkpoint_dirs(root) and time.time() < deadline:
@@ -2487,7 +2488,7 @@ def test_export_cli(tmp_path):
     def export(*args):
         return subprocess.run([sys.executable, "checkpoint.py", "export", *args],
                               cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
-                              timeout=300)
+                              timeout=300, env=child_env())
     r = export(str(tmp_path / "good" / "base"), str(dest))
     assert r.returncode == 0 and r.stdout == f"{dest}/base_checkpoints/d2/model_000003.pt: base " \
         "step 3, float32 embeddings\n", r.stderr
@@ -3070,7 +3071,7 @@ def test_core_cli_on_four_devices_and_its_errors(tmp_path):
     CORE; bad bundles and checkpoints are one-line errors."""
     cmd = [sys.executable, "evaluate.py", "--nanochat-checkpoint",
            str(TESTDATA / "nanochat_checkpoint")]
-    four = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    four = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
     run = lambda *a: subprocess.run(cmd + list(a), cwd=pathlib.Path(__file__).parent,
                                     capture_output=True, text=True, timeout=300, env=four)
     r = run("--eval-bundle", str(CORE_DIR / "eval_bundle"))
@@ -3703,7 +3704,7 @@ def run_cli(root, *extra, env=None):
     cmd = [sys.executable, "train.py", "--stage", "base", "--out", root, *TRAIN_ARGS,
            "--num-iterations", "3", *extra]
     r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
-                       timeout=300, env={**os.environ, **(env or {})})
+                       timeout=300, env=child_env(**(env or {})))
     assert r.returncode == 0, r.stderr[-3000:]
     with open(os.path.join(root, "base", "metrics.jsonl")) as f:
         return [json.loads(line)["loss"] for line in f if '"loss"' in line], r.stdout
@@ -3752,8 +3753,7 @@ def emulated_devices(n, *cmd):
     """(the last stdout line as JSON, stdout) of python cmd in a child with n emulated devices."""
     r = subprocess.run([sys.executable, *cmd], cwd=pathlib.Path(__file__).parent, text=True,
                        capture_output=True, timeout=600,
-                       env={**os.environ,
-                            "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
+                       env=child_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={n}"))
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.splitlines()[-1]), r.stdout
 
@@ -3855,7 +3855,8 @@ def test_two_processes_equal_one(train_root, tmp_path, shard):
     cmd = two_process_cmd(root, 3) + ["--shard", shard, "--eval-every", "3", "--eval-steps", "1",
                                       "--sample-every", "3"]
     procs = [subprocess.Popen(cmd + ["--process-id", str(i)], cwd=pathlib.Path(__file__).parent,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=child_env())
              for i in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
@@ -3882,7 +3883,7 @@ def test_two_processes_agree_on_ctrl_c(train_root, tmp_path, capsys):
         with log.open("w") as f:
             procs.append(subprocess.Popen(cmd + ["--process-id", str(i)],
                                           cwd=pathlib.Path(__file__).parent, stdout=f,
-                                          stderr=subprocess.STDOUT))
+                                          stderr=subprocess.STDOUT, env=child_env()))
     try:
         deadline = time.time() + 300
         # both processes are in the loop
@@ -4037,7 +4038,7 @@ def test_lora_bad_input_is_one_line_and_writes_nothing(train_root, tmp_path):
         train.lora_stage(stage, root, 4, 8.0, lora.TARGETS, jax.random.key(0))
     r = subprocess.run([sys.executable, "train.py", "--stage", "base", "--lora-rank", "4",
                         "--out", root], cwd=pathlib.Path(__file__).parent, capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=120, env=child_env())
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "pass --stage sft" in r.stderr
     assert os.listdir(root) == ["tokenizer.json"]
     # --stage all: the base's width (64) checked before the tokenizer is trained
@@ -4228,11 +4229,11 @@ def test_train_cli_error_is_one_line_and_help_shows_defaults(tmp_path, capsys):
     cmd = [sys.executable, "train.py", "--stage", "tokenizer", "--data", "no/such.txt", "--out",
            str(tmp_path), "--compile-cache", ""]
     r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True,
-                       timeout=120)
+                       timeout=120, env=child_env())
     assert r.returncode == 1 and r.stderr.startswith("error: no/such.txt: no such file")
     assert r.stderr.count("\n") == 1
     r = subprocess.run(cmd[:2] + ["--rl-tasks", "poetry"], cwd=pathlib.Path(__file__).parent,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, env=child_env())
     # a bad flag: one line too, naming the choices
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert r.stderr.startswith("error: argument --rl-tasks: invalid choice: 'poetry' "
@@ -4281,7 +4282,7 @@ def run_chat(args, stdin="", cwd=None):
     newline changes)."""
     r = subprocess.run([sys.executable, str(pathlib.Path(__file__).parent / "chat.py"), *args],
                        input=stdin.encode(), capture_output=True, cwd=cwd,
-                       env={**os.environ, "PYTHONIOENCODING": "utf-8"}, timeout=300)
+                       env=child_env(PYTHONIOENCODING="utf-8"), timeout=300)
     return r.returncode, r.stdout.decode(), r.stderr.decode()
 
 
@@ -5431,7 +5432,10 @@ def test_python_source_corpus(tmp_path):
 
 
 @pytest.mark.slow  # a real sweep, in two worker processes too
-def test_tiny_real_sweep(tmp_path):
+def test_tiny_real_sweep(tmp_path, monkeypatch):
+    for name, value in OFF_CHIP.items():  # the --jobs workers, spawned with this environment
+        monkeypatch.setenv(name, value)
+
     def sweep(out, *depths, extra=()):
         scaling.main(["--sweep", "scale_c", "--no-adaptive", "--corpus", "docstrings",
                       "--jobs", "1", "--depths", *depths, "--budgets", "1.5e9", "--out", out,
@@ -5514,7 +5518,7 @@ def test_bench_json_lines():
     """bench.py: `accel` says in one JSON line that it needs an accelerator and exits 0; the timing
     helpers it and `decode` / `train` print from give their fields."""
     r = subprocess.run([sys.executable, "bench.py", "accel"], cwd=pathlib.Path(__file__).parent,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, env=child_env())
     assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1]) == {
         "bench": "accel",
         "skipped": "no GPU or TPU here; run it where one is (CPU: bench.py train)"}
@@ -5660,7 +5664,7 @@ def test_documented_commands_run(tmp_path, nanochat_d2):
     tok.save(os.path.join(step_dir, "tokenizer.json"))
     (tmp_path / "testdata").symlink_to(TESTDATA)
     # the compile cache under tmp_path
-    env = {**os.environ, "HOME": str(tmp_path), "PYTHONIOENCODING": "utf-8"}
+    env = child_env(HOME=str(tmp_path), PYTHONIOENCODING="utf-8")
     expected = json.loads((TESTDATA / "core_eval/expected.json").read_text())["core_metric"]
     for command in CHEAP_COMMANDS:
         argv = shlex.split(command)[1:]
