@@ -3845,6 +3845,7 @@ def two_process_cmd(root, iterations):
 
 @pytest.mark.slow  # two train.py processes (jax.distributed)
 @pytest.mark.parametrize("shard", ["optimizer", "full"])
+@pytest.mark.usefixtures("loopback")
 def test_two_processes_equal_one(train_root, tmp_path, shard):
     """Two processes of one device each train as one process does, in both sharded modes; the
     val loss and the sample at the last step and the report card (which gather the params under
@@ -3871,6 +3872,7 @@ def test_two_processes_equal_one(train_root, tmp_path, shard):
 
 
 @pytest.mark.slow  # three train.py processes
+@pytest.mark.usefixtures("loopback")
 def test_two_processes_agree_on_ctrl_c(train_root, tmp_path, capsys):
     """Ctrl-C on one process of a two-process run stops both at the same step with one checkpoint
     (unless they agree, it saves while the other steps, both stuck in mismatched collectives);
@@ -4324,6 +4326,7 @@ def test_cli_scripted(chat_model, tmp_path):
     assert code == 1 and "python train.py" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.usefixtures("loopback")
 def test_cli_errors_are_one_line(chat_model):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -4483,7 +4486,7 @@ def chat_server(model, slots=4, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def server(chat_model):
+def server(chat_model, loopback):
     srv = chat_server(chat_model, max_tokens=32, temperature=0.0)
     yield srv
     srv.shutdown()
@@ -4588,6 +4591,7 @@ def test_api_choices_stop_top_p_and_logprobs(server, chat_model):
 
 
 @pytest.mark.slow  # a server soak: every shape compiled, then 20 requests
+@pytest.mark.usefixtures("loopback")
 def test_no_request_compiles(chat_model):
     """After warm_up, requests with any sampling settings, seed, number of choices and prompt length
     compile nothing: a client cannot stall the others by sending new values."""
@@ -4724,6 +4728,7 @@ def test_api_bad_paths_and_headers(server):
     assert request(server, "GET", "/v1/models")[0] == 200  # still serving
 
 
+@pytest.mark.usefixtures("loopback")
 def test_server_binds_localhost_by_default(chat_model):
     srv = chat.make_server(chat.chat_engine(*chat_model[:3]), chat_model[2], port=0)
     try:
@@ -4755,6 +4760,7 @@ def test_api_concurrent_streams_do_not_interleave(server, chat_model):
 
 
 @pytest.mark.slow  # a 16-slot engine of its own: its programs compile for this test
+@pytest.mark.usefixtures("loopback")
 def test_server_serves_sixteen_clients_at_once(chat_model):
     """Sixteen clients at once, half of them streaming: each gets its own prompt's greedy reply (no
     stream crossed with another), generated together rather than one after another."""
@@ -4790,6 +4796,7 @@ def test_server_serves_sixteen_clients_at_once(chat_model):
         srv.server_close()
 
 
+@pytest.mark.usefixtures("loopback")
 def test_server_line_full_is_503_and_an_engine_failure_500(chat_model, monkeypatch):
     """Past the waiting line a request gets a 503 with Retry-After at once; an exception inside
     the engine fails the requests it was serving with a 500 (or an error event in a stream) that
@@ -4841,6 +4848,7 @@ def test_server_line_full_is_503_and_an_engine_failure_500(chat_model, monkeypat
 
 
 @pytest.mark.slow  # a server soak: 50 connections, a timeout waited out
+@pytest.mark.usefixtures("loopback")
 def test_stalled_clients_cannot_hold_the_server(chat_model, capfd):
     """Clients that send half a request and stall: at most max_connections hold a thread (the next
     ones get a 503 at once), each only until request_timeout; normal requests are served after it,
