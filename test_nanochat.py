@@ -585,6 +585,8 @@ def test_tune_malloc_restarts_a_script_onto_huge_pages():
     """Where the kernel offers transparent huge pages and glibc reads the hugetlb tunable (2.35+), a
     script's tune_malloc starts it over once with the tunable set, and malloc's large blocks then
     lie on huge pages."""
+    if not os.path.exists("/proc/self/smaps_rollup"):  # gVisor's /proc, say
+        pytest.skip("this kernel has no /proc/self/smaps_rollup to count huge pages in")
     code = ("import os, numpy as np, runtime; print('start', os.getpid()); "
             "runtime.tune_malloc(restart=True); "
             "x = np.ones(2**25, np.float32); "  # 128 MiB: one block that malloc maps
@@ -3569,9 +3571,14 @@ def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch
     assert rest == full[4:]  # no batch trained twice or skipped
 
 
+@pytest.mark.usefixtures("fp32_matmuls")
 def test_remat_leaves_the_losses(train_root, tmp_path):
-    _, _, plain, _ = run_base(fresh_root(train_root, tmp_path / "plain"), 3)
-    _, _, remat, _ = run_base(fresh_root(train_root, tmp_path / "remat"), 3, remat=True)
+    """jax.checkpoint recomputes the same numbers: fp32 losses equal to rounding (in bf16, a chip's
+    default, the recomputed program rounds otherwise: 7e-4 apart in 3 steps)."""
+    fp32 = {"dtype": "float32"}
+    _, _, plain, _ = run_base(fresh_root(train_root, tmp_path / "plain"), 3, model=fp32)
+    _, _, remat, _ = run_base(fresh_root(train_root, tmp_path / "remat"), 3, model=fp32,
+                              remat=True)
     np.testing.assert_allclose(remat, plain, rtol=1e-6)
 
 
@@ -3955,12 +3962,13 @@ def test_lora_step_trains_the_adapters_alone():
     full = sharding.memory(base, init_opt(base), 1, "none")
     ratio = (state["grads"] + state["optimizer"]) / (full["grads"] + full["optimizer"])
     assert 0.1 < ratio < 0.2, ratio  # width 32: rank 4 is an eighth of a matrix's rank
-    # the compiled step's outputs: the adapters' state, three scalars and XLA's tuple tables (8
-    # bytes a leaf), no gradient of the base (its smallest matrix alone: 4 KiB)
+    # the compiled step's outputs: the adapters' state and three scalars, no gradient of the base
+    # (counted from their shapes: a TPU pads each array to its tiles)
     compiled = train.jit_train_step.lower(adapters, opt, (x, y), 0, s, lrs, cfg=TINY,
                                           frozen=frozen).compile()
-    state_bytes = state["params"] + state["optimizer"]
-    assert state_bytes <= compiled.memory_analysis().output_size_in_bytes <= state_bytes + 1024
+    new_adapters, new_opt, metrics = compiled.out_info
+    assert sharding.memory(new_adapters, new_opt, 1, "none") == state
+    assert [m.shape for m in metrics.values()] == [()] * 3
     chex.assert_trees_all_equal(jax.device_get(base), kept)
     assert not any(a.is_deleted() for a in jax.tree.leaves(base))
 
