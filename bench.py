@@ -3,12 +3,15 @@
     python bench.py tokenizer    # BPE training on 5 MB of text to vocab 4096, then encoding
     python bench.py decode       # KV-cache generation: 16-token prompt, 200 new tokens, batch 1, 8
     python bench.py train        # the whole training step (fwd, bwd, MuonAdamW) of three models
-    python bench.py accel        # on a GPU or TPU: nanochat's d12 and d20 (T 2048, bf16)
+    python bench.py accel        # on a GPU or TPU: nanochat's recipe at d12 and d20 (524,288
+                                 # tokens a step, T 2048, bf16), without and with --remat
     python bench.py serve        # 1, 4, 16 concurrent streams through the slot engine (engine.py)
     python bench.py serve --infer-bench d6   # nanochat's infer_bench protocol, its JSON last
     python bench.py memory --depth 26 --devices 8 --shard full --fit 16 32 80
                                  # per-device memory of nanochat's d26 train step, compiled for 8
                                  # emulated devices; the largest device batch fitting each GB
+    python bench.py memory --real --devices 1 --depth 20 --remat --device-batch-size 8
+                                 # the accelerator's own plan of one device (train.py's)
 
 Speed is measured here, never in a timed unit test; docs/performance.md has the method and the
 numbers.
@@ -22,6 +25,7 @@ START = float(os.environ.get("BENCH_START", time.time()))
 
 import argparse
 import dataclasses
+import functools
 import http.client
 import json
 import pathlib
@@ -200,20 +204,50 @@ def bench_train(configs=tuple(CONFIGS), steps=10):
                           "loss": round(runs[-1]["loss"], 4)}), flush=True)
 
 
-def largest_batch(cfg, steps):
-    """train_step_timing at the largest device batch that fits, tried from 64 down: (B, result)."""
-    for B in (64, 32, 16, 8, 4, 2, 1):
-        try:
-            return B, train_step_timing(cfg, B, steps)
-        except jax.errors.JaxRuntimeError as e:  # out of memory: try half the batch
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-    raise RuntimeError(f"not even one row of {cfg} fits in the accelerator's memory")
+RECIPE_TOKENS = 2**19  # nanochat's tokens a step (524,288)
 
 
-def bench_accel(depths=(12, 20), steps=10):
-    """nanochat's d12 and d20 at T 2048 in bf16 on the accelerator: the training step at the
-    largest device batch that fits, then prefill of 1,024 tokens and 200 decoded at batch 1, 32."""
+def accel_child(depth, remat, steps):
+    """nanochat's recipe in this process: d<depth> at T 2048 in bf16, the largest device batch
+    whose step train.py's memory plan fits (train.plan_memory), micro-batches making up
+    RECIPE_TOKENS a step, then `steps` timed steps after one more warm-up (0: the first step
+    only)."""
+    cfg = nc.config_for_depth(depth, 32768, sequence_len=2048, compute_dtype="bfloat16")
+    params = kernels.init_params(cfg, jax.random.key(0))
+    opt_state = jax.device_put(muon.init(params, *nc.param_groups(params)))
+    step_fn = functools.partial(train.jit_train_step, sched=train.base_schedule(1000, 0.2),
+                                lrs=train.learning_rates(), cfg=cfg, attn=kernels.attention_fn(),
+                                layout=train.Layout(remat=remat))
+    # 1. the plan: train.py's, on this device
+    stage = train.Stage(name="base", cfg=cfg, init=None, iterations=0)
+    run, _, planned = train.plan_memory(stage, train.Run(), RECIPE_TOKENS, step_fn,
+                                        (params, opt_state, None, 0))
+    B = run.device_batch_size
+    A = RECIPE_TOKENS // (B * cfg.sequence_len)
+    rng = np.random.default_rng(0)
+    x, y = (rng.integers(0, cfg.vocab_size, (A, B, cfg.sequence_len), dtype=np.int32)
+            for _ in range(2))
+    # 2. the first step from process start, then the timed ones
+    times = []
+    for i in range(1 + (steps and steps + 1)):
+        t0 = time.perf_counter()
+        params, opt_state, metrics = step_fn(params, opt_state, (x, y), i)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+        if i == 0:
+            first = time.time() - START
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"device_batch": B, "micro_batches": A, "planned_bytes": planned,
+            "first_step_s": first, "step_s": statistics.median(times[2:]) if steps else None,
+            "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+            "peak_bytes_reserved": stats.get("peak_bytes_reserved"),
+            "loss": float(metrics["loss"])}
+
+
+def bench_accel(depths=(12, 20), steps=5, remats=(False, True)):
+    """nanochat's recipe (RECIPE_TOKENS a step, T 2048, bf16) at each depth, without and with
+    --remat: each in a fresh process with an empty compilation cache (cold: the memory plan's
+    compiles included), then again with it filled (warm: the first step only)."""
     device = jax.devices()[0]
     if device.platform == "cpu":
         skipped = "no GPU or TPU here; run it where one is (CPU: bench.py train)"
@@ -222,25 +256,38 @@ def bench_accel(depths=(12, 20), steps=10):
     peak = report.peak_flops()[0]  # the chip's dense bf16 peak
     for depth in depths:
         cfg = nc.config_for_depth(depth, 32768, sequence_len=2048, compute_dtype="bfloat16")
-        B, r = largest_batch(cfg, steps)
-        tok_s = B * cfg.sequence_len / r["step_s"]
-        flops = nc.estimate_flops(cfg) * tok_s
-        route = kernels.resolve_route("auto", device.platform, jnp.bfloat16,
-                                      cfg.sequence_len, cfg.head_dim)
-        print(json.dumps({"bench": "accel", "what": "train", "device": device.device_kind,
-                          "depth": depth, "attention": route,
-                          "params": nc.num_scaling_params(cfg)["total"],
-                          "batch": [B, cfg.sequence_len], "tok_per_s": round(tok_s),
-                          "step_ms": round(r["step_s"] * 1e3, 1),
-                          "tflop_per_s": round(flops / 1e12, 1),
-                          "mfu": round(flops / peak, 3) if peak else None,
-                          "first_step_s": round(r["first_call_s"], 1),
-                          "loss": round(r["loss"], 4)}), flush=True)
-        params = nc.init_params(cfg, jax.random.key(0))
-        for batch in (1, 32):
-            timing = generate_timing(params, cfg, batch, prompt_len=1024, new=200, repeats=2)
-            print(json.dumps({"bench": "accel", "what": "generate", "device": device.device_kind,
-                              "depth": depth, **timing}), flush=True)
+        for remat in remats:
+            head = {"bench": "accel", "device": device.device_kind, "jax": jax.__version__,
+                    "depth": depth, "remat": remat, "tokens_per_step": RECIPE_TOKENS}
+            runs = []
+            with tempfile.TemporaryDirectory() as cache:
+                for timed in (steps, 0):  # cold, then warm
+                    cmd = [sys.executable, __file__, "accel-child", "--depths", str(depth),
+                           "--steps", str(timed)] + ["--remat"] * remat
+                    r = subprocess.run(cmd, env=dict(os.environ, BENCH_CACHE=cache),
+                                       capture_output=True, text=True)
+                    if r.returncode:
+                        print(json.dumps({**head, "error": r.stderr.strip().splitlines()[-1]}),
+                              flush=True)
+                        break
+                    runs.append(json.loads(r.stdout.splitlines()[-1]))
+            if len(runs) < 2:
+                continue
+            cold, warm = runs
+            tok_s = RECIPE_TOKENS / cold["step_s"]
+            flops = nc.estimate_flops(cfg) * tok_s
+            print(json.dumps({**head, "params": nc.num_scaling_params(cfg)["total"],
+                              "device_batch": cold["device_batch"],
+                              "micro_batches": cold["micro_batches"],
+                              "tok_per_s": round(tok_s), "step_s": round(cold["step_s"], 3),
+                              "tflop_per_s": round(flops / 1e12, 1),
+                              "mfu": round(flops / peak, 3) if peak else None,
+                              "planned_gib": round(cold["planned_bytes"] / 2**30, 2),
+                              "peak_in_use_gib": round(cold["peak_bytes_in_use"] / 2**30, 2),
+                              "peak_reserved_gib": round(cold["peak_bytes_reserved"] / 2**30, 2),
+                              "first_step_cold_s": round(cold["first_step_s"], 1),
+                              "first_step_warm_s": round(warm["first_step_s"], 1),
+                              "loss": round(cold["loss"], 4)}), flush=True)
 
 
 # -------------------------------------------------------------------------- serving (engine.py)
@@ -598,15 +645,16 @@ MEMORY_NOTE = ("XLA's CPU buffer assignment, memory-optimized schedule: an estim
 
 
 def step_memory(cfg, devices, device_batch_size, shard="optimizer", remat=False,
-                attention="splash", lora_rank=0):
+                attention="splash", lora_rank=0, real=False):
     """The training step of cfg compiled for `devices` emulated CPU devices from abstract shapes
     (no weights allocated): the exact bytes per device of params, gradients and optimizer state
     (from the shardings), and the compiled step's arguments, outputs, temporaries and total.
     attention: a route of kernels.ROUTES; splash (interpreted here) keeps what a fused attention
     keeps for the backward, q, k, v, the output and the softmax statistics. lora_rank: the step
     trains adapters of every block matrix (lora.py); params are then the adapters, and frozen
-    the base's bytes per device."""
-    mesh = Mesh(np.array(jax.devices("cpu")[:devices]), ("data",))
+    the base's bytes per device. real: compiled for the default backend's first device (a
+    chip's own compiler and plan; devices must be 1), as train.py's memory plan does."""
+    mesh = Mesh(np.array((jax.devices() if real else jax.devices("cpu"))[:devices]), ("data",))
     params = nc.param_shapes(cfg)
     groups = nc.param_groups
     base, frozen = None, None
@@ -626,7 +674,10 @@ def step_memory(cfg, devices, device_batch_size, shard="optimizer", remat=False,
     if lora_rank:  # laid out as the params are
         base_specs, _ = sharding.state_specs(base, {}, devices, shard)
         frozen = lora.frozen(abstract(base, base_specs), lora_rank, alpha=16.0)
-    rows = jax.ShapeDtypeStruct((1, device_batch_size * devices, cfg.sequence_len), jnp.int32,
+    # one micro-batch; on a real device as many as nanochat's recipe takes (the scan that sums
+    # their gradients holds more than one micro-batch's step)
+    A = max(1, RECIPE_TOKENS // (device_batch_size * devices * cfg.sequence_len)) if real else 1
+    rows = jax.ShapeDtypeStruct((A, device_batch_size * devices, cfg.sequence_len), jnp.int32,
                                 sharding=NamedSharding(mesh, P(None, "data")))
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):  # (splash's shard_map)
@@ -636,6 +687,12 @@ def step_memory(cfg, devices, device_batch_size, shard="optimizer", remat=False,
             attn=kernels.attention_fn(attention),
             layout=train.Layout(shard=shard, mesh=mesh if shard != "none" else None, remat=remat),
             frozen=frozen)
+        if real:  # the chip's plan, or XLA's count when it refuses (out of memory)
+            state = sharding.memory(params, opt_state, devices, shard)
+            planned = train.needed_bytes(lowered, state["params"] + state["optimizer"])
+            return {"shard": shard, "device": jax.devices()[0].device_kind,
+                    "total_bytes": planned, "total_gib": round(planned / 2**30, 3),
+                    "compile_s": round(time.perf_counter() - t0, 1)}
         # CPU XLA's default schedule is for concurrency and keeps every activation alive
         scheduler = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
         compiled = lowered.compile(scheduler)
@@ -653,7 +710,7 @@ def step_memory(cfg, devices, device_batch_size, shard="optimizer", remat=False,
 
 
 def bench_memory(cfg, devices, device_batch_size, shard, remat, attention, fit=(),
-                 lora_rank=0):
+                 lora_rank=0, real=False):
     """One JSON line: step_memory of cfg, per device. With fit (GB, 10^9 bytes): the device batch
     doubled from 1 while it fits the largest, a line each, then a line with the largest power of
     two fitting each (nanochat's total batch of 2^19 tokens needs one), 0 where none does."""
@@ -663,9 +720,9 @@ def bench_memory(cfg, devices, device_batch_size, shard, remat, attention, fit=(
 
     def measure(batch):
         r = step_memory(cfg, devices, batch, shard=shard, remat=remat, attention=attention,
-                        lora_rank=lora_rank)
-        print(json.dumps({**head, "device_batch_size": batch, **r, "estimate": MEMORY_NOTE}),
-              flush=True)
+                        lora_rank=lora_rank, real=real)
+        note = {} if real else {"estimate": MEMORY_NOTE}
+        print(json.dumps({**head, "device_batch_size": batch, **r, **note}), flush=True)
         return r
     if not fit:
         measure(device_batch_size)
@@ -682,6 +739,13 @@ def bench_memory(cfg, devices, device_batch_size, shard, remat, attention, fit=(
                       "estimate": MEMORY_NOTE}), flush=True)
 
 
+def bench_accel_child(depth, remat, steps):
+    """accel_child in this process (bench_accel runs it in a fresh one), its JSON last."""
+    os.environ.setdefault("BENCH_START", repr(START))
+    runtime.use_compile_cache(os.environ["BENCH_CACHE"])
+    print(json.dumps(accel_child(depth, remat, steps)))
+
+
 def bench_train_child(config, steps):
     """One model's training step timed in this process (bench_train runs it in a fresh one)."""
     os.environ.setdefault("BENCH_START", repr(START))
@@ -690,7 +754,8 @@ def bench_train_child(config, steps):
     print(json.dumps(train_step_timing(CONFIGS[config], BATCH[config][0], steps)))
 
 
-MODES = ("tokenizer", "decode", "train", "train-child", "accel", "memory", "serve")
+MODES = ("tokenizer", "decode", "train", "train-child", "accel", "accel-child", "memory",
+         "serve")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -707,7 +772,7 @@ def parse_args(argv=None):
     p.add_argument("--configs", nargs="*", choices=sorted(CONFIGS), default=None,
                    help="models (default: train all three, decode nano and d6)")
     p.add_argument("--steps", type=int, default=10, help="train, accel: timed steps after 3 "
-                   "warm-up steps")
+                   "warm-up steps (accel: 1)")
     p.add_argument("--depths", type=int, nargs="*", default=[12, 20],
                    help="accel: nanochat depths (T 2048, bf16)")
     s = p.add_argument_group("serve (docs/serving.md)").add_argument
@@ -725,11 +790,13 @@ def parse_args(argv=None):
     m("--device-batch-size", type=int, default=1, help="rows per device")
     m("--max-seq-len", type=int, default=2048, help="T")
     m("--shard", choices=sharding.MODES, default="optimizer", help="train.py's --shard")
-    m("--remat", action="store_true", help="train.py's --remat")
+    m("--remat", action="store_true", help="train.py's --remat (accel: only with it)")
     m("--attention", choices=kernels.ROUTES, default="splash",
       help="route whose memory is estimated (splash: a fused kernel's, interpreted)")
     m("--fit", type=float, nargs="*", default=[],
       help="GB per device: the largest power-of-two device batch fitting each")
+    m("--real", action="store_true", help="plan this machine's accelerator (its compiler), "
+      "one device, at the micro-batches of nanochat's 524,288 tokens a step")
     m("--lora-rank", type=int, default=0,
       help="the step trains LoRA adapters of this rank on a frozen base (0: every weight)")
     return p.parse_args(argv)
@@ -741,10 +808,14 @@ def main(argv=None):
     if args.mode == "memory":
         if args.devices < 1 or args.device_batch_size < 1:
             raise SystemExit("bench.py memory: --devices and --device-batch-size must be >= 1")
-        jax.config.update("jax_num_cpu_devices", args.devices)  # before the CPU backend starts
+        if args.real and args.devices != 1:
+            raise SystemExit("bench.py memory --real plans one device: pass --devices 1")
+        if not args.real:  # before the CPU backend starts
+            jax.config.update("jax_num_cpu_devices", args.devices)
         cfg = nc.config_for_depth(args.depth, 32768, sequence_len=args.max_seq_len,
                                   compute_dtype="bfloat16")  # nanochat's recipe's model
         bench_memory(cfg, args.devices, args.device_batch_size,
+                     real=args.real,
                      shard=args.shard,
                      remat=args.remat,
                      attention=args.attention,
@@ -765,8 +836,11 @@ def main(argv=None):
     elif args.mode == "serve":
         bench_serve(args.configs or ("nano", "d6"), args.slots, args.kmax, args.streams,
                     rounds=args.repeats)
+    elif args.mode == "accel-child":
+        bench_accel_child(args.depths[0], args.remat, args.steps)
     else:
-        bench_accel(args.depths, args.steps)
+        remats = (args.remat,) if args.remat else (False, True)
+        bench_accel(args.depths, args.steps, remats)
 
 
 if __name__ == "__main__":

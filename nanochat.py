@@ -6,7 +6,9 @@ Read `init_params` (the weights and their names), `param_groups` (how the optimi
 treats each leaf), then `block`: one layer over one layer's weights, shared by training,
 prefill and decode. Attention is one function argument, `attn` (default: the plain
 `causal_attention`); kernels.py gives faster ones of the same signature, so the model
-never names a backend. `forward_cached` feeds tokens through a KV cache whose rows each
+never names a backend. Without a cache the layers run as a scan over groups that repeat
+(`scan_layers`: one group compiled), and the loss computes its logits a chunk of rows at a
+time (`chunked_nll`). `forward_cached` feeds tokens through a KV cache whose rows each
 sit at their own position; engine.py generates. docs/model.md lists nanochat's
 architecture choices, each with the function that makes it.
 
@@ -30,6 +32,8 @@ QK_SCALE = 1.2
 SMEAR_CHANNELS = 24
 # the value-embedding gate reads this many channels of the block input
 VE_GATE_CHANNELS = 12
+# the loss computes at most this many logits at a time: 256 MiB in fp32
+LOGITS_PER_CHUNK = 2**26
 # F.rms_norm's default eps for fp32
 EPS = float(np.finfo(np.float32).eps)
 # every layer's attention matrices (ve_gate is only some layers')
@@ -139,9 +143,12 @@ def init_params(cfg, key):
         "c_fc": uniform("c_fc", (L, C, 4 * C), -0.4 * s, 0.4 * s),
         "c_proj": jnp.zeros((L, 4 * C, C)),
     }
+    # the embeddings are stored in the compute dtype, as nanochat stores them: a row is
+    # looked up, never multiplied, and the optimizer tolerates the rounding
+    embedding_dtype = cfg.compute_dtype
     return {
-        "wte": normal("wte", (V, C), 0.8),
-        "value_embeds": uniform("value_embeds", (n_ve, V, K * D), -s, s),
+        "wte": normal("wte", (V, C), 0.8).astype(embedding_dtype),
+        "value_embeds": uniform("value_embeds", (n_ve, V, K * D), -s, s).astype(embedding_dtype),
         "lm_head": normal("lm_head", (C, V), 0.001),
         "h": {"attn": attn, "mlp": mlp},
         "resid_lambdas": 1.15 - 0.10 * ramp,
@@ -361,8 +368,59 @@ def unstack(params, cfg):
             attn["ve_gate"] = sliced["h"]["attn"]["ve_gate"][j]
             layer["value_embeds"] = sliced["value_embeds"][j]
         layers.append(layer)
+    # (a scanned group's weights hold none of the rest)
     rest = ("wte", "lm_head", "smear_gate", "smear_lambda", "backout_lambda")
-    return {"layers": layers, **{name: params[name] for name in rest}}
+    return {"layers": layers, **{name: params[name] for name in rest if name in params}}
+
+
+def layer_period(cfg):
+    """The layers after which the windows and the value embeddings repeat, when the
+    layers fall into whole groups of them (training then scans over the groups), else
+    0."""
+    period = math.lcm(len(cfg.window_pattern), 2)
+    if cfg.n_layer % period:
+        return 0
+    group = dataclasses.replace(cfg, n_layer=period)
+    windows = window_sizes(group)
+    for i, window in enumerate(window_sizes(cfg)):
+        same_ve = (i in cfg.ve_layers) == (i % period in group.ve_layers)
+        if window != windows[i % period] or not same_ve:
+            return 0
+    return period
+
+
+def scan_layers(params, tokens, x, cfg, period, *, attn, remat=False):
+    """trunk's layers without a cache, as a lax.scan over groups of `period` layers:
+    XLA compiles one group, not every layer, and under remat each step of the backward
+    scan recomputes its own group only. params: stacked, in the compute dtype. Returns
+    (x, x_backout): the last layer's output and the middle one's."""
+    L = cfg.n_layer
+    group_cfg = dataclasses.replace(cfg, n_layer=period)
+    windows = window_sizes(group_cfg)
+    rope = rotary(query_positions(0, tokens.shape[1]), cfg.head_dim)
+    # 1. the stacks as (groups, period or its value-embedding layers, ...)
+    stacked = {name: params[name] for name in ("h", "value_embeds", "resid_lambdas", "x0_lambdas")}
+    groups = jax.tree.map(lambda a: a.reshape(L // period, -1, *a.shape[1:]), stacked)
+    middle_group, middle_layer = divmod(L // 2, period)
+    x0 = x
+
+    # 2. one group: its layers in turn; the middle layer's output kept for the backout
+    def group(carry, group_weights):
+        x, x_backout = carry
+        weights, g = group_weights
+        layered = unstack(weights, group_cfg)
+        for j, (layer, window) in enumerate(zip(layered["layers"], windows)):
+            layer_fn = functools.partial(block, window=window, attn=attn)
+            if remat:
+                layer_fn = jax.checkpoint(layer_fn)
+            ve = layer["value_embeds"][tokens] if "value_embeds" in layer else None
+            x, _ = layer_fn(layer, x, x0, ve, rope)
+            if j == middle_layer:
+                x_backout = jnp.where(g == middle_group, x, x_backout)
+        return (x, x_backout), None
+    carry = (x, jnp.zeros_like(x))
+    (x, x_backout), _ = jax.lax.scan(group, carry, (groups, jnp.arange(L // period)))
+    return x, x_backout
 
 
 def trunk(layered, tokens, x, cfg, *, attn, caches=None, pos=0, remat=False):
@@ -382,19 +440,26 @@ def trunk(layered, tokens, x, cfg, *, attn, caches=None, pos=0, remat=False):
         x, caches[i] = layer_fn(layer, x, x0, ve, rope, cache=caches[i], pos=pos)
         if i == cfg.n_layer // 2:
             x_backout = x
-    # backout: remove part of the mid-network residual
-    x = x - layered["backout_lambda"] * x_backout
-    return rms_norm(x), caches
+    return backout(x, x_backout, layered["backout_lambda"]), caches
+
+
+def backout(x, x_backout, backout_lambda):
+    """The final normed hidden states: part of the mid-network residual removed."""
+    return rms_norm(x - backout_lambda * x_backout)
 
 
 def hidden(params, tokens, cfg, attn=causal_attention, remat=False):
     """The transformer trunk: tokens (B, T) -> final normed hidden states (B, T, C)."""
-    # the weights in the compute dtype, sliced per layer
+    # the weights in the compute dtype
     cast = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params)
-    layered = unstack(cast, cfg)
-    x = rms_norm(layered["wte"][tokens])  # (B, T, C)
-    x = smear(x, layered["smear_gate"], layered["smear_lambda"])
-    x, _ = trunk(layered, tokens, x, cfg, attn=attn, remat=remat)
+    x = rms_norm(cast["wte"][tokens])  # (B, T, C)
+    x = smear(x, cast["smear_gate"], cast["smear_lambda"])
+    # the layers scanned in groups where they repeat, else one by one
+    period = layer_period(cfg)
+    if period:
+        x, x_backout = scan_layers(cast, tokens, x, cfg, period, attn=attn, remat=remat)
+        return backout(x, x_backout, cast["backout_lambda"])
+    x, _ = trunk(unstack(cast, cfg), tokens, x, cfg, attn=attn, remat=remat)
     return x
 
 
@@ -410,23 +475,50 @@ def forward(params, tokens, cfg, attn=causal_attention):
     return logits_from_hidden(params, hidden(params, tokens, cfg, attn), cfg)
 
 
-def loss_fn(params, tokens, targets, cfg, reduction="mean", attn=causal_attention, remat=False):
-    """Cross-entropy, ignoring targets < 0: the mean over valid targets, or (B, T) with
-    'none'."""
-    x = hidden(params, tokens, cfg, attn, remat)
-    # (B*T, V) logits: one 2-D matmul
-    logits = logits_from_hidden(params, x.reshape(-1, x.shape[-1]), cfg)
-    t = targets.reshape(-1)
-    valid = t >= 0
+def token_nll(params, x, targets, cfg):
+    """-log p of each target (N,) from hidden states x (N, C); 0 where a target is < 0."""
+    logits = logits_from_hidden(params, x, cfg)  # (N, V)
+    valid = targets >= 0
     # each target's logit (an ignored target reads index 0, then counts 0)
-    safe = jnp.where(valid, t, 0)
+    safe = jnp.where(valid, targets, 0)
     picked = jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]
     log_z = jax.nn.logsumexp(logits, axis=-1)
-    nll = jnp.where(valid, log_z - picked, 0.0)
+    return jnp.where(valid, log_z - picked, 0.0)
+
+
+def chunked_nll(params, x, targets, cfg, chunk=None):
+    """token_nll over rows x (N, C) `chunk` rows at a time (None: as many as hold
+    LOGITS_PER_CHUNK logits), each chunk's logits computed again in the backward pass:
+    the (N, V) logits never exist whole."""
+    N = x.shape[0]
+    chunk = chunk or max(1, LOGITS_PER_CHUNK // cfg.vocab_size)
+    if N <= chunk:
+        return token_nll(params, x, targets, cfg)
+    # n equal chunks, the last padded with ignored targets
+    n = -(-N // chunk)
+    rows = -(-N // n)
+    x = jnp.pad(x, ((0, n * rows - N), (0, 0)))
+    targets = jnp.pad(targets, (0, n * rows - N), constant_values=-1)
+    # jax.checkpoint: the backward keeps each chunk's inputs only, not its logits
+    one_chunk = jax.checkpoint(functools.partial(token_nll, cfg=cfg))
+
+    def step(_, chunk_rows):
+        return None, one_chunk(params, *chunk_rows)
+    _, nll = jax.lax.scan(step, None, (x.reshape(n, rows, -1), targets.reshape(n, rows)))
+    return nll.reshape(-1)[:N]
+
+
+def loss_fn(params, tokens, targets, cfg, reduction="mean", attn=causal_attention, remat=False,
+            chunk=None):
+    """Cross-entropy, ignoring targets < 0: the mean over valid targets, or (B, T) with
+    'none'. chunk: chunked_nll's rows of logits at a time."""
+    x = hidden(params, tokens, cfg, attn, remat)
+    head = {"lm_head": params["lm_head"]}  # (the scan over chunks closes over this alone)
+    nll = chunked_nll(head, x.reshape(-1, x.shape[-1]), targets.reshape(-1), cfg, chunk)
     if reduction == "none":
         return nll.reshape(targets.shape)
     # at least 1: torch gives nan when every target is ignored
-    return nll.sum() / jnp.maximum(valid.sum(), 1)
+    return nll.sum() / jnp.maximum((targets >= 0).sum(), 1)
 
 # ---------------------------------------------------------------------------- inference
 

@@ -441,6 +441,70 @@ def test_sliding_window_limits_context():
     assert np.flatnonzero(decode[0]).tolist() == list(range(72, 201))
 
 
+def test_chunked_loss_equals_the_whole(fp32_matmuls):
+    """The loss over chunks of rows (the logits computed again in the backward pass) against the
+    loss over every row at once: the same mean, per-token losses and gradients to fp32 rounding,
+    with a chunk that leaves a padded last chunk, ignored targets and RL's token weights."""
+    cfg = config(vocab_size=300)
+    params = random_params(cfg, 40)
+    tokens = jax.random.randint(jax.random.key(41), (3, 64), 0, cfg.vocab_size)
+    targets = jnp.roll(tokens, -1, axis=1).at[:, -5:].set(-1)  # (192 rows: chunks of 50 pad 8)
+    weights = jax.random.normal(jax.random.key(42), targets.shape)
+
+    def weighted(params, chunk):
+        nll = nc.loss_fn(params, tokens, targets, cfg, "none", chunk=chunk)
+        return jnp.sum(nll * weights), nll
+    grad = jax.jit(jax.grad(weighted, has_aux=True), static_argnums=1)
+    whole_grads, whole = grad(params, 1000)
+    chunked_grads, chunked = grad(params, 50)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-6, atol=1e-6)
+    assert not chunked[:, -5:].any()  # ignored targets count 0
+    for a, b in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(whole_grads)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.abs(b).max()))
+    mean = nc.loss_fn(params, tokens, targets, cfg, chunk=50)
+    assert float(mean) == pytest.approx(float(whole.sum() / (targets >= 0).sum()), rel=1e-6)
+    # the default chunk holds LOGITS_PER_CHUNK logits: one chunk for every CPU model here
+    assert nc.LOGITS_PER_CHUNK // cfg.vocab_size > targets.size
+
+
+def test_scanned_layers_equal_the_loop(fp32_matmuls, monkeypatch):
+    """Layers that repeat in groups (SSSL's windows, value embeddings every other layer) run as a
+    scan over the groups, the backout taken from the middle layer inside its group: the same
+    loss and gradients as the layers one by one, at 8 layers (two groups, the backout in the
+    second) and with remat."""
+    cfg = config(n_layer=8, window_pattern="SSSL", sequence_len=256)
+    assert nc.layer_period(cfg) == 4 and nc.layer_period(TINY) == 0  # TINY: 3 layers of SL
+    assert nc.layer_period(config(n_layer=6, window_pattern="SSSL")) == 0  # 6 % 4
+    params = random_params(cfg, 43)
+    tokens = jax.random.randint(jax.random.key(44), (2, 256), 0, cfg.vocab_size)
+    targets = jnp.roll(tokens, -1, axis=1)
+    grad = jax.jit(jax.value_and_grad(nc.loss_fn), static_argnames=("cfg", "remat"))
+    scanned = [grad(params, tokens, targets, cfg=cfg, remat=remat) for remat in (False, True)]
+    monkeypatch.setattr(nc, "layer_period", lambda cfg: 0)
+    looped = jax.jit(jax.value_and_grad(nc.loss_fn), static_argnames="cfg")(params, tokens,
+                                                                            targets, cfg=cfg)
+    for loss, grads in scanned:
+        assert float(loss) == pytest.approx(float(looped[0]), rel=1e-6)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(looped[1])):
+            np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * float(jnp.abs(b).max()))
+
+
+def test_bf16_stores_the_embeddings_in_bf16():
+    """Under bf16 compute wte and the value embeddings are stored in bf16, as nanochat stores
+    them (their values the fp32 init's, rounded), and their AdamW moments follow; the matrices
+    and lm_head stay fp32 master weights. fp32 compute stores everything in fp32."""
+    bf16 = config(compute_dtype="bfloat16")
+    p16, p32 = (nc.init_params(cfg, jax.random.key(0)) for cfg in (bf16, TINY))
+    dtypes = {name: str(p16[name].dtype) for name in ("wte", "value_embeds", "lm_head")}
+    assert dtypes == {"wte": "bfloat16", "value_embeds": "bfloat16", "lm_head": "float32"}
+    assert all(w.dtype == jnp.float32 for w in jax.tree.leaves(p16["h"]))
+    assert all(w.dtype == jnp.float32 for w in jax.tree.leaves(p32))
+    np.testing.assert_array_equal(p16["wte"], p32["wte"].astype(jnp.bfloat16))
+    state = muon.init(p16, *nc.param_groups(p16))
+    assert state["mom"]["wte"].dtype == state["var"]["value_embeds"].dtype == jnp.bfloat16
+    assert state["var"]["lm_head"].dtype == jnp.float32
+
+
 # --------------------------------------------------------------------------------------------------
 # kernels.py: each attention route against the plain attend, the route each backend takes,
 # the process settings
@@ -754,6 +818,21 @@ def test_adamw_matches_numpy():
         jp, jm, jv = muon.adamw_step(jp, jnp.asarray(g), jm, jv, t, lr=lr, beta1=b1, beta2=b2,
                                      weight_decay=wd)
     np.testing.assert_allclose(jp, p, rtol=0, atol=1e-6)
+
+
+def test_adamw_of_bf16_leaves_computes_in_fp32():
+    """A bf16 leaf (an embedding under bf16 compute) keeps bf16 params and moments, and each step
+    is the fp32 step of its values rounded once, as nanochat's fused AdamW casts back at the
+    end."""
+    rng = np.random.default_rng(1)
+    p, g, m = (jnp.asarray(rng.normal(size=(4, 6)), jnp.bfloat16) for _ in range(3))
+    v = jnp.asarray(rng.uniform(size=(4, 6)), jnp.bfloat16)
+    hp = dict(lr=0.01, beta1=0.8, beta2=0.95, weight_decay=0.01)
+    got = muon.adamw_step(p, g, m, v, 3, **hp)
+    want = muon.adamw_step(*(a.astype(jnp.float32) for a in (p, g, m, v)), 3, **hp)
+    assert all(a.dtype == jnp.bfloat16 for a in got)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b.astype(jnp.bfloat16))
 
 
 def test_optimizer_groups_follow_nanochat(monkeypatch):
@@ -3571,6 +3650,54 @@ def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch
     assert rest == full[4:]  # no batch trained twice or skipped
 
 
+def test_fit_device_batch_takes_the_largest_that_fits():
+    """The plan's search: the largest power of two from `most` down whose step fits, each size
+    compiled once and none below the first that fits; a given batch is kept when it fits, and a
+    one-line error names what it needs, the limit and the largest that fits when it does not."""
+    tried = []
+
+    def needs(rows):
+        tried.append(rows)
+        return 1e9 + rows * 0.5e9  # 1 GB of state, 0.5 GB a row
+    assert train.fit_device_batch(needs, limit=5.2e9, most=64) == (8, 5e9)
+    assert tried == [64, 32, 16, 8]
+    assert train.fit_device_batch(needs, limit=5.2e9, given=4) == (4, 3e9)
+    with pytest.raises(ValueError) as e:
+        train.fit_device_batch(needs, limit=5.2e9, given=32)
+    assert str(e.value) == ("--device-batch-size 32 needs 15.8 GiB, more than the device's 4.8 "
+                            "GiB; the largest that fits is 8")
+    with pytest.raises(ValueError, match="not even one row a device fits"):
+        train.fit_device_batch(needs, limit=1e9, most=4)
+
+
+def test_memory_plan_on_an_accelerator(train_root, tmp_path, monkeypatch, capsys):
+    """On an accelerator (its memory limit faked on this CPU, the CPU compiler's plans standing in
+    for the chip's) the device batch is the largest power of two whose compiled step fits, the
+    micro-batches make up the step's tokens, and the startup says so; a device batch given by
+    hand that does not fit is a one-line error before any step runs."""
+    needs = {}
+    needed_bytes = train.needed_bytes
+
+    def recorded(lowered, state_bytes):
+        needs[lowered.args_info[0][2][0].shape[1]] = needed_bytes(lowered, state_bytes)
+        return needs[lowered.args_info[0][2][0].shape[1]]
+    monkeypatch.setattr(train, "needed_bytes", recorded)
+    # a limit between the plans of 4 and 8 rows (TINY_OPTIM's 256 tokens: 8 rows of 32 at most)
+    monkeypatch.setattr(train, "memory_limit", lambda: 10**12)
+    for rows in (None, 4):  # the plans of 8 rows (none given: the most) and of 4
+        run_base(fresh_root(train_root, tmp_path / f"probe{rows}"), 1, device_batch_size=rows)
+    monkeypatch.setattr(train, "memory_limit", lambda: (needs[4] + needs[8]) // 2)
+    assert needs[4] < needs[8]
+    capsys.readouterr()
+    _, _, losses, info = run_base(fresh_root(train_root, tmp_path / "auto"), 2,
+                                  device_batch_size=None)
+    out = capsys.readouterr().out
+    assert "memory plan: 2 micro-batches of 4 rows a device" in out and len(losses) == 2
+    with pytest.raises(ValueError, match="^--device-batch-size 8 needs .* GiB, more than the "
+                                         "device's .* GiB; the largest that fits is 4$"):
+        run_base(fresh_root(train_root, tmp_path / "given"), 2, device_batch_size=8)
+
+
 @pytest.mark.usefixtures("fp32_matmuls")
 def test_remat_leaves_the_losses(train_root, tmp_path):
     """jax.checkpoint recomputes the same numbers: fp32 losses equal to rounding (in bf16, a chip's
@@ -5761,5 +5888,29 @@ def test_splash_attention_on_the_chip(T, window):
                                    atol=0.02 * float(jnp.abs(h).max()))
 
 
-# The chunked loss at d12 shapes (nanochat.loss_fn's `chunk` against the whole loss, on the chip):
-# its test comes here, with the chunked loss (issue 47, item 4).
+@pytest.mark.accelerator
+def test_chunked_loss_at_d12_shapes():
+    """The loss head of nanochat's d12 (width 768, vocab 32768) over 4 rows of T 2048 in bf16, as
+    the chip trains it: in chunks of 2048 rows (the default, LOGITS_PER_CHUNK) and of 1000 (a
+    padded last chunk) against all 8192 rows at once. Each row's logits are the same matmul
+    either way: the mean agrees to fp32 summation order (1e-5); lm_head's gradient is summed
+    over the chunks of bf16 products, each rounded to 8 bits, so within 1% of its largest."""
+    cfg = nc.config_for_depth(12, 32768, compute_dtype="bfloat16")
+    assert (cfg.n_embd, nc.LOGITS_PER_CHUNK // cfg.vocab_size) == (768, 2048)
+    keys = jax.random.split(jax.random.key(50), 3)
+    x = jax.random.normal(keys[0], (4 * 2048, 768)).astype(jnp.bfloat16)
+    head = {"lm_head": 0.02 * jax.random.normal(keys[1], (768, cfg.padded_vocab))}
+    targets = jax.random.randint(keys[2], (4 * 2048,), -1, cfg.vocab_size)
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def loss_and_grads(head, x, targets, chunk):
+        mean = lambda head, x: jnp.mean(nc.chunked_nll(head, x, targets, cfg, chunk))
+        return jax.value_and_grad(mean, argnums=(0, 1))(head, x)
+    whole, (head_grad, x_grad) = loss_and_grads(head, x, targets, 4 * 2048)
+    for chunk in (None, 1000):
+        loss, (h, g) = loss_and_grads(head, x, targets, chunk)
+        assert float(loss) == pytest.approx(float(whole), rel=1e-5)
+        np.testing.assert_allclose(h["lm_head"], head_grad["lm_head"], rtol=0,
+                                   atol=1e-2 * float(jnp.abs(head_grad["lm_head"]).max()))
+        np.testing.assert_allclose(g.astype(jnp.float32), x_grad.astype(jnp.float32), rtol=0,
+                                   atol=1e-2 * float(jnp.abs(x_grad.astype(jnp.float32)).max()))

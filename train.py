@@ -17,6 +17,7 @@ import functools
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -162,6 +163,49 @@ def train_step(params, opt_state, batch, step, sched, lrs, cfg, attn=nc.causal_a
 
 jit_train_step = jax.jit(train_step, static_argnames=("cfg", "attn", "layout"),
                          donate_argnames=("params", "opt_state"))
+
+
+# ---------------------------------------------------------------------------- the memory plan
+
+
+def needed_bytes(lowered, state_bytes):
+    """The bytes a device needs for a lowered step once compiled: its arguments, the outputs
+    that do not reuse them and its temporaries. When XLA refuses to compile it for lack of
+    memory, its count of the temporaries plus state_bytes (the arguments)."""
+    try:
+        m = lowered.compile().memory_analysis()
+    except jax.errors.JaxRuntimeError as e:
+        found = re.search(r"temporaries \(([\d.]+)G\)", str(e))
+        if "RESOURCE_EXHAUSTED" not in str(e) or not found:
+            raise
+        return float(found.group(1)) * 2**30 + state_bytes
+    arguments = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    return arguments + m.temp_size_in_bytes
+
+
+def fit_device_batch(needs, limit, most=64, given=None):
+    """(device batch, the bytes its step needs): `given` when its step fits in `limit` bytes,
+    or (given None) the largest power of two from `most` down that fits. needs(rows): the
+    bytes of the step for that many rows a device. A given batch that does not fit is a
+    one-line ValueError naming what it needs, the limit and the largest that fits."""
+    sizes = [2**i for i in reversed(range(int(math.log2(most)) + 1))]
+    if given:
+        sizes = [given] + [rows for rows in sizes if rows < given]
+    found = {}
+    for rows in sizes:
+        found[rows] = needs(rows)
+        if found[rows] <= limit:
+            break
+    fits = [rows for rows, n in found.items() if n <= limit]
+    gib = f"the device's {limit / 2**30:.1f} GiB"
+    if given and given not in fits:
+        largest = fits[0] if fits else "none (try --remat)"
+        raise ValueError(f"--device-batch-size {given} needs {found[given] / 2**30:.1f} GiB, "
+                         f"more than {gib}; the largest that fits is {largest}")
+    if not fits:
+        raise ValueError(f"not even one row a device fits in {gib}: try --remat, --shard "
+                         "full or a shorter --max-seq-len")
+    return fits[0], found[fits[0]]
 
 
 def horizon(cfg, rows_per_step, iterations, optim):
@@ -352,7 +396,9 @@ class Stage:
 class Run:
     """Where and how run_stage runs a stage: train.py's flags of the same names."""
     out: str = "checkpoints"  # the root: a stage's checkpoints go under out/<stage>
-    device_batch_size: int = 16  # rows per device per micro-batch
+    # rows per device per micro-batch (None: 16 on a CPU; on an accelerator the largest
+    # that fits, plan_memory)
+    device_batch_size: int | None = None
     resume: bool = False  # continue from the stage's newest checkpoint, exactly
     keep: int = 3  # checkpoints kept
     save_every: int = -1  # a checkpoint every N steps (-1: only the last)
@@ -537,6 +583,39 @@ def checkpoint_saver(stage, tok, run, meta, results):
     return save
 
 
+def memory_limit():
+    """The bytes a program may use on the first device; None on a CPU (no fixed limit)."""
+    return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+
+
+def plan_memory(stage, run, batch, step_fn, state):
+    """(run with its device batch settled, the startup line of the memory plan, the bytes
+    it plans): the device batch given, checked against the device's memory, or the largest
+    power of two that fits (fit_device_batch). Each try compiles step_fn for its batch; the
+    one kept is compiled again for the loop from the compilation cache."""
+    params, opt_state, frozen, step = state
+    T = stage.cfg.sequence_len
+    devices = jax.device_count()
+    batch_sharding = NamedSharding(sharding.data_mesh(), P(None, "data"))
+    # the step's arguments, in bytes per device
+    state_bytes = sum(leaf.addressable_shards[0].data.nbytes
+                      for leaf in jax.tree.leaves((params, opt_state, frozen)))
+
+    def needs(rows):
+        shape = (batch // (rows * devices * T), rows * devices, T)  # (A, B, T)
+        tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
+        lowered = step_fn.func.lower(params, opt_state, (tokens, tokens), step,
+                                     **step_fn.keywords)
+        return needed_bytes(lowered, state_bytes)
+    # at most 64 rows, and no more than one micro-batch of the step holds
+    most = 2 ** int(math.log2(max(1, min(64, batch // (devices * T)))))
+    limit = memory_limit()
+    rows, need = fit_device_batch(needs, limit, most, given=run.device_batch_size)
+    line = (f"memory plan: {batch // (rows * devices * T)} micro-batches of {rows} rows a "
+            f"device, {need / 2**30:.1f} of the device's {limit / 2**30:.1f} GiB")
+    return dataclasses.replace(run, device_batch_size=rows), line, need
+
+
 def run_stage(stage, tok, run=Run(), optim=Optim(), evals=None, record=None):
     """Run a stage to its horizon, or on from its newest checkpoint under
     run.out/<name>: (params, cfg, this run's losses, info). evals:
@@ -544,8 +623,11 @@ def run_stage(stage, tok, run=Run(), optim=Optim(), evals=None, record=None):
     (train.py: its flags)."""
     cfg = stage.cfg
     out_dir = os.path.join(run.out, stage.name)
+    planned = memory_limit() is not None and stage.sample is None and not run.debug
+    if not planned:  # (a CPU, or RL: its batch is its rollouts)
+        run = dataclasses.replace(run, device_batch_size=run.device_batch_size or 16)
     # 1. the schedule and learning rates: RL's own, a packed stage's by nanochat's rules
-    sched, lrs, batch, lr_scale, shape = stage_plan(stage, optim, run.device_batch_size)
+    sched, lrs, batch, lr_scale, shape = stage_plan(stage, optim, run.device_batch_size or 1)
     # 2. the params and optimizer state, fresh or resumed, laid out on the devices
     step, params, opt_state, sched, lrs, states = resume_or_init(stage, out_dir, run.resume,
                                                                  sched, lrs)
@@ -554,16 +636,27 @@ def run_stage(stage, tok, run=Run(), optim=Optim(), evals=None, record=None):
     # (LoRA's frozen base laid out as its adapters are)
     (params, frozen), opt_state = sharding.place((params, stage.frozen), opt_state, mesh, shard)
     layout = Layout(shard=shard, mesh=mesh if shard != "none" else None, remat=run.remat)
-    next_batch, states = stage_batches(tok, stage, run, batch, mesh, states)
-    words = sharding.describe(params, opt_state, jax.device_count(), shard)
-    print_startup(stage, sched, shape, run.attention, lr_scale, words)
-    # 3. the step, the checkpoints and the metrics
     step_fn = functools.partial(train_step if run.debug else jit_train_step, sched=sched, lrs=lrs,
                                 cfg=cfg, attn=kernels.attention_fn(run.attention), layout=layout,
                                 frozen=frozen)
+    # 3. on an accelerator, the device batch checked against its memory, or the largest
+    # that fits
+    plan_line = ""
+    if planned:
+        run, plan_line, _ = plan_memory(stage, run, batch, step_fn,
+                                        (params, opt_state, frozen, step))
+        sched, lrs, batch, lr_scale, shape = stage_plan(stage, optim, run.device_batch_size)
+    next_batch, states = stage_batches(tok, stage, run, batch, mesh, states)
+    words = sharding.describe(params, opt_state, jax.device_count(), shard)
+    print_startup(stage, sched, shape, run.attention, lr_scale, words)
+    if plan_line:
+        print(plan_line)
+    # 4. the checkpoints and the metrics
     os.makedirs(out_dir, exist_ok=True)
     meta = {"stage": stage.name, "config": dataclasses.asdict(cfg), "tokenizer": "tokenizer.json",
             "schedule": sched, "lrs": lrs, "args": record or {}, "lora": stage.lora}
+    if "device_batch_size" in meta["args"]:  # the flag's value as settled (None: planned)
+        meta["args"] = {**meta["args"], "device_batch_size": run.device_batch_size}
     results = {"val_bpb": None, "tokens": 0, "train_time": 0.0}
     t = time.perf_counter()
     metrics = os.path.join(out_dir, "metrics.jsonl") if jax.process_index() == 0 else os.devnull
@@ -580,7 +673,7 @@ def run_stage(stage, tok, run=Run(), optim=Optim(), evals=None, record=None):
         hooks = Hooks(before_step=lora.merged(before, frozen),
                       save=checkpoint_saver(stage, tok, run, meta, results),
                       save_every=run.save_every, log=log, stop=stop)
-        # 4. the loop (LoRA: over the adapters; the evaluations and RL's samples merge them)
+        # 5. the loop (LoRA: over the adapters; the evaluations and RL's samples merge them)
         next_batch = lora.merged(next_batch, frozen)
         params, _, losses = train_loop(params, opt_state, next_batch, states, step,
                                        steps=sched["num_iterations"], step_fn=step_fn,
@@ -645,7 +738,7 @@ def add_optim_flags(p):
     a("--target-param-data-ratio", type=float, default=DEFAULT.target_param_data_ratio,
       help="tokens per scaling parameter")
     a("--device-batch-size", type=int, default=Run.device_batch_size,
-      help="rows per device per micro-batch")
+      help="rows per device per micro-batch (none: 16 on a CPU, else the largest that fits)")
     a("--total-batch-size", type=int, default=DEFAULT.total_batch_size,
       help="tokens per step (-1: nanochat's rule)")
     a = p.add_argument_group("optimization (nanochat's defaults)").add_argument
