@@ -266,9 +266,10 @@ def bench_accel(depths=(12, 20), steps=5, remats=(False, True)):
                            "--steps", str(timed)] + ["--remat"] * remat
                     r = subprocess.run(cmd, env=dict(os.environ, BENCH_CACHE=cache),
                                        capture_output=True, text=True)
-                    if r.returncode:
-                        print(json.dumps({**head, "error": r.stderr.strip().splitlines()[-1]}),
-                              flush=True)
+                    if r.returncode:  # the traceback's last lines: the error, not JAX's note
+                        lines = [line for line in r.stderr.splitlines()
+                                 if line.strip() and "JAX_TRACEBACK_FILTERING" not in line]
+                        print(json.dumps({**head, "error": "\n".join(lines[-6:])}), flush=True)
                         break
                     runs.append(json.loads(r.stdout.splitlines()[-1]))
             if len(runs) < 2:

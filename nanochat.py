@@ -6,9 +6,9 @@ Read `init_params` (the weights and their names), `param_groups` (how the optimi
 treats each leaf), then `block`: one layer over one layer's weights, shared by training,
 prefill and decode. Attention is one function argument, `attn` (default: the plain
 `causal_attention`); kernels.py gives faster ones of the same signature, so the model
-never names a backend. Without a cache the layers run as a scan over groups that repeat
-(`scan_layers`: one group compiled), and the loss computes its logits a chunk of rows at a
-time (`chunked_nll`). `forward_cached` feeds tokens through a KV cache whose rows each
+never names a backend. Under remat the layers run as a scan over groups that repeat
+(`scan_layers`: one group compiled and recomputed at a time), and the loss computes its
+logits a chunk of rows at a time (`chunked_nll`). `forward_cached` feeds tokens through a KV cache whose rows each
 sit at their own position; engine.py generates. docs/model.md lists nanochat's
 architecture choices, each with the function that makes it.
 
@@ -392,7 +392,8 @@ def layer_period(cfg):
 def scan_layers(params, tokens, x, cfg, period, *, attn, remat=False):
     """trunk's layers without a cache, as a lax.scan over groups of `period` layers:
     XLA compiles one group, not every layer, and under remat each step of the backward
-    scan recomputes its own group only. params: stacked, in the compute dtype. Returns
+    scan recomputes its own group only (in an unrolled stack XLA may schedule every
+    layer's recomputation at once). params: stacked, in the compute dtype. Returns
     (x, x_backout): the last layer's output and the middle one's."""
     L = cfg.n_layer
     group_cfg = dataclasses.replace(cfg, n_layer=period)
@@ -454,8 +455,9 @@ def hidden(params, tokens, cfg, attn=causal_attention, remat=False):
     cast = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params)
     x = rms_norm(cast["wte"][tokens])  # (B, T, C)
     x = smear(x, cast["smear_gate"], cast["smear_lambda"])
-    # the layers scanned in groups where they repeat, else one by one
-    period = layer_period(cfg)
+    # with remat, the layers scanned in groups where they repeat (else one by one: XLA
+    # schedules an unrolled stack faster, but would compute every recomputation at once)
+    period = layer_period(cfg) if remat else 0
     if period:
         x, x_backout = scan_layers(cast, tokens, x, cfg, period, attn=attn, remat=remat)
         return backout(x, x_backout, cast["backout_lambda"])

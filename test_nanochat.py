@@ -468,22 +468,23 @@ def test_chunked_loss_equals_the_whole(fp32_matmuls):
 
 
 def test_scanned_layers_equal_the_loop(fp32_matmuls, monkeypatch):
-    """Layers that repeat in groups (SSSL's windows, value embeddings every other layer) run as a
-    scan over the groups, the backout taken from the middle layer inside its group: the same
-    loss and gradients as the layers one by one, at 8 layers (two groups, the backout in the
-    second) and with remat."""
+    """Under remat, layers that repeat in groups (SSSL's windows, value embeddings every other
+    layer) run as a scan over the groups, the backout taken from the middle layer inside its
+    group: the same loss and gradients as the layers one by one (without remat, and with it),
+    at 8 layers (two groups, the backout in the second)."""
     cfg = config(n_layer=8, window_pattern="SSSL", sequence_len=256)
     assert nc.layer_period(cfg) == 4 and nc.layer_period(TINY) == 0  # TINY: 3 layers of SL
     assert nc.layer_period(config(n_layer=6, window_pattern="SSSL")) == 0  # 6 % 4
     params = random_params(cfg, 43)
     tokens = jax.random.randint(jax.random.key(44), (2, 256), 0, cfg.vocab_size)
     targets = jnp.roll(tokens, -1, axis=1)
-    grad = jax.jit(jax.value_and_grad(nc.loss_fn), static_argnames=("cfg", "remat"))
-    scanned = [grad(params, tokens, targets, cfg=cfg, remat=remat) for remat in (False, True)]
-    monkeypatch.setattr(nc, "layer_period", lambda cfg: 0)
-    looped = jax.jit(jax.value_and_grad(nc.loss_fn), static_argnames="cfg")(params, tokens,
-                                                                            targets, cfg=cfg)
-    for loss, grads in scanned:
+    def loss_and_grads(remat):  # a fresh jit: it traces layer_period as it is now
+        grad = jax.jit(jax.value_and_grad(nc.loss_fn), static_argnames=("cfg", "remat"))
+        return grad(params, tokens, targets, cfg=cfg, remat=remat)
+    scanned = loss_and_grads(remat=True)
+    looped = loss_and_grads(remat=False)
+    monkeypatch.setattr(nc, "layer_period", lambda cfg: 0)  # remat over the layers one by one
+    for loss, grads in (scanned, loss_and_grads(remat=True)):
         assert float(loss) == pytest.approx(float(looped[0]), rel=1e-6)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(looped[1])):
             np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * float(jnp.abs(b).max()))
@@ -686,7 +687,9 @@ def init_opt(params):
 jit_update = jax.jit(nanochat_update)  # one compile for both golden tests (weight decay is traced)
 
 
-@pytest.mark.usefixtures("fp32_matmuls")
+# on a chip's CPU device: Polar Express's five cubic iterations on the chip miss the golden's fp32
+# tolerance even at full matmul precision (the quick tier on a v5e, 2026-12-05)
+@pytest.mark.usefixtures("on_cpu")
 def test_golden_optimizer_two_steps(golden):
     # nanochat's default
     step = lambda grads, state, params: jit_update(grads, state, params, weight_decay=0.0)

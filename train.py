@@ -171,14 +171,15 @@ jit_train_step = jax.jit(train_step, static_argnames=("cfg", "attn", "layout"),
 def needed_bytes(lowered, state_bytes):
     """The bytes a device needs for a lowered step once compiled: its arguments, the outputs
     that do not reuse them and its temporaries. When XLA refuses to compile it for lack of
-    memory, its count of the temporaries plus state_bytes (the arguments)."""
+    memory, its count of the temporaries plus state_bytes (the arguments), or infinity
+    where it gives none."""
     try:
         m = lowered.compile().memory_analysis()
     except jax.errors.JaxRuntimeError as e:
-        found = re.search(r"temporaries \(([\d.]+)G\)", str(e))
-        if "RESOURCE_EXHAUSTED" not in str(e) or not found:
+        if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        return float(found.group(1)) * 2**30 + state_bytes
+        found = re.search(r"temporaries \(([\d.]+)G\)", str(e))
+        return float(found.group(1)) * 2**30 + state_bytes if found else math.inf
     arguments = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
     return arguments + m.temp_size_in_bytes
 
@@ -200,8 +201,11 @@ def fit_device_batch(needs, limit, most=64, given=None):
     gib = f"the device's {limit / 2**30:.1f} GiB"
     if given and given not in fits:
         largest = fits[0] if fits else "none (try --remat)"
-        raise ValueError(f"--device-batch-size {given} needs {found[given] / 2**30:.1f} GiB, "
-                         f"more than {gib}; the largest that fits is {largest}")
+        verdict = f"needs {found[given] / 2**30:.1f} GiB, more than"
+        if found[given] == math.inf:  # (XLA named no number)
+            verdict = "does not fit in"
+        raise ValueError(f"--device-batch-size {given} {verdict} {gib}; the largest that fits "
+                         f"is {largest}")
     if not fits:
         raise ValueError(f"not even one row a device fits in {gib}: try --remat, --shard "
                          "full or a shorter --max-seq-len")
