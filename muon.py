@@ -111,16 +111,16 @@ def muon_step(p, g, buf, buf2, *, lr, momentum, weight_decay, beta2=0.9, dtype=j
 
 def adamw_step(p, g, m, v, t, *, lr, beta1, beta2, weight_decay, eps=1e-10):
     """One AdamW step at step t (from 1): decoupled weight decay first, then the bias-corrected
-    update. Returns (p, m, v), each in its own dtype; the math is fp32 (a bf16 embedding keeps
-    bf16 moments, as nanochat's do)."""
-    dtypes = (p.dtype, m.dtype, v.dtype)
+    update. Returns (p, m, v) in p's dtype, which its moments share (init); the math is fp32,
+    so a bf16 embedding keeps bf16 moments, rounded once a step, as nanochat's do."""
+    dtype = p.dtype
     p, g, m, v = (a.astype(jnp.float32) for a in (p, g, m, v))
     p = p * (1 - lr * weight_decay)
     m = m + (1 - beta1) * (g - m)
     v = v + (1 - beta2) * (g * g - v)
     denom = jnp.sqrt(v / (1 - beta2**t)) + eps
     p = p - (lr / (1 - beta1**t)) * m / denom
-    return tuple(a.astype(dtype) for a, dtype in zip((p, m, v), dtypes))
+    return p.astype(dtype), m.astype(dtype), v.astype(dtype)
 
 
 def update(grads, state, params, labels, groups, shards=1, constrain_stack=None):

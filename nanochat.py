@@ -38,6 +38,8 @@ LOGITS_PER_CHUNK = 2**26
 EPS = float(np.finfo(np.float32).eps)
 # every layer's attention matrices (ve_gate is only some layers')
 ATTENTION_MATRICES = ("c_q", "c_k", "c_v", "c_proj")
+# the params stacked over the layers (the value-embedding stacks over the ve_layers)
+STACKED = ("h", "value_embeds", "resid_lambdas", "x0_lambdas")
 # nanochat's scalar parameters
 SCALARS = ("resid_lambdas", "x0_lambdas", "smear_gate", "smear_lambda", "backout_lambda")
 
@@ -352,8 +354,7 @@ def unstack(params, cfg):
     # a full-size pad each)
     def slices(a):
         return [x.reshape(a.shape[1:]) for x in jnp.split(a, len(a))]
-    stacked = ("h", "value_embeds", "resid_lambdas", "x0_lambdas")
-    sliced = jax.tree.map(slices, {name: params[name] for name in stacked})
+    sliced = jax.tree.map(slices, {name: params[name] for name in STACKED})
     # 2. layer i's slices; the value-embedding stacks hold only the ve_layers
     layers = []
     for i in range(cfg.n_layer):
@@ -396,12 +397,15 @@ def scan_layers(params, tokens, x, cfg, period, *, attn, remat=False):
     layer's recomputation at once). params: stacked, in the compute dtype. Returns
     (x, x_backout): the last layer's output and the middle one's."""
     L = cfg.n_layer
+    n_groups = L // period
     group_cfg = dataclasses.replace(cfg, n_layer=period)
     windows = window_sizes(group_cfg)
     rope = rotary(query_positions(0, tokens.shape[1]), cfg.head_dim)
-    # 1. the stacks as (groups, period or its value-embedding layers, ...)
-    stacked = {name: params[name] for name in ("h", "value_embeds", "resid_lambdas", "x0_lambdas")}
-    groups = jax.tree.map(lambda a: a.reshape(L // period, -1, *a.shape[1:]), stacked)
+
+    # 1. each stack as (groups, a group's layers or value-embedding layers, ...)
+    def by_group(a):
+        return a.reshape(n_groups, -1, *a.shape[1:])
+    groups = jax.tree.map(by_group, {name: params[name] for name in STACKED})
     middle_group, middle_layer = divmod(L // 2, period)
     x0 = x
 
@@ -420,7 +424,7 @@ def scan_layers(params, tokens, x, cfg, period, *, attn, remat=False):
                 x_backout = jnp.where(g == middle_group, x, x_backout)
         return (x, x_backout), None
     carry = (x, jnp.zeros_like(x))
-    (x, x_backout), _ = jax.lax.scan(group, carry, (groups, jnp.arange(L // period)))
+    (x, x_backout), _ = jax.lax.scan(group, carry, (groups, jnp.arange(n_groups)))
     return x, x_backout
 
 
