@@ -588,8 +588,9 @@ def checkpoint_saver(stage, tok, run, meta, results):
 
 
 def memory_limit():
-    """The bytes a program may use on the first device; None on a CPU (no fixed limit)."""
-    return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    """The bytes a program may use on this process's first device; None on a CPU (no fixed
+    limit)."""
+    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
 
 
 def plan_memory(stage, run, batch, step_fn, state):
