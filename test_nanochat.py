@@ -139,6 +139,14 @@ def child_env(**changes):
     return {**os.environ, **OFF_CHIP, **changes}
 
 
+def emulated(n):
+    """The environment changes that give a child n emulated CPU devices. XLA's CPU client runs
+    their programs on max(NPROC or the cores, n) threads: with only n, a program waiting on one
+    device can hold the thread another's collective needs (on a 2-core machine a 4-device step
+    waited 40 s for its fourth device and aborted), so NPROC leaves n to spare."""
+    return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "NPROC": str(2 * n)}
+
+
 @pytest.fixture(scope="session")
 def loopback():
     """Skips a test that needs a TCP socket on 127.0.0.1 where none can be opened (a sandbox's)."""
@@ -3155,7 +3163,7 @@ def test_core_cli_on_four_devices_and_its_errors(tmp_path):
     CORE; bad bundles and checkpoints are one-line errors."""
     cmd = [sys.executable, "evaluate.py", "--nanochat-checkpoint",
            str(TESTDATA / "nanochat_checkpoint")]
-    four = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    four = child_env(**emulated(4))
     run = lambda *a: subprocess.run(cmd + list(a), cwd=pathlib.Path(__file__).parent,
                                     capture_output=True, text=True, timeout=300, env=four)
     r = run("--eval-bundle", str(CORE_DIR / "eval_bundle"))
@@ -3864,7 +3872,7 @@ def test_four_devices_equal_one(train_root, tmp_path, capsys):
     val = {}
     for route in ("cpu", "splash"):
         four, out4 = run_cli(fresh_root(train_root, tmp_path / route), *args, "--attention", route,
-                             env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+                             env=emulated(4))
         assert f"(1 x 8 x 128), 4 devices, attention {route}," in out4 and "sample:" in out4
         np.testing.assert_allclose(four, one, rtol=1e-5)
         val[route] = float(re.search(r"^step +3 \| val bpb (\S+)$", out4, re.M)[1])
@@ -3890,7 +3898,7 @@ def emulated_devices(n, *cmd):
     """(the last stdout line as JSON, stdout) of python cmd in a child with n emulated devices."""
     r = subprocess.run([sys.executable, *cmd], cwd=pathlib.Path(__file__).parent, text=True,
                        capture_output=True, timeout=600,
-                       env=child_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={n}"))
+                       env=child_env(**emulated(n)))
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.splitlines()[-1]), r.stdout
 
