@@ -135,7 +135,10 @@ def update(grads, state, params, labels, groups, shards=1, constrain_stack=None)
     trees = (params, grads, state["mom"], state["var"], labels)
     p, g, m, v, names = (treedef.flatten_up_to(tree) for tree in trees)
     out = [None] * len(p)  # (p, m, v) of each leaf
-    # 1. AdamW leaves one by one; Muon leaves gathered by group and matrix shape
+    # 1. AdamW leaves one by one; Muon leaves gathered by group and matrix shape to be
+    # split over devices. On one device each leaf (already a stack of its layers'
+    # matrices) is a stack alone: a concatenation would copy every matrix, its gradient and
+    # its momentum into temporaries
     stacks = {}
     for i, name in enumerate(names):
         hp = groups[name]
@@ -148,7 +151,8 @@ def update(grads, state, params, labels, groups, shards=1, constrain_stack=None)
                                 weight_decay=hp["weight_decay"],
                                 eps=hp["eps"])
         else:
-            stacks.setdefault((name, p[i].shape[-2:]), []).append(i)
+            key = (name, p[i].shape[-2:]) if shards > 1 else (name, i)
+            stacks.setdefault(key, []).append(i)
     # 2. each Muon stack stepped in one call
     for (name, _), idx in stacks.items():
         hp = groups[name]

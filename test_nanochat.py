@@ -853,11 +853,14 @@ def test_optimizer_groups_follow_nanochat(monkeypatch):
     monkeypatch.setattr(muon, "muon_step",
                         lambda p, *a, **hp: calls.append(p.shape) or step(p, *a, **hp))
     jax.eval_shape(nanochat_update, params, state, params)
-    shapes = {w.shape[1:] for w in jax.tree.leaves(params["h"])}
-    # one batched Polar Express per shape, nanochat's shape groups
-    assert len(calls) == len(shapes) == 5
+    # on one device one batched Polar Express per leaf, each a stack of its layers' matrices
     # (K, in, out)
-    assert sorted(calls) == sorted([(6, 32, 32), (6, 32, 16), (3, 32, 128), (3, 128, 32),
+    assert sorted(calls) == sorted(w.shape for w in jax.tree.leaves(params["h"]))
+    # split over devices, one per shape, nanochat's shape groups, padded to a multiple of them
+    calls.clear()
+    jax.eval_shape(lambda *a: muon.update(*a, *nc.param_groups(params), 2, lambda x: x),
+                   params, state, params)
+    assert sorted(calls) == sorted([(6, 32, 32), (6, 32, 16), (4, 32, 128), (4, 128, 32),
                                     (2, 12, 2)])
     # out >= in: one moment per output unit
     assert state["var"]["h"]["attn"]["c_q"].shape == (3, 1, 32)
@@ -3626,6 +3629,7 @@ def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch
     def failing(*a, **k):
         params, opt, m = real(*a, **k)
         return params, opt, {**m, "finite": m["finite"] & (a[3] < 3)}  # step 3 "diverges"
+    failing.lower = real.lower  # (an accelerator's memory plan compiles the real step)
 
     monkeypatch.setattr(train, "jit_train_step", failing)
     with pytest.raises(FloatingPointError,
@@ -3642,6 +3646,7 @@ def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch
             # handled before it returns (os.kill may land on an XLA thread)
             signal.raise_signal(signal.SIGINT)
         return out
+    ctrl_c.lower = real.lower
 
     root = fresh_root(train_root, tmp_path / "cut")
     monkeypatch.setattr(train, "jit_train_step", ctrl_c)
@@ -3712,12 +3717,14 @@ def test_memory_plan_on_an_accelerator(train_root, tmp_path, monkeypatch, capsys
 @pytest.mark.usefixtures("fp32_matmuls")
 def test_remat_leaves_the_losses(train_root, tmp_path):
     """jax.checkpoint recomputes the same numbers: fp32 losses equal to rounding (in bf16, a chip's
-    default, the recomputed program rounds otherwise: 7e-4 apart in 3 steps)."""
+    default, the recomputed program rounds otherwise: 7e-4 apart in 3 steps; a chip's exp, log and
+    tanh agree to 4-5 digits between programs fused differently, as the layers scanned under remat
+    are)."""
     fp32 = {"dtype": "float32"}
     _, _, plain, _ = run_base(fresh_root(train_root, tmp_path / "plain"), 3, model=fp32)
     _, _, remat, _ = run_base(fresh_root(train_root, tmp_path / "remat"), 3, model=fp32,
                               remat=True)
-    np.testing.assert_allclose(remat, plain, rtol=1e-6)
+    np.testing.assert_allclose(remat, plain, rtol=1e-4 if on_chip() else 1e-6)
 
 
 @pytest.mark.slow  # two compiles of a step 50x the tiny one's activations, 20 s
