@@ -136,9 +136,8 @@ def update(grads, state, params, labels, groups, shards=1, constrain_stack=None)
     p, g, m, v, names = (treedef.flatten_up_to(tree) for tree in trees)
     out = [None] * len(p)  # (p, m, v) of each leaf
     # 1. AdamW leaves one by one; Muon leaves gathered by group and matrix shape to be
-    # split over devices. On one device each leaf (already a stack of its layers'
-    # matrices) is a stack alone: a concatenation would copy every matrix, its gradient and
-    # its momentum into temporaries
+    # split over devices. On one device each leaf (a stack of its layers' matrices) is a
+    # stack alone: concatenating would copy each matrix, gradient and momentum
     stacks = {}
     for i, name in enumerate(names):
         hp = groups[name]
