@@ -683,15 +683,21 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     if args.max_tokens is None:
         args.max_tokens = cfg.sequence_len // 2
-    # 3. serve many people at once, or chat with one in the terminal
+    # 3. the engine: the server's slots, and a line of 4 per slot waiting for one (slots
+    # that do not fit the device are one line)
     try:
         if args.serve:
-            # a slot each, and a line of 4 per slot waiting for one
             eng = chat_engine(params, cfg, tok, slots=args.slots, waiting=4 * args.slots)
+        else:
+            eng = chat_engine(params, cfg, tok, slots=1)
+    except ValueError as e:
+        sys.exit(f"error: {e} (--slots)")
+    # 4. serve many people at once, or chat with one in the terminal
+    try:
+        if args.serve:
             serve(eng, tok, args.host, args.port, args.allow_origin,
                   max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k)
         else:
-            eng = chat_engine(params, cfg, tok, slots=1)
             eng.start()
             chat_cli(eng, tok, prompt=args.prompt, max_tokens=args.max_tokens,
                      temperature=args.temperature, top_k=args.top_k, seed=args.seed)

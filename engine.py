@@ -263,6 +263,35 @@ def new_state(cfg, slots):
     }
 
 
+def state_bytes(cfg, slots):
+    """The bytes of new_state's arrays for `slots` slots (each array's leading axis)."""
+    shapes = jax.eval_shape(functools.partial(new_state, cfg, slots))
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+
+
+def free_device_bytes():
+    """The bytes free on this process's first device, or None where it has no fixed
+    limit (a CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+
+
+def check_memory(cfg, slots):
+    """One ValueError line, before any cache is allocated, when the state of `slots`
+    slots does not fit the device's free memory (the weights already on it): what it
+    needs, what is free and how many slots fit."""
+    free = free_device_bytes()
+    need = state_bytes(cfg, slots)
+    if free is None or need <= free:
+        return
+    fit = int(free // (need / slots))
+    raise ValueError(f"{slots} slots need {need / 2**30:.2f} GiB of KV cache, more than the "
+                     f"{free / 2**30:.2f} GiB the device has free beside the weights; "
+                     f"at most {fit} fit")
+
+
 def logprob_columns(logits, token):
     """(B, 1 + 2 * TOP_LOGPROBS) int32: token's log-probability under logits (B, V),
     then the likeliest ids and their log-probabilities; floats as their bits, so a
@@ -526,7 +555,8 @@ class Request:
 
 class Engine:
     """Continuous batching over `slots` rows of one KV cache: submit() from any thread,
-    step() (or the thread that start() runs) from one.
+    step() (or the thread that start() runs) from one. Slots whose cache does not fit the
+    device are a one-line ValueError (check_memory).
     - kmax: the most tokens one device call decodes;
     - python_ids: the ids of <|python_start|> and <|python_end|>, for the calculator;
     - waiting: how many requests may wait for a slot before submit raises Busy (None:
@@ -537,6 +567,7 @@ class Engine:
                  python_ids=None, waiting=None, rows=None):
         self.cfg = cfg
         self.layered = prepare(params, cfg)
+        check_memory(cfg, slots)
         self.slots = slots
         self.kmax = kmax
         self.attn = attn

@@ -2884,6 +2884,37 @@ def test_engine_staggered_requests_equal_each_alone(window_model):
     assert all(0 < c < budgets[i] for c, i in zip(crossings, (1, 3)))
 
 
+def test_engine_slots_that_do_not_fit_are_one_line(chat_model, monkeypatch, capsys):
+    """Slots whose state does not fit the device's free memory (faked here: a CPU has no fixed
+    limit) are one ValueError line before any cache exists, naming what they need, what is free
+    and how many fit; as many as it names fit, and their state is the bytes counted. chat.py
+    --serve says it in one line, and bench.py's infer sweep skips such a batch and goes on."""
+    params, cfg, _, root = chat_model
+    one = engine.state_bytes(cfg, 1)
+    assert engine.state_bytes(cfg, 8) == 8 * one
+    monkeypatch.setattr(engine, "free_device_bytes", lambda: 3 * one + one // 2)
+    with pytest.raises(ValueError, match=r"^8 slots need \d+\.\d\d GiB of KV cache, more than "
+                                         r"the \d+\.\d\d GiB the device has free beside the "
+                                         r"weights; at most 3 fit$"):
+        engine.Engine(params, cfg, slots=8)
+    eng = engine.Engine(params, cfg, slots=3)
+    assert sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(eng.state)) == 3 * one
+    with pytest.raises(SystemExit) as e:
+        chat.main(["--checkpoint", str(root / "sft" / "step_000005"), "--compile-cache", "",
+                   "--serve", "--slots", "8"])
+    assert str(e.value).startswith("error: 8 slots need ") and e.value.code.endswith(
+        "at most 3 fit (--slots)")
+    # bench.py serve --infer-bench: the batch of 4 skipped with that line, the sweep goes on
+    import bench
+    monkeypatch.setitem(bench.CONFIGS, "tiny", TINY)
+    monkeypatch.setattr(engine, "free_device_bytes", lambda: 2 * engine.state_bytes(TINY, 1))
+    capsys.readouterr()
+    bench.bench_infer("tiny", batch_sizes=(4, 1), decode_tokens=8, kmax=4)
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[0]["batch_size"] == 4 and lines[0]["skipped"].endswith("at most 2 fit")
+    assert [row["batch_size"] for row in lines[-1]["sweep"]] == [1]
+
+
 def block_tool(start, end, result):
     """The calculator's state machine on ids start and end (data.calculator_tool's): after start,
     ids, end it forces result(ids)."""
@@ -5713,21 +5744,26 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys):
     assert r["device_calls_per_token"] < 0.5 and r["host_hops_per_token"] == 0
     monkeypatch.setitem(bench.CONFIGS, "tiny", TINY)
     bench.bench_infer("tiny", batch_sizes=(1, 2), decode_tokens=8, kmax=4)
-    doc = json.loads(capsys.readouterr().out.splitlines()[-1])
+    *lines, doc = map(json.loads, capsys.readouterr().out.splitlines())
     assert set(doc) == INFER_BENCH_KEYS and doc["prompt_tokens"] == 56
     assert [set(row) for row in doc["sweep"]] == [INFER_BENCH_SWEEP_KEYS] * 2
     assert set(doc["prefill"]) == {"tok_per_sec", "mfu_percent", "time_sec"}
     # TINY: 3 layers, K*D = 16 channels of k and of v, fp32; every window past context 60
     assert doc["kv_bytes_per_token"] == 3 * 2 * 16 * 4
     assert doc["kv_read_bytes_per_step"] == 2 * 16 * 4 * (60 + 60 + 60)
-    for row in doc["sweep"]:
+    # the physical floor: the matmuls' weights (TINY's blocks, smear gate and lm_head), fp32
+    shapes = nc.param_shapes(TINY)
+    floor = 4 * sum(nc.count(shapes[name]) for name in ("h", "smear_gate", "lm_head"))
+    for line, row in zip(lines, doc["sweep"]):
         moved = doc["weight_bytes"] + row["batch_size"] * doc["kv_read_bytes_per_step"]
+        read = floor + row["batch_size"] * doc["kv_read_bytes_per_step"]
         # the document holds tpot to the microsecond and MBU to a hundredth: bound both roundings
         bandwidth = doc["peak_bandwidth_bytes_per_sec"]
-        slowest, fastest = (100 * moved / (row["tpot_sec"] + d) / bandwidth
-                            for d in (5e-7, -5e-7))
-        assert slowest - 0.005 <= row["mbu_percent"] <= fastest + 0.005
-        assert row["decode_steps"] == 7
+        for key, nbytes in (("mbu_percent", moved), ("physical_mbu_percent", read)):
+            slowest, fastest = (100 * nbytes / (row["tpot_sec"] + d) / bandwidth
+                                for d in (5e-7, -5e-7))
+            assert slowest - 0.005 <= line[key] <= fastest + 0.005
+        assert line["mbu_percent"] == row["mbu_percent"] and row["decode_steps"] == 7
 
 
 # --------------------------------------------------------------------------------------------------
