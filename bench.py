@@ -552,13 +552,50 @@ def infer_bench_prompt(cfg, length):
     return np.random.default_rng(1).integers(0, cfg.vocab_size, length).tolist()
 
 
+def serving_config(name):
+    """A serving benchmark's model: one of CONFIGS, or nanochat's depth `dN` (T 2048, vocab
+    32768, bf16)."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    return nc.config_for_depth(int(name.lstrip("d")), 32768, sequence_len=2048,
+                               compute_dtype="bfloat16")
+
+
+def bench_chat_traffic(name, requests, slots_most=128, kmax=16, reply=256):
+    """Chat-like traffic: `requests` submitted at once, prompts of 100-400 random tokens (at
+    most the context less the reply), `reply` tokens each at temperature 1 with no stop id,
+    through an engine of min(requests, slots_most) slots after its warm-up. One JSON line:
+    tokens/s, TTFT and TPOT p50/p95, the slots' cache bytes, peak device memory and compiles
+    after warm-up; or, when the slots do not fit the device, the line that says so."""
+    cfg = serving_config(name)
+    params = nc.init_params(cfg, jax.random.key(0))
+    reply = min(reply, cfg.sequence_len // 2)
+    longest = min(400, cfg.sequence_len - reply - 1)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, rng.integers(min(100, longest), longest + 1))
+               for _ in range(requests)]
+    slots = min(requests, slots_most)
+    head = {"bench": "chat-traffic", "config": name, "device": jax.devices()[0].device_kind,
+            "requests": requests, "reply_tokens": reply, "slots": slots}
+    try:
+        eng = engine.Engine(params, cfg, slots=slots, kmax=kmax, attn=kernels.attention_fn())
+    except ValueError as e:  # the slots' cache does not fit
+        print(json.dumps({**head, "skipped": str(e)}), flush=True)
+        return
+    eng.warm_up()
+    compiles = count_compiles()
+    result = serve_streams(eng, [p.tolist() for p in prompts], reply)
+    print(json.dumps({**head, **result, "cache_bytes": engine.state_bytes(cfg, slots),
+                      "peak_device_bytes": device_peak_bytes(jax.devices()[0]),
+                      "compiles_after_warm_up": len(compiles)}), flush=True)
+
+
 def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most=128, kmax=16):
     """nanochat's scripts/infer_bench.py protocol on the slot engine: a prompt of the context less
     decode_tokens, decode_tokens greedy tokens for a batch of B choices of it; TTFT, the median
     time per decode step, tokens/s, MBU and MFU by nanochat's formulas, peak memory. Prints its
     lines, then its last line: one JSON document of nanochat's schema."""
-    cfg = CONFIGS[name] if name in CONFIGS else nc.config_for_depth(
-        int(name.lstrip("d")), 32768, sequence_len=2048, compute_dtype="bfloat16")
+    cfg = serving_config(name)
     params = nc.init_params(cfg, jax.random.key(0))
     attn = kernels.attention_fn()
     device = jax.devices()[0]
@@ -793,6 +830,9 @@ def parse_args(argv=None):
     s("--kmax", type=int, default=16, help="most tokens one device call decodes")
     s("--streams", type=int, nargs="*", default=[1, 4, 16], help="concurrent streams")
     s("--batch-sizes", type=int, nargs="*", default=[1, 8, 32, 128], help="infer_bench's")
+    s("--chat-traffic", type=int, metavar="N", help="N requests at once, prompts of 100-400 "
+      "tokens, 256-token replies, through --model")
+    s("--model", default="d20", help="--chat-traffic's: nano, d6, or a depth like d20")
     s("--http", metavar="CHECKPOINT", help="through chat.py --serve on this checkpoint: 16 "
       "clients one after another, then at once")
     m = p.add_argument_group("memory (docs/scaling-out.md)").add_argument
@@ -842,6 +882,8 @@ def main(argv=None):
         bench_train_child(args.configs[0], args.steps)
     elif args.mode == "serve" and args.http:
         bench_serve_http(args.http, slots=args.slots)
+    elif args.mode == "serve" and args.chat_traffic:
+        bench_chat_traffic(args.model, args.chat_traffic, kmax=args.kmax)
     elif args.mode == "serve" and args.infer_bench:
         bench_infer(args.infer_bench, args.batch_sizes, kmax=args.kmax)
     elif args.mode == "serve":

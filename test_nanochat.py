@@ -2904,7 +2904,7 @@ def test_engine_slots_that_do_not_fit_are_one_line(chat_model, monkeypatch, caps
                    "--serve", "--slots", "8"])
     assert str(e.value).startswith("error: 8 slots need ") and e.value.code.endswith(
         "at most 3 fit (--slots)")
-    # bench.py serve --infer-bench: the batch of 4 skipped with that line, the sweep goes on
+    # bench.py serve --infer-bench and --chat-traffic: the batch of 4 skipped with that line, the sweep goes on
     import bench
     monkeypatch.setitem(bench.CONFIGS, "tiny", TINY)
     monkeypatch.setattr(engine, "free_device_bytes", lambda: 2 * engine.state_bytes(TINY, 1))
@@ -2913,6 +2913,9 @@ def test_engine_slots_that_do_not_fit_are_one_line(chat_model, monkeypatch, caps
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert lines[0]["batch_size"] == 4 and lines[0]["skipped"].endswith("at most 2 fit")
     assert [row["batch_size"] for row in lines[-1]["sweep"]] == [1]
+    bench.bench_chat_traffic("tiny", 4)
+    line = json.loads(capsys.readouterr().out)
+    assert line["slots"] == 4 and line["skipped"].endswith("at most 2 fit")
 
 
 def block_tool(start, end, result):
@@ -5764,6 +5767,15 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys):
                                 for d in (5e-7, -5e-7))
             assert slowest - 0.005 <= line[key] <= fastest + 0.005
         assert line["mbu_percent"] == row["mbu_percent"] and row["decode_steps"] == 7
+    # --chat-traffic: requests at once through an engine after its warm-up (TINY's context 64:
+    # replies of 32 tokens, prompts of 31)
+    bench.bench_chat_traffic("tiny", 3, kmax=4)
+    line = json.loads(capsys.readouterr().out)
+    assert line["streams"] == line["slots"] == 3 and line["tokens"] == 3 * 32
+    assert line["compiles_after_warm_up"] == 0 and line["reply_tokens"] == 32
+    assert 0 < line["ttft_ms_p50"] <= line["ttft_ms_p95"]
+    assert 0 < line["tpot_ms_p50"] <= line["tpot_ms_p95"]
+    assert line["cache_bytes"] == engine.state_bytes(TINY, 3)
 
 
 # --------------------------------------------------------------------------------------------------
