@@ -315,12 +315,14 @@ def peak_bandwidth():
     return 10 * x.nbytes / (time.perf_counter() - t)
 
 
-def decode_costs(cfg, context):
+def decode_costs(cfg, context, kv_dtype=None):
     """nanochat's inference cost accounting (gpt.py): (weight bytes a decode step reads, in the
     compute dtype; KV bytes stored per token; KV bytes read per step and row at `context`;
-    forward FLOPs per decoded token there: 2 per matmul weight plus attention)."""
+    forward FLOPs per decoded token there: 2 per matmul weight plus attention). kv_dtype
+    "int8": a byte a value and a scale in the compute dtype a token and head."""
     itemsize = jnp.dtype(cfg.compute_dtype).itemsize
-    per_position = 2 * cfg.n_kv_head * cfg.head_dim * itemsize  # k and v, one layer
+    head = cfg.head_dim + itemsize if kv_dtype == "int8" else cfg.head_dim * itemsize
+    per_position = 2 * cfg.n_kv_head * head  # k and v, one layer
     seen = [min(context, w) for w in nc.window_sizes(cfg)]  # a window reads only its own
     flops = 2 * matmul_weights(cfg) + sum(4 * cfg.n_head * cfg.head_dim * s for s in seen)
     weights = nc.count(nc.param_shapes(cfg)) * itemsize
@@ -561,12 +563,13 @@ def serving_config(name):
                                compute_dtype="bfloat16")
 
 
-def bench_chat_traffic(name, requests, slots_most=128, kmax=16, reply=256):
+def bench_chat_traffic(name, requests, slots_most=128, kmax=16, reply=256, kv_cache=None):
     """Chat-like traffic: `requests` submitted at once, prompts of 100-400 random tokens (at
     most the context less the reply), `reply` tokens each at temperature 1 with no stop id,
     through an engine of min(requests, slots_most) slots after its warm-up. One JSON line:
     tokens/s, TTFT and TPOT p50/p95, the slots' cache bytes, peak device memory and compiles
-    after warm-up; or, when the slots do not fit the device, the line that says so."""
+    after warm-up; or, when the slots do not fit the device, the line that says so. kv_cache:
+    the engine's."""
     cfg = serving_config(name)
     params = nc.init_params(cfg, jax.random.key(0))
     reply = min(reply, cfg.sequence_len // 2)
@@ -576,25 +579,30 @@ def bench_chat_traffic(name, requests, slots_most=128, kmax=16, reply=256):
                for _ in range(requests)]
     slots = min(requests, slots_most)
     head = {"bench": "chat-traffic", "config": name, "device": jax.devices()[0].device_kind,
-            "requests": requests, "reply_tokens": reply, "slots": slots}
+            "requests": requests, "reply_tokens": reply, "slots": slots,
+            "kv_cache": kv_cache or "exact"}
     try:
-        eng = engine.Engine(params, cfg, slots=slots, kmax=kmax, attn=kernels.attention_fn())
+        eng = engine.Engine(params, cfg, slots=slots, kmax=kmax, attn=kernels.attention_fn(),
+                            kv_cache=kv_cache)
     except ValueError as e:  # the slots' cache does not fit
         print(json.dumps({**head, "skipped": str(e)}), flush=True)
         return
     eng.warm_up()
     compiles = count_compiles()
     result = serve_streams(eng, [p.tolist() for p in prompts], reply)
-    print(json.dumps({**head, **result, "cache_bytes": engine.state_bytes(cfg, slots),
+    cache_bytes = engine.state_bytes(cfg, slots, kv_cache)
+    print(json.dumps({**head, **result, "cache_bytes": cache_bytes,
                       "peak_device_bytes": device_peak_bytes(jax.devices()[0]),
                       "compiles_after_warm_up": len(compiles)}), flush=True)
 
 
-def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most=128, kmax=16):
+def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most=128, kmax=16,
+                kv_cache=None):
     """nanochat's scripts/infer_bench.py protocol on the slot engine: a prompt of the context less
     decode_tokens, decode_tokens greedy tokens for a batch of B choices of it; TTFT, the median
     time per decode step, tokens/s, MBU and MFU by nanochat's formulas, peak memory. Prints its
-    lines, then its last line: one JSON document of nanochat's schema."""
+    lines, then its last line: one JSON document of nanochat's schema. kv_cache: the engine's
+    (its bytes counted as stored)."""
     cfg = serving_config(name)
     params = nc.init_params(cfg, jax.random.key(0))
     attn = kernels.attention_fn()
@@ -603,7 +611,7 @@ def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most
     prompt_len = cfg.sequence_len - decode_tokens
     prompt = infer_bench_prompt(cfg, prompt_len)
     context_mid = prompt_len + decode_tokens // 2
-    w_bytes, kv_store, kv_read, flops = decode_costs(cfg, context_mid)
+    w_bytes, kv_store, kv_read, flops = decode_costs(cfg, context_mid, kv_cache)
     # what a step must read: nanochat's MBU counts every stored weight; wte and the value
     # embeddings are looked up, a row a token, so the matmuls' weights are the floor
     floor_bytes = matmul_weights(cfg) * jnp.dtype(cfg.compute_dtype).itemsize
@@ -640,7 +648,7 @@ def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most
         return stamps[0][0] - start, steps
 
     # prefill: batch 1, a single token (TTFT is the prefill)
-    eng = engine.Engine(params, cfg, slots=1, kmax=kmax, attn=attn)
+    eng = engine.Engine(params, cfg, slots=1, kmax=kmax, attn=attn, kv_cache=kv_cache)
     run(eng, 1, 2)
     prefill_s = run(eng, 1, 2)[0]
     mfu = 100 * prefill_flops(cfg, prompt_len) / prefill_s / peak if peak else None
@@ -649,7 +657,8 @@ def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most
                           "time_sec": round(prefill_s, 6)}
     for batch in batch_sizes:
         try:
-            eng = engine.Engine(params, cfg, slots=min(batch, slots_most), kmax=kmax, attn=attn)
+            eng = engine.Engine(params, cfg, slots=min(batch, slots_most), kmax=kmax, attn=attn,
+                                kv_cache=kv_cache)
         except ValueError as e:  # its cache does not fit: that line, and the next batch
             print(json.dumps({"bench": "infer", "config": name, "batch_size": batch,
                               "skipped": str(e)}), flush=True)
@@ -665,7 +674,8 @@ def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most
                "decode_steps": len(steps)}
         physical = 100 * (floor_bytes + batch * kv_read) / tpot / peak_bw
         print(json.dumps({"bench": "infer", "config": name, **row,
-                          "physical_mbu_percent": round(physical, 2)}), flush=True)
+                          "physical_mbu_percent": round(physical, 2),
+                          "kv_cache": kv_cache or "exact"}), flush=True)
         payload["sweep"].append(row)
     print(json.dumps(payload))
 
@@ -833,6 +843,8 @@ def parse_args(argv=None):
     s("--chat-traffic", type=int, metavar="N", help="N requests at once, prompts of 100-400 "
       "tokens, 256-token replies, through --model")
     s("--model", default="d20", help="--chat-traffic's: nano, d6, or a depth like d20")
+    s("--kv-cache", choices=["int8"], help="--infer-bench's and --chat-traffic's engine: an "
+      "int8 KV cache, a scale a token and head (none: the compute dtype's, exact)")
     s("--http", metavar="CHECKPOINT", help="through chat.py --serve on this checkpoint: 16 "
       "clients one after another, then at once")
     m = p.add_argument_group("memory (docs/scaling-out.md)").add_argument
@@ -883,9 +895,10 @@ def main(argv=None):
     elif args.mode == "serve" and args.http:
         bench_serve_http(args.http, slots=args.slots)
     elif args.mode == "serve" and args.chat_traffic:
-        bench_chat_traffic(args.model, args.chat_traffic, kmax=args.kmax)
+        bench_chat_traffic(args.model, args.chat_traffic, kmax=args.kmax,
+                           kv_cache=args.kv_cache)
     elif args.mode == "serve" and args.infer_bench:
-        bench_infer(args.infer_bench, args.batch_sizes, kmax=args.kmax)
+        bench_infer(args.infer_bench, args.batch_sizes, kmax=args.kmax, kv_cache=args.kv_cache)
     elif args.mode == "serve":
         bench_serve(args.configs or ("nano", "d6"), args.slots, args.kmax, args.streams,
                     rounds=args.repeats)

@@ -240,14 +240,15 @@ def generate(params, cfg, prompt_ids, sampling, *, num_samples=1, tool=None,
 # ------------------------------------------------------------- the slot engine: device functions
 
 
-def new_state(cfg, slots):
+def new_state(cfg, slots, kv_dtype=None):
     """The engine's device state, every slot empty: the KV cache of B rows over the
-    whole context, and per slot (a leading B on every array) what its request asked
-    and where it stands. Each array its own buffer: the state is donated whole."""
+    whole context (kv_dtype: nc.init_cache's), and per slot (a leading B on every
+    array) what its request asked and where it stands. Each array its own buffer: the
+    state is donated whole."""
     def zeros(dtype=jnp.int32):
         return jnp.zeros((slots,), dtype)
     return {
-        "cache": nc.init_cache(cfg, slots, cfg.sequence_len),
+        "cache": nc.init_cache(cfg, slots, cfg.sequence_len, kv_dtype),
         "token": zeros(),  # the last token emitted, fed next
         "live": zeros(bool),  # emitting: admitted, not ended, not waiting for the calculator
         "left": zeros(),  # tokens it may still emit
@@ -263,9 +264,9 @@ def new_state(cfg, slots):
     }
 
 
-def state_bytes(cfg, slots):
+def state_bytes(cfg, slots, kv_dtype=None):
     """The bytes of new_state's arrays for `slots` slots (each array's leading axis)."""
-    shapes = jax.eval_shape(functools.partial(new_state, cfg, slots))
+    shapes = jax.eval_shape(functools.partial(new_state, cfg, slots, kv_dtype))
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
 
 
@@ -278,12 +279,12 @@ def free_device_bytes():
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
-def check_memory(cfg, slots):
+def check_memory(cfg, slots, kv_dtype=None):
     """One ValueError line, before any cache is allocated, when the state of `slots`
     slots does not fit the device's free memory (the weights already on it): what it
     needs, what is free and how many slots fit."""
     free = free_device_bytes()
-    need = state_bytes(cfg, slots)
+    need = state_bytes(cfg, slots, kv_dtype)
     if free is None or need <= free:
         return
     fit = int(free // (need / slots))
@@ -363,7 +364,12 @@ def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention):
     def copy(j, layers):
         at = (slots[j], 0, 0, 0)
         put = functools.partial(jax.lax.dynamic_update_slice, start_indices=at)
-        return [(put(k, k_prompt), put(v, v_prompt))
+
+        def store(entry, new):  # an int8 cache takes it quantized per token and head
+            if isinstance(entry, tuple):
+                return tuple(put(a, b) for a, b in zip(entry, nc.quantize(new)))
+            return put(entry, new)
+        return [(store(k, k_prompt), store(v, v_prompt))
                 for (k, v), (k_prompt, v_prompt) in zip(layers, prompt["layers"])]
     cache = dict(state["cache"])
     cache["layers"] = jax.lax.fori_loop(0, request["n"], copy, cache["layers"])
@@ -561,13 +567,16 @@ class Engine:
     - python_ids: the ids of <|python_start|> and <|python_end|>, for the calculator;
     - waiting: how many requests may wait for a slot before submit raises Busy (None:
       any);
-    - rows: the row counts a chunk may run on (default 1, 4, 16, ...)."""
+    - rows: the row counts a chunk may run on (default 1, 4, 16, ...);
+    - kv_cache: "int8" for an int8 cache with a scale per token and head (None: the
+      compute dtype's, exact)."""
 
     def __init__(self, params, cfg, *, slots=16, kmax=16, attn=nc.causal_attention,
-                 python_ids=None, waiting=None, rows=None):
+                 python_ids=None, waiting=None, rows=None, kv_cache=None):
         self.cfg = cfg
         self.layered = prepare(params, cfg)
-        check_memory(cfg, slots)
+        self.kv_cache = kv_cache
+        check_memory(cfg, slots, kv_cache)
         self.slots = slots
         self.kmax = kmax
         self.attn = attn
@@ -590,7 +599,7 @@ class Engine:
 
     def reset(self):
         """Every slot empty (after a failure too: the donated state may be gone)."""
-        self.state = new_state(self.cfg, self.slots)
+        self.state = new_state(self.cfg, self.slots, self.kv_cache)
         self.owner = [None] * self.slots  # (request, choice) of each busy slot
         self.stopping = set()  # slots of cancelled requests, stopped by the next chunk
 

@@ -295,13 +295,39 @@ def write_rows(cache, new, pos):
     return jax.vmap(write)(cache, new, pos)
 
 
+def quantize(x):
+    """int8 values and one scale per vector of x (..., D), in x's dtype: (q, scale), x
+    close to q * scale (each value within half a scale)."""
+    scale = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True) / 127
+    q = jnp.round(x / jnp.maximum(scale, 1e-30)).astype(jnp.int8)
+    return q, scale.astype(x.dtype)
+
+
+def write_kv(entry, new, pos):
+    """write_rows into one layer's k or v: an array, or an int8 cache's (values,
+    scales), new quantized per token and head."""
+    if isinstance(entry, tuple):
+        return tuple(write_rows(a, b, pos) for a, b in zip(entry, quantize(new)))
+    return write_rows(entry, new, pos)
+
+
+def read_kv(entry, dtype):
+    """One layer's k or v as attention reads it: an int8 cache's values times their
+    scales, in dtype."""
+    if isinstance(entry, tuple):
+        q, scale = entry
+        return q.astype(dtype) * scale
+    return entry
+
+
 def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0):
     """Causal self-attention of x (B, T, C), normed, with one layer's attention weights
     w: (y, cache or None). ve: the tokens' value embeddings (B, T, K*D), or None.
 
-    Without a cache the tokens sit at positions 0..T-1. With one (k, v: (B, K, S, D))
-    row b's tokens sit at pos[b]: their k and v are written there, and the queries
-    attend over every slot, the mask hiding the slots not written yet."""
+    Without a cache the tokens sit at positions 0..T-1. With one (k, v: (B, K, S, D),
+    or int8 ones: init_cache) row b's tokens sit at pos[b]: their k and v are written
+    there, and the queries attend over every slot, the mask hiding the slots not written
+    yet."""
     B, T, C = x.shape
     D = rope[0].shape[-1] * 2
     # 1. queries (B, T, H, D), keys and values (B, T, K, D)
@@ -322,10 +348,8 @@ def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0):
     if cache is None:
         y = attn(q, k, v, window)
     else:
-        k_cache = write_rows(cache[0], k, pos)
-        v_cache = write_rows(cache[1], v, pos)
-        cache = (k_cache, v_cache)
-        y = attn(q, k_cache, v_cache, window, pos)
+        cache = (write_kv(cache[0], k, pos), write_kv(cache[1], v, pos))
+        y = attn(q, read_kv(cache[0], q.dtype), read_kv(cache[1], q.dtype), window, pos)
     return linear(y.reshape(B, T, C), w["c_proj"]), cache
 
 
@@ -529,17 +553,22 @@ def loss_fn(params, tokens, targets, cfg, reduction="mean", attn=causal_attentio
 # ---------------------------------------------------------------------------- inference
 
 
-def init_cache(cfg, batch, max_len):
+def init_cache(cfg, batch, max_len, kv_dtype=None):
     """An empty KV cache: per layer k, v (B, K, S, D), heads first so that a decode step
-    reads each head's keys as one block; the smear's last embedding (B, C); each
-    row's position (B,), the number of tokens it holds. Zeros, never uninitialized
-    memory: a masked slot still enters the softmax's weighted sum, and 0 * NaN is
-    NaN."""
+    reads each head's keys as one block (kv_dtype "int8": each an int8 (B, K, S, D) and
+    its scales (B, K, S, 1), one per token and head); the smear's last embedding (B, C);
+    each row's position (B,), the number of tokens it holds. Zeros, never uninitialized
+    memory: a masked slot still enters the softmax's weighted sum, and 0 * NaN is NaN."""
     shape = (batch, cfg.n_kv_head, max_len, cfg.head_dim)
     dtype = cfg.compute_dtype
+
+    def empty():
+        if kv_dtype == "int8":
+            return jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1] + (1,), dtype)
+        return jnp.zeros(shape, dtype)
     layers = []
     for _ in range(cfg.n_layer):
-        layers.append((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))  # k, v
+        layers.append((empty(), empty()))  # k, v
     return {"layers": layers,
             "prev": jnp.zeros((batch, cfg.n_embd), cfg.compute_dtype),
             "pos": jnp.zeros((batch,), jnp.int32)}
