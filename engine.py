@@ -575,6 +575,8 @@ class Engine:
                  python_ids=None, waiting=None, rows=None, kv_cache=None):
         self.cfg = cfg
         self.layered = prepare(params, cfg)
+        if kv_cache not in (None, "int8"):
+            raise ValueError(f"kv_cache is {kv_cache!r}; it must be None (exact) or 'int8'")
         self.kv_cache = kv_cache
         check_memory(cfg, slots, kv_cache)
         self.slots = slots

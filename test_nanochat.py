@@ -2920,6 +2920,8 @@ def test_int8_kv_cache(window_model):
     assert engine.state_bytes(cfg, 2, "int8") == engine.state_bytes(cfg, 2) - (
         2 * cfg.n_layer * B * K * S * (4 * D - D - 4))
     assert first["int8"] == first[None]
+    with pytest.raises(ValueError, match="^kv_cache is 'fp8'; it must be None"):
+        engine.Engine(params, cfg, slots=2, kv_cache="fp8")
 
 
 def test_engine_slots_that_do_not_fit_are_one_line(chat_model, monkeypatch, capsys):
