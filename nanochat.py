@@ -8,9 +8,10 @@ prefill and decode. Attention is one function argument, `attn` (default: the pla
 `causal_attention`); kernels.py gives faster ones of the same signature, so the model
 never names a backend. Under remat the layers run as a scan over groups that repeat
 (`scan_layers`: one group compiled and recomputed at a time), and the loss computes its
-logits a chunk of rows at a time (`chunked_nll`). `forward_cached` feeds tokens through a KV cache whose rows each
-sit at their own position; engine.py generates. docs/model.md lists nanochat's
-architecture choices, each with the function that makes it.
+logits a chunk of rows at a time (`chunked_nll`). `forward_cached` feeds tokens through a
+KV cache (exact, or int8: `init_cache`) whose rows each sit at their own position;
+engine.py generates. docs/model.md lists nanochat's architecture choices, each with the
+function that makes it.
 
 Weights are (in, out), `x @ W`. Dimensions: B batch, T time (S cache slots), C n_embd, H
 n_head, K n_kv_head, D head_dim, V vocab.
