@@ -110,7 +110,10 @@ def splash_attention(q, k, v, window):
     else:
         mask = sm.LocalMask((T, T), (window, 0), 0)
     heads = sm.MultiHeadMask([mask] * (H // K))
-    sizes = sk.BlockSizes(*[tile] * 8)  # the forward and backward kernels' tiles
+    # the forward and backward kernels' tiles; one backward kernel for dq, dk and dv
+    sizes = sk.BlockSizes(block_q=tile, block_kv=tile, block_kv_compute=tile,
+                          block_q_dkv=tile, block_kv_dkv=tile, block_kv_dkv_compute=tile,
+                          use_fused_bwd_kernel=True)
     interpret = jax.default_backend() != "tpu"
     kernel = sk.make_splash_mqa_single_device(heads,
                                               block_sizes=sizes,

@@ -8,7 +8,8 @@ prefill and decode. Attention is one function argument, `attn` (default: the pla
 `causal_attention`); kernels.py gives faster ones of the same signature, so the model
 never names a backend. Under remat the layers run as a scan over groups that repeat
 (`scan_layers`: one group compiled and recomputed at a time), and the loss computes its
-logits a chunk of rows at a time (`chunked_nll`). `forward_cached` feeds tokens through a
+logits a chunk of rows at a time (`chunked_nll`; in training `nll_sum`, which takes the
+gradients from each chunk's logits as it makes them). `forward_cached` feeds tokens through a
 KV cache (exact, or int8: `init_cache`) whose rows each sit at their own position;
 engine.py generates. docs/model.md lists nanochat's architecture choices, each with the
 function that makes it.
@@ -508,48 +509,103 @@ def forward(params, tokens, cfg, attn=causal_attention):
 
 def token_nll(params, x, targets, cfg):
     """-log p of each target (N,) from hidden states x (N, C); 0 where a target is < 0."""
-    logits = logits_from_hidden(params, x, cfg)  # (N, V)
+    return nll_of_logits(logits_from_hidden(params, x, cfg), targets)[0]
+
+
+def nll_of_logits(logits, targets):
+    """(-log p of each target (N,), 0 where a target is < 0; log Z (N,)) from logits
+    (N, V)."""
     valid = targets >= 0
     # each target's logit (an ignored target reads index 0, then counts 0)
     safe = jnp.where(valid, targets, 0)
     picked = jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]
     log_z = jax.nn.logsumexp(logits, axis=-1)
-    return jnp.where(valid, log_z - picked, 0.0)
+    return jnp.where(valid, log_z - picked, 0.0), log_z
 
 
-def chunked_nll(params, x, targets, cfg, chunk=None):
-    """token_nll over rows x (N, C) `chunk` rows at a time (None: as many as hold
-    LOGITS_PER_CHUNK logits), each chunk's logits computed again in the backward pass:
-    the (N, V) logits never exist whole."""
+def row_chunks(x, targets, cfg, chunk=None):
+    """Rows x (N, C) and their targets (N,) as n equal chunks, (n, rows, C) and (n,
+    rows), the last padded with ignored targets; chunk: rows a chunk at most (None: as
+    many as hold LOGITS_PER_CHUNK logits)."""
     N = x.shape[0]
     chunk = chunk or max(1, LOGITS_PER_CHUNK // cfg.vocab_size)
-    if N <= chunk:
-        return token_nll(params, x, targets, cfg)
-    # n equal chunks, the last padded with ignored targets
     n = -(-N // chunk)
     rows = -(-N // n)
     x = jnp.pad(x, ((0, n * rows - N), (0, 0)))
     targets = jnp.pad(targets, (0, n * rows - N), constant_values=-1)
+    return x.reshape(n, rows, -1), targets.reshape(n, rows)
+
+
+def chunked_nll(params, x, targets, cfg, chunk=None):
+    """token_nll over rows x (N, C) a chunk of rows at a time (row_chunks), each
+    chunk's logits computed again in the backward pass: the (N, V) logits never exist
+    whole."""
+    N = x.shape[0]
     # jax.checkpoint: the backward keeps each chunk's inputs only, not its logits
     one_chunk = jax.checkpoint(functools.partial(token_nll, cfg=cfg))
 
     def step(_, chunk_rows):
         return None, one_chunk(params, *chunk_rows)
-    _, nll = jax.lax.scan(step, None, (x.reshape(n, rows, -1), targets.reshape(n, rows)))
+    _, nll = jax.lax.scan(step, None, row_chunks(x, targets, cfg, chunk))
     return nll.reshape(-1)[:N]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def nll_sum(lm_head, x, targets, cfg, chunk=None):
+    """The sum of token_nll over rows x (N, C), chunked as chunked_nll; its gradient
+    (the training loss's) is computed with it, chunk by chunk, so that no logits are
+    computed twice."""
+    return chunked_nll({"lm_head": lm_head}, x, targets, cfg, chunk).sum()
+
+
+def nll_sum_and_grads(lm_head, x, targets, cfg, chunk):
+    """nll_sum and, from each chunk's logits as they are made, its gradients with
+    respect to lm_head and x: (sum, (d lm_head, dx))."""
+    N, C = x.shape
+    V = cfg.vocab_size
+    w = lm_head[:, :V].astype(x.dtype)
+
+    def step(d_head, chunk_rows):
+        x, targets = chunk_rows
+        logits = logits_from_hidden({"lm_head": w}, x, cfg)  # (rows, V)
+        nll, log_z = nll_of_logits(logits, targets)
+        # d nll / d logits: the softmax less the target's one-hot, through the cap's tanh
+        d = jnp.exp(logits - log_z[:, None]) - jax.nn.one_hot(targets, V)
+        d = d * (1 - (logits / SOFTCAP) ** 2)
+        d = jnp.where(targets[:, None] >= 0, d, 0).astype(x.dtype)
+        # the gradients of the chunk's matmul
+        dx = jnp.dot(d, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
+        d_head += jnp.dot(x.T, d, preferred_element_type=jnp.float32)
+        return d_head, (nll.sum(), dx)
+    d_head = jnp.zeros((C, V), jnp.float32)
+    d_head, (sums, dx) = jax.lax.scan(step, d_head, row_chunks(x, targets, cfg, chunk))
+    # lm_head's padded columns take no gradient
+    d_head = jnp.pad(d_head, ((0, 0), (0, lm_head.shape[1] - V)))
+    return sums.sum(), (d_head.astype(lm_head.dtype), dx.reshape(-1, C)[:N])
+
+
+def nll_sum_backward(cfg, chunk, grads, g):
+    """nll_sum's gradients scaled by the cotangent g (targets take none)."""
+    d_head, dx = grads
+    return (g * d_head).astype(d_head.dtype), (g * dx).astype(dx.dtype), None
+
+
+nll_sum.defvjp(nll_sum_and_grads, nll_sum_backward)
 
 
 def loss_fn(params, tokens, targets, cfg, reduction="mean", attn=causal_attention, remat=False,
             chunk=None):
     """Cross-entropy, ignoring targets < 0: the mean over valid targets, or (B, T) with
-    'none'. chunk: chunked_nll's rows of logits at a time."""
+    'none'. chunk: row_chunks' rows of logits at a time."""
     x = hidden(params, tokens, cfg, attn, remat)
-    head = {"lm_head": params["lm_head"]}  # (the scan over chunks closes over this alone)
-    nll = chunked_nll(head, x.reshape(-1, x.shape[-1]), targets.reshape(-1), cfg, chunk)
+    x = x.reshape(-1, x.shape[-1])
     if reduction == "none":
+        # (the scan over chunks closes over lm_head alone)
+        nll = chunked_nll({"lm_head": params["lm_head"]}, x, targets.reshape(-1), cfg, chunk)
         return nll.reshape(targets.shape)
+    total = nll_sum(params["lm_head"], x, targets.reshape(-1), cfg, chunk)
     # at least 1: torch gives nan when every target is ignored
-    return nll.sum() / jnp.maximum((targets >= 0).sum(), 1)
+    return total / jnp.maximum((targets >= 0).sum(), 1)
 
 # ---------------------------------------------------------------------------- inference
 

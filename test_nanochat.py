@@ -475,6 +475,29 @@ def test_chunked_loss_equals_the_whole(fp32_matmuls):
     assert nc.LOGITS_PER_CHUNK // cfg.vocab_size > targets.size
 
 
+def test_the_training_loss_takes_its_gradients_with_the_logits(fp32_matmuls):
+    """The mean loss (nll_sum: each chunk's gradients computed from its logits as they are made,
+    none computed again) has the value and gradients of plain autodiff through every logit at
+    once, with a padded last chunk and ignored targets; the cotangent scales them."""
+    cfg = config(vocab_size=300)
+    params = random_params(cfg, 45)
+    tokens = jax.random.randint(jax.random.key(46), (3, 64), 0, cfg.vocab_size)
+    targets = jnp.roll(tokens, -1, axis=1).at[0, :20].set(-1)
+
+    def plain(params):  # token_nll over all 192 rows at once
+        x = nc.hidden(params, tokens, cfg).reshape(-1, cfg.n_embd)
+        return nc.token_nll(params, x, targets.reshape(-1), cfg).sum() / (targets >= 0).sum()
+    want, want_grads = jax.value_and_grad(plain)(params)
+    for chunk in (50, None):  # 4 chunks, the last padded; one chunk
+        def fused(params):
+            return 3 * nc.loss_fn(params, tokens, targets, cfg, chunk=chunk)
+        loss, grads = jax.jit(jax.value_and_grad(fused))(params)
+        assert float(loss) == pytest.approx(3 * float(want), rel=1e-6)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+            np.testing.assert_allclose(a, 3 * b, rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
+        assert not grads["lm_head"][:, cfg.vocab_size:].any()  # the padded columns: none
+
+
 def test_scanned_layers_equal_the_loop(fp32_matmuls, monkeypatch):
     """Under remat, layers that repeat in groups (SSSL's windows, value embeddings every other
     layer) run as a scan over the groups, the backout taken from the middle layer inside its
@@ -3742,7 +3765,8 @@ def test_nonfinite_loss_stops_and_ctrl_c_saves(train_root, tmp_path, monkeypatch
 
 def test_fit_device_batch_takes_the_largest_that_fits():
     """The plan's search: the largest power of two from `most` down whose step fits, each size
-    compiled once and none below the first that fits; a given batch is kept when it fits, and a
+    compiled once, none below the first that fits and none that a refused larger size proves
+    too large; a given batch is kept when it fits, and a
     one-line error names what it needs, the limit and the largest that fits when it does not."""
     tried = []
 
@@ -3750,7 +3774,13 @@ def test_fit_device_batch_takes_the_largest_that_fits():
         tried.append(rows)
         return 1e9 + rows * 0.5e9  # 1 GB of state, 0.5 GB a row
     assert train.fit_device_batch(needs, limit=5.2e9, most=64) == (8, 5e9)
-    assert tried == [64, 32, 16, 8]
+    assert tried == [64, 8]  # 64 rows' 33 GB prove 32 and 16 too large: 16.5 and 8.25 GB
+    tried.clear()
+    assert train.fit_device_batch(needs, limit=5.2e9, most=64, base=1e9) == (8, 5e9)
+    assert tried == [64, 8]
+    tried.clear()
+    assert train.fit_device_batch(needs, limit=4.2e9, most=64, base=1e9) == (4, 3e9)
+    assert tried == [64, 4]  # the bound with the base: 8 rows need at least 5 GB
     assert train.fit_device_batch(needs, limit=5.2e9, given=4) == (4, 3e9)
     with pytest.raises(ValueError) as e:
         train.fit_device_batch(needs, limit=5.2e9, given=32)

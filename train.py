@@ -190,16 +190,21 @@ def needed_bytes(lowered, state_bytes):
     return arguments + m.temp_size_in_bytes
 
 
-def fit_device_batch(needs, limit, most=64, given=None):
+def fit_device_batch(needs, limit, most=64, given=None, base=0):
     """(device batch, the bytes its step needs): `given` when its step fits in `limit` bytes,
     or (given None) the largest power of two from `most` down that fits. needs(rows): the
-    bytes of the step for that many rows a device. A given batch that does not fit is a
-    one-line ValueError naming what it needs, the limit and the largest that fits."""
+    bytes of the step for that many rows a device, at least `base` (the arguments') and
+    growing with the rows at most in proportion: a size that a refused larger one proves too
+    large is not compiled. A given batch that does not fit is a one-line ValueError naming
+    what it needs, the limit and the largest that fits."""
     sizes = [2**i for i in reversed(range(int(math.log2(most)) + 1))]
     if given:
         sizes = [given] + [rows for rows in sizes if rows < given]
     found = {}
     for rows in sizes:
+        # a refused r rows that needed n: these rows need at least base + (n - base) rows / r
+        if any(base + (n - base) * rows / r > limit for r, n in found.items() if n < math.inf):
+            continue
         found[rows] = needs(rows)
         if found[rows] <= limit:
             break
@@ -621,7 +626,8 @@ def plan_memory(stage, run, batch, step_fn, state):
     # at most 64 rows, and no more than one micro-batch of the step holds
     most = 2 ** int(math.log2(max(1, min(64, batch // (devices * T)))))
     limit = memory_limit()
-    rows, need = fit_device_batch(needs, limit, most, given=run.device_batch_size)
+    rows, need = fit_device_batch(needs, limit, most, given=run.device_batch_size,
+                                  base=state_bytes)
     line = (f"memory plan: {batch // (rows * devices * T)} micro-batches of {rows} rows a "
             f"device, {need / 2**30:.1f} of the device's {limit / 2**30:.1f} GiB")
     return dataclasses.replace(run, device_batch_size=rows), line, need
