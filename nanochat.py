@@ -8,8 +8,8 @@ prefill and decode. Attention is one function argument, `attn` (default: the pla
 `causal_attention`); kernels.py gives faster ones of the same signature, so the model
 never names a backend. Under remat the layers run as a scan over groups that repeat
 (`scan_layers`: one group compiled and recomputed at a time), and the loss computes its
-logits a chunk of rows at a time (`chunked_nll`; in training `nll_sum`, which takes the
-gradients from each chunk's logits as it makes them). `forward_cached` feeds tokens through a
+logits a chunk of rows at a time (`chunked_nll`; training in bf16, `nll_sum`, which takes
+the gradients from each chunk's logits as it makes them). `forward_cached` feeds tokens through a
 KV cache (exact, or int8: `init_cache`) whose rows each sit at their own position;
 engine.py generates. docs/model.md lists nanochat's architecture choices, each with the
 function that makes it.
@@ -540,14 +540,16 @@ def chunked_nll(params, x, targets, cfg, chunk=None):
     """token_nll over rows x (N, C) a chunk of rows at a time (row_chunks), each
     chunk's logits computed again in the backward pass: the (N, V) logits never exist
     whole."""
-    N = x.shape[0]
+    chunks = row_chunks(x, targets, cfg, chunk)
+    if len(chunks[0]) == 1:  # one chunk: the plain loss
+        return token_nll(params, x, targets, cfg)
     # jax.checkpoint: the backward keeps each chunk's inputs only, not its logits
     one_chunk = jax.checkpoint(functools.partial(token_nll, cfg=cfg))
 
     def step(_, chunk_rows):
         return None, one_chunk(params, *chunk_rows)
-    _, nll = jax.lax.scan(step, None, row_chunks(x, targets, cfg, chunk))
-    return nll.reshape(-1)[:N]
+    _, nll = jax.lax.scan(step, None, chunks)
+    return nll.reshape(-1)[:x.shape[0]]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -570,7 +572,8 @@ def nll_sum_and_grads(lm_head, x, targets, cfg, chunk):
         logits = logits_from_hidden({"lm_head": w}, x, cfg)  # (rows, V)
         nll, log_z = nll_of_logits(logits, targets)
         # d nll / d logits: the softmax less the target's one-hot, through the cap's tanh
-        d = jnp.exp(logits - log_z[:, None]) - jax.nn.one_hot(targets, V)
+        softmax = jnp.exp(logits - log_z[:, None])
+        d = softmax - jax.nn.one_hot(targets, V)
         d = d * (1 - (logits / SOFTCAP) ** 2)
         d = jnp.where(targets[:, None] >= 0, d, 0).astype(x.dtype)
         # the gradients of the chunk's matmul
@@ -578,16 +581,20 @@ def nll_sum_and_grads(lm_head, x, targets, cfg, chunk):
         d_head += jnp.dot(x.T, d, preferred_element_type=jnp.float32)
         return d_head, (nll.sum(), dx)
     d_head = jnp.zeros((C, V), jnp.float32)
-    d_head, (sums, dx) = jax.lax.scan(step, d_head, row_chunks(x, targets, cfg, chunk))
+    chunks = row_chunks(x, targets, cfg, chunk)
+    d_head, (sums, dx) = jax.lax.scan(step, d_head, chunks)
     # lm_head's padded columns take no gradient
     d_head = jnp.pad(d_head, ((0, 0), (0, lm_head.shape[1] - V)))
-    return sums.sum(), (d_head.astype(lm_head.dtype), dx.reshape(-1, C)[:N])
+    dx = dx.reshape(-1, C)[:N]
+    return sums.sum(), (d_head.astype(lm_head.dtype), dx)
 
 
 def nll_sum_backward(cfg, chunk, grads, g):
     """nll_sum's gradients scaled by the cotangent g (targets take none)."""
     d_head, dx = grads
-    return (g * d_head).astype(d_head.dtype), (g * dx).astype(dx.dtype), None
+    d_head = (g * d_head).astype(d_head.dtype)
+    dx = (g * dx).astype(dx.dtype)
+    return d_head, dx, None
 
 
 nll_sum.defvjp(nll_sum_and_grads, nll_sum_backward)
@@ -599,11 +606,16 @@ def loss_fn(params, tokens, targets, cfg, reduction="mean", attn=causal_attentio
     'none'. chunk: row_chunks' rows of logits at a time."""
     x = hidden(params, tokens, cfg, attn, remat)
     x = x.reshape(-1, x.shape[-1])
+    rows = targets.reshape(-1)
+    head = {"lm_head": params["lm_head"]}  # (the scan over chunks closes over this alone)
     if reduction == "none":
-        # (the scan over chunks closes over lm_head alone)
-        nll = chunked_nll({"lm_head": params["lm_head"]}, x, targets.reshape(-1), cfg, chunk)
-        return nll.reshape(targets.shape)
-    total = nll_sum(params["lm_head"], x, targets.reshape(-1), cfg, chunk)
+        return chunked_nll(head, x, rows, cfg, chunk).reshape(targets.shape)
+    # in bf16 the gradients come with the logits (nll_sum: 3 matmuls a chunk, not 4); fp32
+    # (every CPU run) keeps autodiff's, and so its rounding: the same losses as always
+    if jnp.dtype(cfg.compute_dtype) == jnp.float32:
+        total = chunked_nll(head, x, rows, cfg, chunk).sum()
+    else:
+        total = nll_sum(params["lm_head"], x, rows, cfg, chunk)
     # at least 1: torch gives nan when every target is ignored
     return total / jnp.maximum((targets >= 0).sum(), 1)
 

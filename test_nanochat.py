@@ -476,21 +476,23 @@ def test_chunked_loss_equals_the_whole(fp32_matmuls):
 
 
 def test_the_training_loss_takes_its_gradients_with_the_logits(fp32_matmuls):
-    """The mean loss (nll_sum: each chunk's gradients computed from its logits as they are made,
-    none computed again) has the value and gradients of plain autodiff through every logit at
-    once, with a padded last chunk and ignored targets; the cotangent scales them."""
+    """nll_sum, the bf16 training loss (each chunk's gradients computed from its logits as they
+    are made, none computed again), has the value and gradients of plain autodiff through every
+    logit at once, in fp32 with a padded last chunk and ignored targets; the cotangent scales
+    them. In fp32 loss_fn keeps autodiff's path, so a CPU run's rounding stays as it was."""
     cfg = config(vocab_size=300)
     params = random_params(cfg, 45)
     tokens = jax.random.randint(jax.random.key(46), (3, 64), 0, cfg.vocab_size)
-    targets = jnp.roll(tokens, -1, axis=1).at[0, :20].set(-1)
+    targets = jnp.roll(tokens, -1, axis=1).at[0, :20].set(-1).reshape(-1)
 
     def plain(params):  # token_nll over all 192 rows at once
         x = nc.hidden(params, tokens, cfg).reshape(-1, cfg.n_embd)
-        return nc.token_nll(params, x, targets.reshape(-1), cfg).sum() / (targets >= 0).sum()
+        return nc.token_nll(params, x, targets, cfg).sum()
     want, want_grads = jax.value_and_grad(plain)(params)
     for chunk in (50, None):  # 4 chunks, the last padded; one chunk
         def fused(params):
-            return 3 * nc.loss_fn(params, tokens, targets, cfg, chunk=chunk)
+            x = nc.hidden(params, tokens, cfg).reshape(-1, cfg.n_embd)
+            return 3 * nc.nll_sum(params["lm_head"], x, targets, cfg, chunk)
         loss, grads = jax.jit(jax.value_and_grad(fused))(params)
         assert float(loss) == pytest.approx(3 * float(want), rel=1e-6)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
@@ -3816,6 +3818,40 @@ def test_memory_plan_on_an_accelerator(train_root, tmp_path, monkeypatch, capsys
     with pytest.raises(ValueError, match="^--device-batch-size 8 needs .* GiB, more than the "
                                          "device's .* GiB; the largest that fits is 4$"):
         run_base(fresh_root(train_root, tmp_path / "given"), 2, device_batch_size=8)
+
+
+def test_memory_plan_remembers_its_refused_compiles(tmp_path, monkeypatch):
+    """XLA caches no refused compile: the plan keeps each refused program's bytes beside the
+    compilation cache, so a second plan of the same step compiles only the size that fits (the
+    chip's compiles faked here: each size's bytes as a function of its rows)."""
+    cfg = config()
+    params = jax.device_put(random_params(cfg, 47))
+    opt_state = jax.device_put(muon.init(params, *nc.param_groups(params)))
+    state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves((params, opt_state)))
+    compiled = []
+
+    def fake_needed_bytes(lowered, state_bytes):
+        rows = lowered.args_info[0][2][0].shape[1]
+        compiled.append(rows)
+        return state_bytes + 1000 * rows
+    monkeypatch.setattr(train, "needed_bytes", fake_needed_bytes)
+    monkeypatch.setattr(train, "memory_limit", lambda: state_bytes + 2500)  # 2 rows fit
+    stage = train.Stage(name="base", cfg=cfg, init=None, iterations=0)
+    step_fn = functools.partial(train.jit_train_step, sched=train.base_schedule(10, 0.0),
+                                lrs=train.learning_rates(), cfg=cfg)
+    cache = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        for _ in range(2):
+            run, _, planned = train.plan_memory(stage, train.Run(), 8 * cfg.sequence_len,
+                                                step_fn, (params, opt_state, None, 0))
+            assert (run.device_batch_size, planned) == (2, state_bytes + 2000)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", cache)
+    # 8 rows refused (their bytes rule out 4); then 2 rows alone: 8's refusal remembered
+    assert compiled == [8, 2, 2]
+    memo, = tmp_path.glob("memory-plan-*.json")
+    assert list(json.loads(memo.read_text()).values()) == [state_bytes + 8000]
 
 
 @pytest.mark.usefixtures("fp32_matmuls")

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -608,7 +609,8 @@ def plan_memory(stage, run, batch, step_fn, state):
     """(run with its device batch settled, the startup line of the memory plan, the bytes
     it plans): the device batch given, checked against the device's memory, or the largest
     power of two that fits (fit_device_batch). Each try compiles step_fn for its batch; the
-    one kept is compiled again for the loop from the compilation cache."""
+    one kept is compiled again for the loop from the compilation cache, and the refused
+    ones are remembered beside it (refused_compiles)."""
     params, opt_state, frozen, step = state
     T = stage.cfg.sequence_len
     devices = jax.device_count()
@@ -616,21 +618,52 @@ def plan_memory(stage, run, batch, step_fn, state):
     # the step's arguments, in bytes per device
     state_bytes = sum(leaf.addressable_shards[0].data.nbytes
                       for leaf in jax.tree.leaves((params, opt_state, frozen)))
+    limit = memory_limit()
+    refused, remember = refused_compiles()
 
     def needs(rows):
         shape = (batch // (rows * devices * T), rows * devices, T)  # (A, B, T)
         tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
         lowered = step_fn.func.lower(params, opt_state, (tokens, tokens), step,
                                      **step_fn.keywords)
-        return needed_bytes(lowered, state_bytes)
+        program = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+        if program in refused:
+            return refused[program]
+        need = needed_bytes(lowered, state_bytes)
+        if need > limit:
+            refused[program] = need
+            remember()
+        return need
     # at most 64 rows, and no more than one micro-batch of the step holds
     most = 2 ** int(math.log2(max(1, min(64, batch // (devices * T)))))
-    limit = memory_limit()
     rows, need = fit_device_batch(needs, limit, most, given=run.device_batch_size,
                                   base=state_bytes)
     line = (f"memory plan: {batch // (rows * devices * T)} micro-batches of {rows} rows a "
             f"device, {need / 2**30:.1f} of the device's {limit / 2**30:.1f} GiB")
     return dataclasses.replace(run, device_batch_size=rows), line, need
+
+
+def refused_compiles():
+    """({program's sha256: the bytes it needs}, remember()): the memory plan's compiles
+    that did not fit this device, read from the compilation cache's directory, and a
+    function that writes the dict back there (atomically). XLA caches no refused compile,
+    and each of d20's takes 14-19 s or more: a warm start compiles the one that fits only.
+    Without a cache, an empty dict and remember() does nothing."""
+    cache = jax.config.jax_compilation_cache_dir
+    if not cache:
+        return {}, nothing
+    device = jax.local_devices()[0]
+    path = os.path.join(cache, f"memory-plan-{device.device_kind}-{jax.__version__}.json")
+    path = path.replace(" ", "_")
+    refused = {}
+    with contextlib.suppress(OSError, ValueError):
+        with open(path) as f:
+            refused = json.load(f)
+
+    def remember():
+        os.makedirs(cache, exist_ok=True)
+        data.write_atomic(path, json.dumps(refused))
+    return refused, remember
 
 
 def run_stage(stage, tok, run=Run(), optim=Optim(), evals=None, record=None):
