@@ -3,7 +3,8 @@
 - `generate` is nanochat's Engine.generate token for token: the specification, which the
   golden test pins to nanochat's own Engine and against which the slot engine is tested.
 - `Engine` serves many requests at once (continuous batching): slots, rows of one KV
-  cache over the whole context, each at its own position. A prompt is prefilled alone
+  cache over the whole context (a sliding-window layer's over its window, a ring:
+  nanochat.init_cache's rings), each at its own position. A prompt is prefilled alone
   into free slots (`admit`); one jitted call decodes up to K tokens for every live slot
   (`decode_chunk`) with the sampling, stop ids, budgets and the calculator's forced
   tokens on the device, and hands back early only when the calculator must run
@@ -242,13 +243,14 @@ def generate(params, cfg, prompt_ids, sampling, *, num_samples=1, tool=None,
 
 def new_state(cfg, slots, kv_dtype=None):
     """The engine's device state, every slot empty: the KV cache of B rows over the
-    whole context (kv_dtype: nc.init_cache's), and per slot (a leading B on every
+    whole context, a sliding window's over its ring (kv_dtype, rings: nc.init_cache's),
+    and per slot (a leading B on every
     array) what its request asked and where it stands. Each array its own buffer: the
     state is donated whole."""
     def zeros(dtype=jnp.int32):
         return jnp.zeros((slots,), dtype)
     return {
-        "cache": nc.init_cache(cfg, slots, cfg.sequence_len, kv_dtype),
+        "cache": nc.init_cache(cfg, slots, cfg.sequence_len, kv_dtype, rings=True),
         "token": zeros(),  # the last token emitted, fed next
         "live": zeros(bool),  # emitting: admitted, not ended, not waiting for the calculator
         "left": zeros(),  # tokens it may still emit
@@ -345,6 +347,20 @@ def emit(slot, logits, pos, python, logprobs):
     return slot, jnp.concatenate([shown, flags, probs], axis=1)
 
 
+def cache_length(entry):
+    """The slots of one layer's k or v in a state's cache (an int8 one: its values')."""
+    return (entry[0] if isinstance(entry, tuple) else entry).shape[2]
+
+
+def ring_of(prompt, length, ring):
+    """A prompt's keys or values (1, K, T, D), its first `length` real, as a ring of
+    `ring` slots holds them after its last token (nc.ring_positions); zeros where no
+    position is yet."""
+    held = nc.ring_positions(jnp.reshape(length - 1, (1,)), ring)[0]  # (ring,)
+    taken = jnp.take(prompt, jnp.clip(held, 0, prompt.shape[2] - 1), axis=2)
+    return jnp.where((held >= 0)[:, None], taken, 0)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "attn"), donate_argnames="state")
 def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention):
     """Start a request in its slots: prefill its prompt alone, copy the cache into each
@@ -360,7 +376,8 @@ def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention):
     empty = nc.init_cache(cfg, 1, request["prompt"].shape[1])
     logits, prompt = nc.forward_cached(layered, request["prompt"], empty, cfg, attn, length)
 
-    # 2. its keys and values into each choice's slot, from position 0
+    # 2. its keys and values into each choice's slot, from position 0; a ring takes the
+    # positions it holds after the prompt's last token
     def copy(j, layers):
         at = (slots[j], 0, 0, 0)
         put = functools.partial(jax.lax.dynamic_update_slice, start_indices=at)
@@ -369,8 +386,13 @@ def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention):
             if isinstance(entry, tuple):
                 return tuple(put(a, b) for a, b in zip(entry, nc.quantize(new)))
             return put(entry, new)
-        return [(store(k, k_prompt), store(v, v_prompt))
-                for (k, v), (k_prompt, v_prompt) in zip(layers, prompt["layers"])]
+        stored = []
+        for (k, v), (k_prompt, v_prompt) in zip(layers, prompt["layers"]):
+            ring = cache_length(k)
+            if ring < cfg.sequence_len:
+                k_prompt, v_prompt = (ring_of(a, length, ring) for a in (k_prompt, v_prompt))
+            stored.append((store(k, k_prompt), store(v, v_prompt)))
+        return stored
     cache = dict(state["cache"])
     cache["layers"] = jax.lax.fori_loop(0, request["n"], copy, cache["layers"])
     cache["pos"] = cache["pos"].at[slots].set(length, mode="drop")
@@ -418,8 +440,11 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax):
     live = state["live"] & ~control["cancel"]
     state = {**state, "live": live}
 
+    def whole_context(a):  # a cache over the whole context, not a ring
+        return a.ndim == 4 and a.shape[2] == cfg.sequence_len
+
     def part(a):
-        return a[:rows, :, :view] if a.ndim == 4 else a[:rows]
+        return a[:rows, :, :view] if whole_context(a) else a[:rows]
     active = jax.tree.map(part, state)
     records = jnp.full((kmax, rows, 3 + 2 * TOP_LOGPROBS), -1, jnp.int32)
 
@@ -427,7 +452,8 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax):
         i, active, records, _ = carry
         # 2. feed each live slot its last token; an idle slot's position and smear stay put
         old = active["cache"]
-        logits, cache = nc.forward_cached(layered, active["token"][:, None], old, cfg, attn)
+        logits, cache = nc.forward_cached(layered, active["token"][:, None], old, cfg, attn,
+                                          rings=True)
         live = active["live"]
         cache["pos"] = jnp.where(live, cache["pos"], old["pos"])
         cache["prev"] = jnp.where(live[:, None], cache["prev"], old["prev"])
@@ -452,7 +478,7 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax):
 
     # 5. the rows back in place (the state is donated: no second cache)
     def put_back(whole, done):
-        if whole.ndim == 4:  # a cache: its first rows, up to the view
+        if whole_context(whole):  # its first rows, up to the view
             return whole.at[:rows, :, :view].set(done)
         return whole.at[:rows].set(done)
     state = jax.tree.map(put_back, state, active)

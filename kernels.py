@@ -2,7 +2,7 @@
 nanochat's flash_attention.py picks FlashAttention-3 or PyTorch's SDPA for its model).
 
 The model calls one attention function, `attn`, with the signature of the plain
-`nanochat.causal_attention(q, k, v, window, pos=None)`. `attention_fn(route)` returns
+`nanochat.causal_attention(q, k, v, window, pos=None, k_pos=None)`. `attention_fn(route)` returns
 the one for a route of ROUTES, "auto" picking at trace time by backend, dtype, shapes:
 - "cudnn" (a GPU in bf16): cuDNN's fused flash attention (jax.nn.dot_product_attention).
 - "splash" (a TPU): the splash-attention Pallas kernel; `shard_map` under a mesh.
@@ -149,14 +149,15 @@ def attention_fn(route="auto"):
 
 @functools.cache  # one function per route: jit sees the same static argument every time
 def _route_attention(name):
-    def attn(q, k, v, window, pos=None):
+    def attn(q, k, v, window, pos=None, k_pos=None):
         backend = jax.default_backend()
         # a query chunk over a KV cache, each row at its own position
         if pos is not None:
             if backend != "cpu":
-                return nc.causal_attention(q, k, v, window, pos)
+                return nc.causal_attention(q, k, v, window, pos, k_pos)
             q_pos = nc.query_positions(pos, q.shape[1])
-            k_pos = jnp.arange(k.shape[2])
+            if k_pos is None:
+                k_pos = jnp.arange(k.shape[2])
             mask = nc.attention_mask(q_pos, k_pos, window)
             return attend_cache_cpu(q, k, v, mask)
         # a whole sequence: the route's attention

@@ -237,11 +237,13 @@ def apply_rotary(x, rope):
 
 
 def attention_mask(q_pos, k_pos, window):
-    """(..., Tq, Tk) bool from absolute positions q_pos (..., Tq) and k_pos (Tk,):
-    causal, at most `window` tokens back (window + 1 keys). Training, prefill and
-    decode share it: is_causal=True is wrong when Tq and Tk differ."""
+    """(..., Tq, Tk) bool from absolute positions q_pos (..., Tq) and k_pos (Tk,), or
+    (B, Tk) a row each (< 0: a ring's slot that holds none yet): causal, at most
+    `window` tokens back (window + 1 keys). Training, prefill and decode share it:
+    is_causal=True is wrong when Tq and Tk differ."""
+    k_pos = k_pos[..., None, :]
     back = q_pos[..., :, None] - k_pos
-    return (back >= 0) & (back <= window)
+    return (back >= 0) & (back <= window) & (k_pos >= 0)
 
 
 def attend(q, k, v, mask):
@@ -259,15 +261,18 @@ def query_positions(pos, T):
     return jnp.asarray(pos)[..., None] + jnp.arange(T)
 
 
-def causal_attention(q, k, v, window, pos=None):
+def causal_attention(q, k, v, window, pos=None, k_pos=None):
     """The model's attention, `attn`: queries at positions pos, pos + 1, ... over keys
-    at 0, 1, ... (pos None: training, q and k the same positions 0..T-1; pos (B,):
-    each row its own, k and v a KV cache's (B, K, S, D)), causal within `window`."""
+    at k_pos (None: 0, 1, ...), causal within `window`. pos None: training, q and k the
+    same positions 0..T-1; pos (B,): each row its own, k and v a KV cache's (B, K, S,
+    D), k_pos (B, S) where a ring cache holds them (ring_positions)."""
     if pos is not None:  # a cache is stored heads first
         k = k.swapaxes(1, 2)
         v = v.swapaxes(1, 2)
     q_pos = query_positions(0 if pos is None else pos, q.shape[1])
-    mask = attention_mask(q_pos, jnp.arange(k.shape[1]), window)
+    if k_pos is None:
+        k_pos = jnp.arange(k.shape[1])
+    mask = attention_mask(q_pos, k_pos, window)
     return attend(q, k, v, mask)
 
 
@@ -322,14 +327,15 @@ def read_kv(entry, dtype):
     return entry
 
 
-def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0):
+def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0, ring=None):
     """Causal self-attention of x (B, T, C), normed, with one layer's attention weights
     w: (y, cache or None). ve: the tokens' value embeddings (B, T, K*D), or None.
 
     Without a cache the tokens sit at positions 0..T-1. With one (k, v: (B, K, S, D),
     or int8 ones: init_cache) row b's tokens sit at pos[b]: their k and v are written
     there, and the queries attend over every slot, the mask hiding the slots not written
-    yet."""
+    yet. ring: the cache is a sliding window's ring of that many slots (ring_size), one
+    token written a call, at its position modulo the ring."""
     B, T, C = x.shape
     D = rope[0].shape[-1] * 2
     # 1. queries (B, T, H, D), keys and values (B, T, K, D)
@@ -350,19 +356,24 @@ def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0):
     if cache is None:
         y = attn(q, k, v, window)
     else:
-        cache = (write_kv(cache[0], k, pos), write_kv(cache[1], v, pos))
-        y = attn(q, read_kv(cache[0], q.dtype), read_kv(cache[1], q.dtype), window, pos)
+        at = pos if ring is None else pos % ring
+        cache = (write_kv(cache[0], k, at), write_kv(cache[1], v, at))
+        keys, values = read_kv(cache[0], q.dtype), read_kv(cache[1], q.dtype)
+        k_pos = None if ring is None else ring_positions(pos, ring)
+        y = attn(q, keys, values, window, pos, k_pos)
     return linear(y.reshape(B, T, C), w["c_proj"]), cache
 
 
-def block(layer, x, x0, ve, rope, *, window, attn=causal_attention, cache=None, pos=0):
+def block(layer, x, x0, ve, rope, *, window, attn=causal_attention, cache=None, pos=0,
+          ring=None):
     """One transformer layer on the residual stream x (B, T, C): (x, cache). layer: one
-    layer's weights (`unstack`); x0: the smeared embeddings; ve: as `attention`'s."""
+    layer's weights (`unstack`); x0: the smeared embeddings; ve, ring: as
+    `attention`'s."""
     # 1. nanochat's per-layer mix of the stream and the embeddings
     x = layer["resid_lambdas"] * x + layer["x0_lambdas"] * x0
     # 2. attention
     y, cache = attention(layer["attn"], rms_norm(x), ve, rope,
-                         window=window, attn=attn, cache=cache, pos=pos)
+                         window=window, attn=attn, cache=cache, pos=pos, ring=ring)
     x = x + y
     # 3. the MLP, ReLU^2
     h = linear(rms_norm(x), layer["mlp"]["c_fc"])
@@ -454,17 +465,19 @@ def scan_layers(params, tokens, x, cfg, period, *, attn, remat=False):
     return x, x_backout
 
 
-def trunk(layered, tokens, x, cfg, *, attn, caches=None, pos=0, remat=False):
+def trunk(layered, tokens, x, cfg, *, attn, caches=None, pos=0, remat=False, rings=False):
     """The layers, backout and final norm over the smeared embeddings x (B, T, C) of
     tokens at positions pos, pos + 1, ...; layered is unstacked. Returns (normed hidden
     states, layer caches). remat: the backward pass recomputes each block's
-    activations instead of keeping them."""
+    activations instead of keeping them. rings: the caches are init_cache's with
+    rings."""
     rope = rotary(query_positions(pos, tokens.shape[1]), cfg.head_dim)
     caches = caches or [None] * cfg.n_layer
     x0 = x
     x_backout = None
     for i, (layer, window) in enumerate(zip(layered["layers"], window_sizes(cfg))):
-        layer_fn = functools.partial(block, window=window, attn=attn)
+        ring = ring_size(window, cfg.sequence_len) if rings else None
+        layer_fn = functools.partial(block, window=window, attn=attn, ring=ring)
         if remat:
             layer_fn = jax.checkpoint(layer_fn)
         ve = layer["value_embeds"][tokens] if "value_embeds" in layer else None
@@ -611,7 +624,7 @@ def loss_fn(params, tokens, targets, cfg, reduction="mean", attn=causal_attentio
     if reduction == "none":
         return chunked_nll(head, x, rows, cfg, chunk).reshape(targets.shape)
     # in bf16 the gradients come with the logits (nll_sum: 3 matmuls a chunk, not 4); fp32
-    # (every CPU run) keeps autodiff's, and so its rounding: the same losses as always
+    # keeps autodiff's, and so its rounding: the same losses as always
     if jnp.dtype(cfg.compute_dtype) == jnp.float32:
         total = chunked_nll(head, x, rows, cfg, chunk).sum()
     else:
@@ -622,32 +635,52 @@ def loss_fn(params, tokens, targets, cfg, reduction="mean", attn=causal_attentio
 # ---------------------------------------------------------------------------- inference
 
 
-def init_cache(cfg, batch, max_len, kv_dtype=None):
+def ring_size(window, context):
+    """The slots a sliding-window layer's ring cache holds: the window and the token
+    written, rounded up to 16; None where that is the whole context (no ring)."""
+    ring = -(-(window + 1) // 16) * 16
+    return ring if ring < context else None
+
+
+def ring_positions(pos, ring):
+    """The position each slot of a ring holds (B, ring) once each row's token at pos
+    (B,) is written: the latest p <= pos with p % ring the slot (< 0: none yet)."""
+    slots = jnp.arange(ring)
+    return pos[:, None] - (pos[:, None] - slots) % ring
+
+
+def init_cache(cfg, batch, max_len, kv_dtype=None, rings=False):
     """An empty KV cache: per layer k, v (B, K, S, D), heads first so that a decode step
     reads each head's keys as one block (kv_dtype "int8": each an int8 (B, K, S, D) and
     its scales (B, K, S, 1), one per token and head); the smear's last embedding (B, C);
     each row's position (B,), the number of tokens it holds. Zeros, never uninitialized
-    memory: a masked slot still enters the softmax's weighted sum, and 0 * NaN is NaN."""
-    shape = (batch, cfg.n_kv_head, max_len, cfg.head_dim)
+    memory: a masked slot still enters the softmax's weighted sum, and 0 * NaN is NaN.
+    rings: each sliding-window layer holds a ring of ring_size slots, not max_len (a
+    decode cache, one token a call: forward_cached's rings)."""
     dtype = cfg.compute_dtype
 
-    def empty():
+    def empty(length):
+        shape = (batch, cfg.n_kv_head, length, cfg.head_dim)
         if kv_dtype == "int8":
             return jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1] + (1,), dtype)
         return jnp.zeros(shape, dtype)
     layers = []
-    for _ in range(cfg.n_layer):
-        layers.append((empty(), empty()))  # k, v
+    for window in window_sizes(cfg):
+        ring = ring_size(window, max_len) if rings else None
+        layers.append((empty(ring or max_len), empty(ring or max_len)))  # k, v
     return {"layers": layers,
             "prev": jnp.zeros((batch, cfg.n_embd), cfg.compute_dtype),
             "pos": jnp.zeros((batch,), jnp.int32)}
 
 
-def forward_cached(layered, tokens, cache, cfg, attn, length=None):
+def forward_cached(layered, tokens, cache, cfg, attn, length=None, rings=False):
     """(logits (B, vocab_size) after the last of `length` valid tokens, the advanced
     cache): prefill (T > 1) or decode. layered: unstacked, in the compute dtype; tokens (B, T)
     go in at each row's position. A prompt padded at the end to a bucket writes junk k,
-    v past `length`, which later writes replace before any query can see them."""
+    v past `length`, which later writes replace before any query can see them. rings:
+    the cache is init_cache's with rings, and tokens one a row (T = 1)."""
+    if rings and tokens.shape[1] != 1:
+        raise ValueError(f"a cache with rings takes one token a row, not {tokens.shape[1]}")
     length = tokens.shape[1] if length is None else length
     # 1. the embeddings, smeared with the cache's last one (e, before the smear, is what
     # the next chunk's smear reads)
@@ -655,7 +688,7 @@ def forward_cached(layered, tokens, cache, cfg, attn, length=None):
     x = smear(e, layered["smear_gate"], layered["smear_lambda"], cache["prev"])
     # 2. the layers, each writing its keys and values at each row's position
     x, layers = trunk(layered, tokens, x, cfg, attn=attn, caches=list(cache["layers"]),
-                      pos=cache["pos"])
+                      pos=cache["pos"], rings=rings)
 
     # 3. the logits after the last valid token, and the advanced cache
     def last(a):

@@ -2910,6 +2910,37 @@ def test_engine_staggered_requests_equal_each_alone(window_model):
 
 
 @pytest.mark.usefixtures("fp32_matmuls")
+def test_engine_sliding_window_layers_hold_rings(window_model):
+    """The engine's cache holds a sliding-window layer's window only: a ring of ring_size slots
+    (the window and the token written, rounded up to 16), each position in its slot modulo the
+    ring. A 200-token prompt's last 144 positions go into the ring at admission, decoding wraps
+    it, and the greedy reply equals solo generate's over whole-context caches. A ring takes one
+    token a call."""
+    params, prompt = window_model
+    cfg = WINDOW_CFG  # windows 128 and 256 at context 256
+    assert (nc.ring_size(128, 256), nc.ring_size(255, 256)) == (144, None)
+    pos = jnp.array([3, 150, 400])
+    held = np.asarray(nc.ring_positions(pos, 144))  # (3, 144)
+    assert (held % 144 == np.arange(144)).all()  # each position in its slot
+    assert (held <= pos[:, None]).all() and (held > pos[:, None] - 144).all()  # the latest 144
+    eng = engine.Engine(params, cfg, slots=2, kmax=8)
+    shapes = [k.shape for k, _ in eng.state["cache"]["layers"]]
+    assert shapes == [(2, 1, 144, 16), (2, 1, 256, 16)]
+    whole = jax.eval_shape(lambda: nc.init_cache(cfg, 2, 256))
+    ringed = jax.eval_shape(lambda: nc.init_cache(cfg, 2, 256, rings=True))
+    # k and v of 2 slots: layer 0's 112 positions fewer
+    assert nc.count(whole["layers"]) - nc.count(ringed["layers"]) == 2 * 2 * 1 * 112 * 16
+    request = eng.submit(prompt[:200].tolist(), greedy(50))
+    eng.drain()
+    tokens, masks = solo(params, cfg, prompt[:200], max_tokens=50)
+    assert request.tokens[0] == tokens and masks == [1] * 50
+    layered = engine.prepare(params, cfg)
+    cache = nc.init_cache(cfg, 1, cfg.sequence_len, rings=True)
+    with pytest.raises(ValueError, match="^a cache with rings takes one token a row, not 2$"):
+        nc.forward_cached(layered, prompt[None, :2], cache, cfg, nc.causal_attention, rings=True)
+
+
+@pytest.mark.usefixtures("fp32_matmuls")
 def test_int8_kv_cache(window_model):
     """--kv-cache int8: every k and v vector of a token and head stored as int8 values and one
     scale, each value within half a scale; a decode step's logits over a 90-token int8 cache
@@ -2942,8 +2973,9 @@ def test_int8_kv_cache(window_model):
     k, scales = eng.state["cache"]["layers"][0][0]
     B, K, S, D = k.shape
     assert k.dtype == jnp.int8 and scales.shape == (B, K, S, 1)
+    held = sum(k[0].shape[2] for k, _ in eng.state["cache"]["layers"])  # each layer's slots
     assert engine.state_bytes(cfg, 2, "int8") == engine.state_bytes(cfg, 2) - (
-        2 * cfg.n_layer * B * K * S * (4 * D - D - 4))
+        2 * B * K * held * (4 * D - D - 4))
     assert first["int8"] == first[None]
     with pytest.raises(ValueError, match="^kv_cache is 'fp8'; it must be None"):
         engine.Engine(params, cfg, slots=2, kv_cache="fp8")
