@@ -244,9 +244,8 @@ def generate(params, cfg, prompt_ids, sampling, *, num_samples=1, tool=None,
 def new_state(cfg, slots, kv_dtype=None):
     """The engine's device state, every slot empty: the KV cache of B rows over the
     whole context, a sliding window's over its ring (kv_dtype, rings: nc.init_cache's),
-    and per slot (a leading B on every
-    array) what its request asked and where it stands. Each array its own buffer: the
-    state is donated whole."""
+    and per slot (a leading B on every array) what its request asked and where it
+    stands. Each array its own buffer: the state is donated whole."""
     def zeros(dtype=jnp.int32):
         return jnp.zeros((slots,), dtype)
     return {
@@ -347,11 +346,6 @@ def emit(slot, logits, pos, python, logprobs):
     return slot, jnp.concatenate([shown, flags, probs], axis=1)
 
 
-def cache_length(entry):
-    """The slots of one layer's k or v in a state's cache (an int8 one: its values')."""
-    return (entry[0] if isinstance(entry, tuple) else entry).shape[2]
-
-
 def ring_of(prompt, length, ring):
     """A prompt's keys or values (1, K, T, D), its first `length` real, as a ring of
     `ring` slots holds them after its last token (nc.ring_positions); zeros where no
@@ -387,9 +381,10 @@ def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention):
                 return tuple(put(a, b) for a, b in zip(entry, nc.quantize(new)))
             return put(entry, new)
         stored = []
-        for (k, v), (k_prompt, v_prompt) in zip(layers, prompt["layers"]):
-            ring = cache_length(k)
-            if ring < cfg.sequence_len:
+        for (k, v), (k_prompt, v_prompt), window in zip(layers, prompt["layers"],
+                                                        nc.window_sizes(cfg)):
+            ring = nc.ring_size(window, cfg.sequence_len)
+            if ring:
                 k_prompt, v_prompt = (ring_of(a, length, ring) for a in (k_prompt, v_prompt))
             stored.append((store(k, k_prompt), store(v, v_prompt)))
         return stored

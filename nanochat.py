@@ -666,7 +666,7 @@ def init_cache(cfg, batch, max_len, kv_dtype=None, rings=False):
         return jnp.zeros(shape, dtype)
     layers = []
     for window in window_sizes(cfg):
-        ring = ring_size(window, max_len) if rings else None
+        ring = ring_size(window, cfg.sequence_len) if rings else None
         layers.append((empty(ring or max_len), empty(ring or max_len)))  # k, v
     return {"layers": layers,
             "prev": jnp.zeros((batch, cfg.n_embd), cfg.compute_dtype),

@@ -652,9 +652,8 @@ def refused_compiles():
     cache = jax.config.jax_compilation_cache_dir
     if not cache:
         return {}, nothing
-    device = jax.local_devices()[0]
-    path = os.path.join(cache, f"memory-plan-{device.device_kind}-{jax.__version__}.json")
-    path = path.replace(" ", "_")
+    name = f"memory-plan-{jax.local_devices()[0].device_kind}-{jax.__version__}.json"
+    path = os.path.join(cache, name.replace(" ", "_"))
     refused = {}
     with contextlib.suppress(OSError, ValueError):
         with open(path) as f:
