@@ -4,12 +4,13 @@
   golden test pins to nanochat's own Engine and against which the slot engine is tested.
 - `Engine` serves many requests at once (continuous batching): slots, rows of one KV
   cache over the whole context (a sliding-window layer's over its window, a ring:
-  nanochat.init_cache's rings), each at its own position. A prompt is prefilled alone
-  into free slots (`admit`); one jitted call decodes up to K tokens for every live slot
-  (`decode_chunk`) with the sampling, stop ids, budgets and the calculator's forced
-  tokens on the device, and hands back early only when the calculator must run
-  (`resume`). A choice's samples depend on its own seed. docs/serving.md tells the
-  design. Dimensions: B slots, S sequence_len, V vocab, C choices.
+  nanochat.init_cache's rings), each at its own position. The prompts waiting are
+  prefilled together into free slots (`admit`); one jitted call decodes up to K tokens
+  for every live slot (`decode_chunk`) with the sampling, stop ids, budgets and the
+  calculator's forced tokens on the device, and hands back early only when the
+  calculator must run (`resume`). A choice's samples depend on its own seed.
+  docs/serving.md tells the design. Dimensions: B slots, S sequence_len, V vocab, C
+  choices, P prompts, N choices admitted at once.
 """
 import collections
 import dataclasses
@@ -357,21 +358,24 @@ def ring_of(prompt, length, ring):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attn"), donate_argnames="state")
 def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention):
-    """Start a request in its slots: prefill its prompt alone, copy the cache into each
-    choice's slot (nanochat's prefill once, replicate), and emit each choice's first
-    token: (state, records (C, W), with logprobs). request, every value traced: prompt
-    (1, T), its first `length` tokens real; n choices, numbered from `first`, into slots
-    (C,), B past n; seed; temperature, top_k, top_p; budget (tokens it may emit); stops
-    (MAX_STOPS,), -1 padded. python: the ids of <|python_start|> and <|python_end|> (-1:
-    no calculator)."""
+    """Start requests in their slots: prefill their prompts together, copy each prompt's
+    cache into each of its choices' slots (nanochat's prefill once, replicate), and emit
+    each choice's first token: (state, records (N, W), with logprobs). request, every
+    value traced: per prompt (P rows): prompt (P, T), its first `length` tokens real;
+    seed; temperature, top_k, top_p; budget (tokens it may emit); stops (P, MAX_STOPS),
+    -1 padded. Per choice (N rows, the first n real): row, its prompt; choice, its
+    number within the request; slots, its slot (B past n). python: the ids of
+    <|python_start|> and <|python_end|> (-1: no calculator)."""
     slots = request["slots"]
+    row = request["row"]
     length = request["length"]
-    # 1. the prompt alone, in its bucket
-    empty = nc.init_cache(cfg, 1, request["prompt"].shape[1])
-    logits, prompt = nc.forward_cached(layered, request["prompt"], empty, cfg, attn, length)
+    # 1. the prompts together, in their bucket, each at its own length
+    P, T = request["prompt"].shape
+    empty = nc.init_cache(cfg, P, T)
+    logits, prompts = nc.forward_cached(layered, request["prompt"], empty, cfg, attn, length)
 
-    # 2. its keys and values into each choice's slot, from position 0; a ring takes the
-    # positions it holds after the prompt's last token
+    # 2. a prompt's keys and values into its choice's slot, from position 0; a ring takes
+    # the positions it holds after the prompt's last token
     def copy(j, layers):
         at = (slots[j], 0, 0, 0)
         put = functools.partial(jax.lax.dynamic_update_slice, start_indices=at)
@@ -380,40 +384,42 @@ def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention):
             if isinstance(entry, tuple):
                 return tuple(put(a, b) for a, b in zip(entry, nc.quantize(new)))
             return put(entry, new)
+
+        def prompt_of(a):  # (1, K, T, D)
+            return jax.lax.dynamic_slice_in_dim(a, row[j], 1)
         stored = []
-        for (k, v), (k_prompt, v_prompt), window in zip(layers, prompt["layers"],
+        for (k, v), (k_prompt, v_prompt), window in zip(layers, prompts["layers"],
                                                         nc.window_sizes(cfg)):
+            k_prompt, v_prompt = prompt_of(k_prompt), prompt_of(v_prompt)
             ring = nc.ring_size(window, cfg.sequence_len)
             if ring:
-                k_prompt, v_prompt = (ring_of(a, length, ring) for a in (k_prompt, v_prompt))
+                k_prompt, v_prompt = (ring_of(a, length[row[j]], ring)
+                                      for a in (k_prompt, v_prompt))
             stored.append((store(k, k_prompt), store(v, v_prompt)))
         return stored
     cache = dict(state["cache"])
     cache["layers"] = jax.lax.fori_loop(0, request["n"], copy, cache["layers"])
-    cache["pos"] = cache["pos"].at[slots].set(length, mode="drop")
-    cache["prev"] = cache["prev"].at[slots].set(prompt["prev"][0], mode="drop")
-    # 3. each choice's settings, then its first token from the prompt's logits
-    C = slots.shape[0]
-    choices = request["first"] + jnp.arange(C)  # choice c draws with fold_in(key(seed), c)
-
-    def each(value):
-        return jnp.broadcast_to(value, (C,) + jnp.shape(value))
+    cache["pos"] = cache["pos"].at[slots].set(length[row], mode="drop")
+    cache["prev"] = cache["prev"].at[slots].set(prompts["prev"][row], mode="drop")
+    # 3. each choice's settings, then its first token from its prompt's logits; choice c
+    # of a request draws with fold_in(key(seed), c)
+    N = slots.shape[0]
+    seeds = jax.vmap(jax.random.key)(request["seed"][row])
     fresh = {
-        "token": each(0),
-        "live": jnp.arange(C) < request["n"],
-        "left": each(request["budget"]),
-        "in_py": each(False),
-        "queue": jnp.zeros((C, 1), jnp.int32),
-        "qpos": each(0),
-        "qlen": each(0),
-        "key": row_keys(jax.random.key(request["seed"]), choices),
-        "temperature": each(request["temperature"]),
-        "top_k": each(request["top_k"]),
-        "top_p": each(request["top_p"]),
-        "stops": each(request["stops"]),
+        "token": jnp.zeros(N, jnp.int32),
+        "live": jnp.arange(N) < request["n"],
+        "left": request["budget"][row],
+        "in_py": jnp.zeros(N, bool),
+        "queue": jnp.zeros((N, 1), jnp.int32),
+        "qpos": jnp.zeros(N, jnp.int32),
+        "qlen": jnp.zeros(N, jnp.int32),
+        "key": jax.vmap(jax.random.fold_in)(seeds, request["choice"]),
+        "temperature": request["temperature"][row],
+        "top_k": request["top_k"][row],
+        "top_p": request["top_p"][row],
+        "stops": request["stops"][row],
     }
-    logits = jnp.repeat(logits, C, axis=0)
-    fresh, records = emit(fresh, logits, each(length), python, logprobs=True)
+    fresh, records = emit(fresh, logits[row], length[row], python, logprobs=True)
     # 4. into the slots (an index of B, past the n choices, writes nothing)
     state = {**state, "cache": cache}
     del fresh["queue"]
@@ -605,7 +611,7 @@ class Engine:
         self.attn = attn
         self.python = np.array(python_ids or (-1, -1), np.int32)
         self.waiting = waiting
-        self.choices = min(slots, MAX_CHOICES)  # choices one admit call starts
+        self.choices = min(slots, MAX_CHOICES)  # a request's choices started at once
         # a chunk runs on the first 1, 4, 16, ... slots and the lowest free slot is
         # taken first, so that a few requests cost a few rows
         powers = {min(slots, 4**i) for i in range(slots.bit_length())}
@@ -735,16 +741,17 @@ class Engine:
 
     def admit_waiting(self):
         """Start waiting requests, first come first served, while their choices find
-        free slots; hand out each choice's first token. Whether any started."""
-        started = []
+        free slots; their prompts prefilled together, a call for each prompt bucket
+        (prompt_rows); hand out each choice's first token. Whether any started."""
+        free = [slot for slot, owner in enumerate(self.owner)
+                if owner is None and slot not in self.stopping]
+        taken = collections.defaultdict(list)  # prompt bucket -> [(request, slots, first)]
         while True:
             # 1. the first request in line, if it fits (a cancelled one leaves the line)
             with self.wake:
                 if not self.inbox:
                     break
                 request = self.inbox[0]
-                free = [slot for slot, owner in enumerate(self.owner)
-                        if owner is None and slot not in self.stopping]
                 count = min(request.n - request.started, self.choices)
                 if not request.cancelled and len(free) < count:
                     break
@@ -753,59 +760,86 @@ class Engine:
             if request.cancelled:
                 continue
             # 2. its next choices into the lowest free slots
-            slots = free[:count]
+            slots, free = free[:count], free[count:]
             first = request.started
             request.started += count
             for choice, slot in enumerate(slots, first):
                 self.owner[slot] = (request, choice)
-            arrays = self.request_arrays(request, slots, first)
-            self.state, records = admit(self.layered, self.state, arrays, self.python,
-                                        cfg=self.cfg, attn=self.attn)
-            self.stats["calls"] += 1
-            self.stats["admits"] += 1
-            started.append((slots, records))
-        # 3. one copy to the host for every admission of the round
+            taken[self.prompt_bucket(len(request.prompt))].append((request, slots, first))
+        # 3. one call for each bucket's prompts, as many as its largest row count holds
+        started = []
+        for T, entries in taken.items():
+            most = self.prompt_rows(T)[-1]
+            for i in range(0, len(entries), most):
+                group = entries[i:i + most]
+                arrays = self.request_arrays(T, group)
+                self.state, records = admit(self.layered, self.state, arrays, self.python,
+                                            cfg=self.cfg, attn=self.attn)
+                self.stats["calls"] += 1
+                self.stats["admits"] += 1
+                started.append((group, records))
+        # 4. one copy to the host for every admission of the round
         copied = jax.device_get([records for _, records in started])
-        for (slots, _), records in zip(started, copied):
-            request = self.owner[slots[0]][0]
-            for j, slot in enumerate(slots):
-                self.take(slot, records[j])
-            request.flush()
+        for (group, _), records in zip(started, copied):
+            slots = [slot for _, slots, _ in group for slot in slots]
+            for slot, record in zip(slots, records):
+                self.take(slot, record)
+            for request, _, _ in group:
+                request.flush()
         return bool(started)
 
-    def request_arrays(self, request, slots, first):
-        """admit's request: numpy values of fixed dtypes (a new value never recompiles)."""
+    def request_arrays(self, T, group):
+        """admit's request for a group of (request, its slots, its first choice there),
+        prompts of bucket T: numpy values of fixed dtypes (a new value never
+        recompiles), the prompts padded to a row count of prompt_rows(T)."""
         S = self.cfg.sequence_len
-        n = len(request.prompt)
-        # the prompt padded at the end to its bucket
-        prompt = np.zeros((1, self.prompt_bucket(n)), np.int32)
-        prompt[0, :n] = request.prompt
-        # slot B, out of range, for the choices past n: writes nothing
-        padded = np.full(self.choices, self.slots, np.int32)
-        padded[:len(slots)] = slots
-        sampling = request.sampling
-        stops = np.full(MAX_STOPS, -1, np.int32)
-        stops[:len(sampling.stop_ids)] = sampling.stop_ids
-        return {"prompt": prompt,
-                "length": np.int32(n),
-                "slots": padded,
-                "n": np.int32(len(slots)),
-                "first": np.int32(first),
-                "seed": np.uint32(sampling.seed % 2**32),
-                "temperature": np.float32(sampling.temperature),
-                "top_k": np.int32(sampling.top_k),
-                "top_p": np.float32(sampling.top_p),
-                "budget": np.int32(min(sampling.max_tokens, S - n)),
-                "stops": stops}
+        P = min(rows for rows in self.prompt_rows(T) if rows >= len(group))
+        prompts = {"prompt": np.zeros((P, T), np.int32),  # each padded at the end
+                   "length": np.ones(P, np.int32),
+                   "seed": np.zeros(P, np.uint32),
+                   "temperature": np.zeros(P, np.float32),
+                   "top_k": np.zeros(P, np.int32),
+                   "top_p": np.ones(P, np.float32),
+                   "budget": np.zeros(P, np.int32),
+                   "stops": np.full((P, MAX_STOPS), -1, np.int32)}
+        # slot B, out of range, for the rows past the choices: writes nothing
+        choices = {"row": np.zeros(self.slots, np.int32),
+                   "choice": np.zeros(self.slots, np.int32),
+                   "slots": np.full(self.slots, self.slots, np.int32)}
+        j = 0
+        for p, (request, slots, first) in enumerate(group):
+            n = len(request.prompt)
+            sampling = request.sampling
+            prompts["prompt"][p, :n] = request.prompt
+            prompts["length"][p] = n
+            prompts["seed"][p] = sampling.seed % 2**32
+            prompts["temperature"][p] = sampling.temperature
+            prompts["top_k"][p] = sampling.top_k
+            prompts["top_p"][p] = sampling.top_p
+            prompts["budget"][p] = min(sampling.max_tokens, S - n)
+            prompts["stops"][p, :len(sampling.stop_ids)] = sampling.stop_ids
+            for choice, slot in enumerate(slots, first):
+                choices["row"][j] = p
+                choices["choice"][j] = choice
+                choices["slots"][j] = slot
+                j += 1
+        return {**prompts, **choices, "n": np.int32(j)}
 
     def prompt_bucket(self, n):
-        """The padded length of a prompt of n tokens, an admit program each: the
-        context, a quarter of it, a sixteenth, ... down to 32 tokens (a prefill costs
-        little next to a compile: 512 gives 32, 128, 512; 256 gives 64, 256)."""
+        """The padded length of a prompt of n tokens: the context, a quarter of it, a
+        sixteenth, ... down to 32 tokens (a prefill costs little next to a compile: 512
+        gives 32, 128, 512; 256 gives 64, 256)."""
         padded = self.cfg.sequence_len
         while padded // 4 >= max(n, 32):
             padded //= 4
         return padded
+
+    def prompt_rows(self, T):
+        """The prompt counts one admit call prefills at bucket T, an admit program each:
+        1, 4, 16 up to the slots, as many as hold at most two contexts of tokens (one
+        prompt always)."""
+        rows = [r for r in (1, 4, 16) if r <= self.slots and r * T <= 2 * self.cfg.sequence_len]
+        return rows or [1]
 
     def take(self, slot, record):
         """Hand one record of a slot to its request: the token, the calculator, the end."""
@@ -847,17 +881,18 @@ class Engine:
         self.stats["hops"] += 1
 
     def warm_up(self):
-        """Compile every program a request can need: each prompt bucket's admit, each
-        chunk of a row count and a view, resume; each called so that it changes
-        nothing (an admit that starts no choice, a chunk of no step, a resume of slot
-        B, out of range)."""
+        """Compile every program a request can need: each prompt bucket's admit for
+        each prompt count, each chunk of a row count and a view, resume; each called so
+        that it changes nothing (an admit that starts no choice, a chunk of no step, a
+        resume of slot B, out of range)."""
         S = self.cfg.sequence_len
-        # 1. admit for each bucket
+        # 1. admit for each bucket and prompt count
         for T in sorted({self.prompt_bucket(n) for n in range(1, S)}):
-            empty = Request([0] * T, Sampling(max_tokens=1), 1, None, False)
-            arrays = self.request_arrays(empty, [], 0)
-            self.state, _ = admit(self.layered, self.state, arrays, self.python, cfg=self.cfg,
-                                  attn=self.attn)
+            for P in self.prompt_rows(T):
+                empty = Request([0] * T, Sampling(max_tokens=1), 1, None, False)
+                arrays = self.request_arrays(T, [(empty, [], 0)] * P)
+                self.state, _ = admit(self.layered, self.state, arrays, self.python,
+                                      cfg=self.cfg, attn=self.attn)
         # 2. a chunk of each row count and view
         control = {"steps": np.int32(0),
                    "exit_on_done": np.bool_(False),

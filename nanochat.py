@@ -674,11 +674,12 @@ def init_cache(cfg, batch, max_len, kv_dtype=None, rings=False):
 
 
 def forward_cached(layered, tokens, cache, cfg, attn, length=None, rings=False):
-    """(logits (B, vocab_size) after the last of `length` valid tokens, the advanced
-    cache): prefill (T > 1) or decode. layered: unstacked, in the compute dtype; tokens (B, T)
-    go in at each row's position. A prompt padded at the end to a bucket writes junk k,
-    v past `length`, which later writes replace before any query can see them. rings:
-    the cache is init_cache's with rings, and tokens one a row (T = 1)."""
+    """(logits (B, vocab_size) after the last of `length` valid tokens, one for all rows
+    or (B,) a row each; the advanced cache): prefill (T > 1) or decode. layered:
+    unstacked, in the compute dtype; tokens (B, T) go in at each row's position. A
+    prompt padded at the end to a bucket writes junk k, v past its length, which later
+    writes replace before any query can see them. rings: the cache is init_cache's with
+    rings, and tokens one a row (T = 1)."""
     if rings and tokens.shape[1] != 1:
         raise ValueError(f"a cache with rings takes one token a row, not {tokens.shape[1]}")
     length = tokens.shape[1] if length is None else length
@@ -690,10 +691,12 @@ def forward_cached(layered, tokens, cache, cfg, attn, length=None, rings=False):
     x, layers = trunk(layered, tokens, x, cfg, attn=attn, caches=list(cache["layers"]),
                       pos=cache["pos"], rings=rings)
 
-    # 3. the logits after the last valid token, and the advanced cache
+    # 3. the logits after each row's last valid token, and the advanced cache
+    lengths = jnp.broadcast_to(length, tokens.shape[:1])
+
     def last(a):
-        return jax.lax.dynamic_index_in_dim(a, length - 1, axis=1, keepdims=False)
-    cache = {"layers": layers, "prev": last(e), "pos": cache["pos"] + length}
+        return jnp.take_along_axis(a, lengths[:, None, None] - 1, axis=1)[:, 0]
+    cache = {"layers": layers, "prev": last(e), "pos": cache["pos"] + lengths}
     return logits_from_hidden(layered, last(x), cfg), cache
 
 # ----------------------------------------------------------------------------- counting

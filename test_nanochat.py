@@ -3111,6 +3111,28 @@ def test_engine_stops_limits_choices_and_seeds(window_model):
         eng.submit(prompt[:5].tolist(), dataclasses.replace(sampled, top_k=257))
 
 
+def test_engine_prefills_a_burst_together(window_model):
+    """Prompts waiting at one call are prefilled together, one admit call for each prompt
+    bucket and as many prompts as its largest count holds: a burst of eight takes four calls,
+    and each reply equals its request's alone (greedy: generate's; seeded, with three choices:
+    the engine's with the request alone)."""
+    params, prompt = window_model
+    eng = engine.Engine(params, WINDOW_CFG, slots=16, kmax=8)
+    assert [eng.prompt_rows(T) for T in (64, 256)] == [[1, 4], [1]]
+    lengths = (3, 9, 20, 31, 100, 40, 64, 150)  # six of bucket 64, two of 256
+    seeded = engine.Sampling(max_tokens=10, temperature=1.0, top_k=40, seed=5)
+    burst = [eng.submit(prompt[:n].tolist(), greedy(10)) for n in lengths[:-1]]
+    burst.append(eng.submit(prompt[:lengths[-1]].tolist(), seeded, n=3))
+    eng.step()
+    assert eng.stats["admits"] == 4  # 64: four prompts, then two; 256: one and one
+    eng.drain()
+    for n, request in zip(lengths, burst[:-1]):
+        assert request.tokens[0] == solo(params, WINDOW_CFG, prompt[:n], max_tokens=10)[0], n
+    alone = eng.submit(prompt[:lengths[-1]].tolist(), seeded, n=3)
+    eng.drain()
+    assert alone.tokens == burst[-1].tokens and len({tuple(t) for t in alone.tokens}) == 3
+
+
 def test_engine_never_recompiles_after_warm_up_and_donates(window_model, recwarn):
     """After warm_up, prompts of every bucket, any number of concurrent requests, chunks of any
     row count, calculator hops, logprobs and cancellations compile nothing; each call donates the
