@@ -563,6 +563,13 @@ def serving_config(name):
                                compute_dtype="bfloat16")
 
 
+def serving_params(cfg):
+    """Random parameters in the compute dtype, as a served bf16 checkpoint holds them: fp32
+    ones would keep twice their bytes on the device beside the engine's copy."""
+    params = nc.init_params(cfg, jax.random.key(0))
+    return jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params)
+
+
 def bench_chat_traffic(name, requests, slots_most=128, kmax=16, reply=256, kv_cache=None):
     """Chat-like traffic: `requests` submitted at once, prompts of 100-400 random tokens (at
     most the context less the reply), `reply` tokens each at temperature 1 with no stop id,
@@ -571,7 +578,7 @@ def bench_chat_traffic(name, requests, slots_most=128, kmax=16, reply=256, kv_ca
     after warm-up; or, when the slots do not fit the device, the line that says so. kv_cache:
     the engine's."""
     cfg = serving_config(name)
-    params = nc.init_params(cfg, jax.random.key(0))
+    params = serving_params(cfg)
     reply = min(reply, cfg.sequence_len // 2)
     longest = min(400, cfg.sequence_len - reply - 1)
     rng = np.random.default_rng(0)
@@ -604,7 +611,7 @@ def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most
     lines, then its last line: one JSON document of nanochat's schema. kv_cache: the engine's
     (its bytes counted as stored)."""
     cfg = serving_config(name)
-    params = nc.init_params(cfg, jax.random.key(0))
+    params = serving_params(cfg)
     attn = kernels.attention_fn()
     device = jax.devices()[0]
     decode_tokens = min(decode_tokens, cfg.sequence_len // 2)  # room for a prompt
@@ -656,6 +663,7 @@ def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most
                           "mfu_percent": None if mfu is None else round(mfu, 2),
                           "time_sec": round(prefill_s, 6)}
     for batch in batch_sizes:
+        eng = None  # the last batch's cache freed before this one's is checked
         try:
             eng = engine.Engine(params, cfg, slots=min(batch, slots_most), kmax=kmax, attn=attn,
                                 kv_cache=kv_cache)

@@ -495,8 +495,11 @@ def test_the_training_loss_takes_its_gradients_with_the_logits(fp32_matmuls):
             return 3 * nc.nll_sum(params["lm_head"], x, targets, cfg, chunk)
         loss, grads = jax.jit(jax.value_and_grad(fused))(params)
         assert float(loss) == pytest.approx(3 * float(want), rel=1e-6)
+        # a chip's fp32 exp and tanh round otherwise: a layer scalar's gradient, summed over
+        # every token, then agrees to 2e-5 (measured on a v5e), a CPU's to 1e-5
+        rtol = 1e-4 if on_chip() else 1e-5
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
-            np.testing.assert_allclose(a, 3 * b, rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
+            np.testing.assert_allclose(a, 3 * b, rtol=rtol, atol=rtol * float(jnp.abs(b).max()))
         assert not grads["lm_head"][:, cfg.vocab_size:].any()  # the padded columns: none
 
 
