@@ -573,10 +573,11 @@ def serving_params(cfg):
 def bench_chat_traffic(name, requests, slots_most=128, kmax=16, reply=256, kv_cache=None):
     """Chat-like traffic: `requests` submitted at once, prompts of 100-400 random tokens (at
     most the context less the reply), `reply` tokens each at temperature 1 with no stop id,
-    through an engine of min(requests, slots_most) slots after its warm-up. One JSON line:
-    tokens/s, TTFT and TPOT p50/p95, the slots' cache bytes, peak device memory and compiles
-    after warm-up; or, when the slots do not fit the device, the line that says so. kv_cache:
-    the engine's."""
+    through an engine of min(requests, slots_most) slots after its warm-up, its pages as
+    many as the slots' longest conversations need at once. One JSON line: tokens/s, TTFT and
+    TPOT p50/p95, the pages and the most in use, the cache's bytes, peak device memory and
+    compiles after warm-up; or, when the slots do not fit the device, the line that says so.
+    kv_cache: the engine's."""
     cfg = serving_config(name)
     params = serving_params(cfg)
     reply = min(reply, cfg.sequence_len // 2)
@@ -585,20 +586,25 @@ def bench_chat_traffic(name, requests, slots_most=128, kmax=16, reply=256, kv_ca
     prompts = [rng.integers(0, cfg.vocab_size, rng.integers(min(100, longest), longest + 1))
                for _ in range(requests)]
     slots = min(requests, slots_most)
+    # pages for the slots' longest conversations at once, each its prompt and reply
+    page = engine.page_size(cfg.sequence_len)
+    needs = sorted(-(-(len(p) + reply) // page) for p in prompts)
+    pages = max(sum(needs[-slots:]), cfg.sequence_len // page)
     head = {"bench": "chat-traffic", "config": name, "device": jax.devices()[0].device_kind,
-            "requests": requests, "reply_tokens": reply, "slots": slots,
+            "requests": requests, "reply_tokens": reply, "slots": slots, "pages": pages,
             "kv_cache": kv_cache or "exact"}
     try:
         eng = engine.Engine(params, cfg, slots=slots, kmax=kmax, attn=kernels.attention_fn(),
-                            kv_cache=kv_cache)
+                            kv_cache=kv_cache, pages=pages)
     except ValueError as e:  # the slots' cache does not fit
         print(json.dumps({**head, "skipped": str(e)}), flush=True)
         return
     eng.warm_up()
     compiles = count_compiles()
     result = serve_streams(eng, [p.tolist() for p in prompts], reply)
-    cache_bytes = engine.state_bytes(cfg, slots, kv_cache)
-    print(json.dumps({**head, **result, "cache_bytes": cache_bytes,
+    cache_bytes = engine.state_bytes(cfg, slots, kv_cache, pages)
+    print(json.dumps({**head, **result, "pages_peak": eng.stats["pages_peak"],
+                      "cache_bytes": cache_bytes,
                       "peak_device_bytes": device_peak_bytes(jax.devices()[0]),
                       "compiles_after_warm_up": len(compiles)}), flush=True)
 

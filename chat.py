@@ -128,14 +128,15 @@ class Reply:
         return text
 
 
-def chat_engine(params, cfg, tok, slots=1, waiting=None, kv_cache=None):
+def chat_engine(params, cfg, tok, slots=1, waiting=None, kv_cache=None, pages=None):
     """The engine that chat.py samples from, not yet started: `slots` rows over the
-    whole context (kv_cache: the engine's), the calculator's block ids, this backend's
-    attention."""
+    whole context (kv_cache, pages: the engine's), the calculator's block ids, this
+    backend's attention."""
     sp = tok.special
     python_ids = (sp["<|python_start|>"], sp["<|python_end|>"])
     return engine.Engine(params, cfg, slots=slots, attn=kernels.attention_fn(),
-                         python_ids=python_ids, waiting=waiting, kv_cache=kv_cache)
+                         python_ids=python_ids, waiting=waiting, kv_cache=kv_cache,
+                         pages=pages)
 
 
 def sample_replies(eng, tok, prompt, replies, sampling):
@@ -642,6 +643,9 @@ def parse_args(argv=None):
     a("--allow-origin", nargs="*", default=[], help="other pages' origins allowed to use the API")
     a("--slots", type=int, default=16, help="server: requests generated at once (more "
       "wait in line, up to 4 per slot, then a 503)")
+    a("--pages", type=int, help="server: pages (32 tokens each at most contexts) of the KV "
+      "cache's layers over the whole context, shared by the slots; requests wait for them as "
+      "for slots (default: every slot the whole context)")
     a("--kv-cache", choices=["int8"], help="an int8 KV cache, a scale a token and head: about "
       "half a bf16 cache's bytes, not exact (none: the compute dtype's, exact)")
     a("--compile-cache", default=os.path.expanduser("~/.cache/nanochat_jax/xla"),
@@ -691,11 +695,11 @@ def main(argv=None):
     try:
         if args.serve:
             eng = chat_engine(params, cfg, tok, slots=args.slots, waiting=4 * args.slots,
-                              kv_cache=args.kv_cache)
+                              kv_cache=args.kv_cache, pages=args.pages)
         else:
             eng = chat_engine(params, cfg, tok, slots=1, kv_cache=args.kv_cache)
     except ValueError as e:
-        sys.exit(f"error: {e} (--slots)")
+        sys.exit(f"error: {e} ({'--pages' if args.pages else '--slots'})")
     # 4. serve many people at once, or chat with one in the terminal
     try:
         if args.serve:

@@ -15,6 +15,7 @@
 import collections
 import dataclasses
 import functools
+import math
 import queue
 import threading
 
@@ -28,6 +29,7 @@ TOP_K_MAX = 256  # top_k is traced under this bound: a fixed-size lax.top_k is f
 MAX_STOPS = 4  # stop ids per request
 MAX_CHOICES = 16  # choices that share one prefill
 TOP_LOGPROBS = 20  # OpenAI's most
+PAGE = 32  # tokens a page of the paged layers' cache, at most (page_size)
 # a record's flags: the token was forced (mask 0), it closed a python block, the choice ended
 FORCED = 1
 CLOSES = 2
@@ -242,15 +244,36 @@ def generate(params, cfg, prompt_ids, sampling, *, num_samples=1, tool=None,
 # ------------------------------------------------------------- the slot engine: device functions
 
 
-def new_state(cfg, slots, kv_dtype=None):
-    """The engine's device state, every slot empty: the KV cache of B rows over the
-    whole context, a sliding window's over its ring (kv_dtype, rings: nc.init_cache's),
-    and per slot (a leading B on every array) what its request asked and where it
-    stands. Each array its own buffer: the state is donated whole."""
+def layouts(cfg, paged):
+    """How each layer's cache lies in the engine: "ring", a sliding window's, a ring a
+    slot; a layer over the whole context "pages" from one pool when paged, else "rows",
+    the whole context a slot."""
+    whole = "pages" if paged else "rows"
+    return ["ring" if nc.ring_size(window, cfg.sequence_len) else whole
+            for window in nc.window_sizes(cfg)]
+
+
+def new_state(cfg, slots, kv_dtype=None, pages=None, page=None):
+    """The engine's device state, every slot empty: the KV cache (layouts: a sliding
+    window's layer a ring a slot, nc.init_cache's rings; a layer over the whole context
+    the whole context a slot, or with `pages` a pool of that many pages of `page` tokens,
+    page 0 the null page that no slot holds: (pages + 1, K, page, D); page None:
+    page_size's), and per slot (a leading B on every array) what its request asked and
+    where it stands. Each array its own buffer: the state is donated whole."""
+    page = page or page_size(cfg.sequence_len)
+    paged = pages is not None
+    cache = nc.init_cache(cfg, slots, page if paged else cfg.sequence_len, kv_dtype,
+                          rings=True)
+    if paged:
+        cache["layers"] = [(nc.empty_kv(cfg, pages + 1, page, kv_dtype),
+                            nc.empty_kv(cfg, pages + 1, page, kv_dtype))
+                           if layout == "pages" else kv
+                           for kv, layout in zip(cache["layers"], layouts(cfg, paged))]
+
     def zeros(dtype=jnp.int32):
         return jnp.zeros((slots,), dtype)
     return {
-        "cache": nc.init_cache(cfg, slots, cfg.sequence_len, kv_dtype, rings=True),
+        "cache": cache,
         "token": zeros(),  # the last token emitted, fed next
         "live": zeros(bool),  # emitting: admitted, not ended, not waiting for the calculator
         "left": zeros(),  # tokens it may still emit
@@ -266,9 +289,9 @@ def new_state(cfg, slots, kv_dtype=None):
     }
 
 
-def state_bytes(cfg, slots, kv_dtype=None):
-    """The bytes of new_state's arrays for `slots` slots (each array's leading axis)."""
-    shapes = jax.eval_shape(functools.partial(new_state, cfg, slots, kv_dtype))
+def state_bytes(cfg, slots, kv_dtype=None, pages=None, page=None):
+    """The bytes of new_state's arrays."""
+    shapes = jax.eval_shape(functools.partial(new_state, cfg, slots, kv_dtype, pages, page))
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
 
 
@@ -281,16 +304,20 @@ def free_device_bytes():
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
-def check_memory(cfg, slots, kv_dtype=None):
+def check_memory(cfg, slots, kv_dtype=None, pages=None, page=None):
     """One ValueError line, before any cache is allocated, when the state of `slots`
-    slots does not fit the device's free memory (the weights already on it): what it
-    needs, what is free and how many slots fit."""
+    slots and `pages` pages (None: every slot the whole context) does not fit the
+    device's free memory (the weights already on it): what it needs, what is free and
+    how many slots fit."""
     free = free_device_bytes()
-    need = state_bytes(cfg, slots, kv_dtype)
+    need = state_bytes(cfg, slots, kv_dtype, pages, page)
     if free is None or need <= free:
         return
-    fit = int(free // (need / slots))
-    raise ValueError(f"{slots} slots need {need / 2**30:.2f} GiB of KV cache, more than the "
+    # a slot's bytes, and those of no slot (the null page; the pages given)
+    each = need - state_bytes(cfg, slots - 1, kv_dtype, pages, page)
+    fit = max(0, int((free - (need - slots * each)) // each))
+    what = f"{slots} slots" + (f" and {pages} pages" if pages is not None else "")
+    raise ValueError(f"{what} need {need / 2**30:.2f} GiB of KV cache, more than the "
                      f"{free / 2**30:.2f} GiB the device has free beside the weights; "
                      f"at most {fit} fit")
 
@@ -356,16 +383,18 @@ def ring_of(prompt, length, ring):
     return jnp.where((held >= 0)[:, None], taken, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attn"), donate_argnames="state")
-def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention):
+@functools.partial(jax.jit, static_argnames=("cfg", "attn", "paged"), donate_argnames="state")
+def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention, paged=False):
     """Start requests in their slots: prefill their prompts together, copy each prompt's
     cache into each of its choices' slots (nanochat's prefill once, replicate), and emit
     each choice's first token: (state, records (N, W), with logprobs). request, every
     value traced: per prompt (P rows): prompt (P, T), its first `length` tokens real;
     seed; temperature, top_k, top_p; budget (tokens it may emit); stops (P, MAX_STOPS),
     -1 padded. Per choice (N rows, the first n real): row, its prompt; choice, its
-    number within the request; slots, its slot (B past n). python: the ids of
-    <|python_start|> and <|python_end|> (-1: no calculator)."""
+    number within the request; slots, its slot (B past n); pages, its slot's page table
+    (N, S / page), 0 past the pages it holds. python: the ids of <|python_start|> and
+    <|python_end|> (-1: no calculator). paged: the state's layers over the whole context
+    are pages (layouts)."""
     slots = request["slots"]
     row = request["row"]
     length = request["length"]
@@ -374,13 +403,18 @@ def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention):
     empty = nc.init_cache(cfg, P, T)
     logits, prompts = nc.forward_cached(layered, request["prompt"], empty, cfg, attn, length)
 
-    # 2. a prompt's keys and values into its choice's slot, from position 0; a ring takes
-    # the positions it holds after the prompt's last token
+    # 2. a prompt's keys and values into its choice's slot or pages; a ring takes the
+    # positions it holds after the prompt's last token
     def copy(j, layers):
-        at = (slots[j], 0, 0, 0)
-        put = functools.partial(jax.lax.dynamic_update_slice, start_indices=at)
+        def into_slot(cache, new):  # (B, K, ring or S, D) at the slot
+            return jax.lax.dynamic_update_slice(cache, new, (slots[j], 0, 0, 0))
 
-        def store(entry, new):  # an int8 cache takes it quantized per token and head
+        def into_pages(pool, new):  # (pages + 1, K, page, D), the prompt's T / page pages
+            page = pool.shape[2]
+            blocks = new[0].reshape(new.shape[1], T // page, page, new.shape[-1])
+            return pool.at[request["pages"][j, :T // page]].set(blocks.swapaxes(0, 1))
+
+        def store(put, entry, new):  # an int8 cache takes it quantized per token and head
             if isinstance(entry, tuple):
                 return tuple(put(a, b) for a, b in zip(entry, nc.quantize(new)))
             return put(entry, new)
@@ -388,14 +422,15 @@ def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention):
         def prompt_of(a):  # (1, K, T, D)
             return jax.lax.dynamic_slice_in_dim(a, row[j], 1)
         stored = []
-        for (k, v), (k_prompt, v_prompt), window in zip(layers, prompts["layers"],
-                                                        nc.window_sizes(cfg)):
+        for (k, v), (k_prompt, v_prompt), window, layout in zip(
+                layers, prompts["layers"], nc.window_sizes(cfg), layouts(cfg, paged)):
             k_prompt, v_prompt = prompt_of(k_prompt), prompt_of(v_prompt)
-            ring = nc.ring_size(window, cfg.sequence_len)
-            if ring:
+            if layout == "ring":
+                ring = nc.ring_size(window, cfg.sequence_len)
                 k_prompt, v_prompt = (ring_of(a, length[row[j]], ring)
                                       for a in (k_prompt, v_prompt))
-            stored.append((store(k, k_prompt), store(v, v_prompt)))
+            put = into_pages if layout == "pages" else into_slot
+            stored.append((store(put, k, k_prompt), store(put, v, v_prompt)))
         return stored
     cache = dict(state["cache"])
     cache["layers"] = jax.lax.fori_loop(0, request["n"], copy, cache["layers"])
@@ -428,25 +463,43 @@ def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention):
     return state, records
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attn", "rows", "view", "kmax"),
+@functools.partial(jax.jit, static_argnames=("cfg", "attn", "rows", "view", "kmax", "paged"),
                    donate_argnames="state")
-def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax):
+def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=False):
     """Up to control["steps"] (at most kmax) tokens for every live slot of the first
     `rows`, whose positions stay under `view`: (state, records (kmax, rows, W), -1 where
     a slot emitted nothing). control, traced: steps; exit_on_done, hand back when a
-    choice ends (requests wait for a slot); cancel (B,), slots to stop first; python, as
-    admit's; logprobs, emit's. Hands back early when a slot closes a python block."""
-    # 1. stop the cancelled slots, then take the first `rows`, their cache up to `view`:
-    # a copy once a chunk, where every step reads what it holds
+    choice ends (requests wait for a slot); cancel (B,), slots to stop first; pages, the
+    slots' page tables (B, S / page), 0 past the pages each holds; python, as admit's;
+    logprobs, emit's; paged, admit's. Hands back early when a slot closes a python
+    block."""
+    # 1. stop the cancelled slots, then take the first `rows`, their cache over the whole
+    # context up to `view` (or its pages gathered): a copy once a chunk, where every step
+    # reads what it holds
     live = state["live"] & ~control["cancel"]
     state = {**state, "live": live}
+    page = cfg.sequence_len // control["pages"].shape[1]
+    table = control["pages"][:rows, :view // page]  # (rows, view / page)
+    kinds = layouts(cfg, paged)
 
-    def whole_context(a):  # a cache over the whole context, not a ring
-        return a.ndim == 4 and a.shape[2] == cfg.sequence_len
+    def first(a):
+        return a[:rows]
 
-    def part(a):
-        return a[:rows, :, :view] if whole_context(a) else a[:rows]
-    active = jax.tree.map(part, state)
+    def gather(pool):  # (pages + 1, K, page, D) -> (rows, K, view, D)
+        blocks = pool[table].swapaxes(1, 2)  # (rows, K, view / page, page, D)
+        return blocks.reshape(rows, pool.shape[1], view, pool.shape[-1])
+
+    def viewed(a):
+        return a[:rows, :, :view]
+
+    def part(layer, layout):
+        take = {"ring": first, "rows": viewed, "pages": gather}[layout]
+        return jax.tree.map(take, layer)
+    active = jax.tree.map(first, {name: a for name, a in state.items() if name != "cache"})
+    cache = state["cache"]
+    active["cache"] = {"layers": [part(layer, k) for layer, k in zip(cache["layers"], kinds)],
+                       "prev": first(cache["prev"]),
+                       "pos": first(cache["pos"])}
     records = jnp.full((kmax, rows, 3 + 2 * TOP_LOGPROBS), -1, jnp.int32)
 
     def step(carry):
@@ -477,12 +530,34 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax):
     carry = (0, active, records, False)
     _, active, records, _ = jax.lax.while_loop(more, step, carry)
 
-    # 5. the rows back in place (the state is donated: no second cache)
+    # 5. the rows back in place, up to the view, and into its pages the pages a slot can
+    # have written: from the one of its position at the chunk's start, kmax tokens on (the
+    # state is donated: no second cache; an idle slot's junk goes to the null page)
     def put_back(whole, done):
-        if whole_context(whole):  # its first rows, up to the view
-            return whole.at[:rows, :, :view].set(done)
         return whole.at[:rows].set(done)
-    state = jax.tree.map(put_back, state, active)
+
+    def put_view(whole, done):
+        return whole.at[:rows, :, :view].set(done)
+    touched = -(-kmax // page) + 1
+    written = cache["pos"][:rows, None] // page + jnp.arange(touched)
+    written = jnp.minimum(written, view // page - 1)  # (rows, touched) of the view's pages
+
+    def scatter(pool, done):
+        blocks = done.reshape(rows, pool.shape[1], view // page, page, pool.shape[-1])
+        blocks = jnp.take_along_axis(blocks, written[:, None, :, None, None], axis=2)
+        ids = jnp.take_along_axis(table, written, axis=1)
+        return pool.at[ids].set(blocks.swapaxes(1, 2))
+
+    def back(whole, done, layout):
+        put = {"ring": put_back, "rows": put_view, "pages": scatter}[layout]
+        return jax.tree.map(put, whole, done)
+    layers = [back(*layer, k) for *layer, k in zip(cache["layers"], active["cache"]["layers"],
+                                                    kinds)]
+    state = jax.tree.map(put_back, {name: a for name, a in state.items() if name != "cache"},
+                         {name: a for name, a in active.items() if name != "cache"})
+    state["cache"] = {"layers": layers,
+                      "prev": put_back(cache["prev"], active["cache"]["prev"]),
+                      "pos": put_back(cache["pos"], active["cache"]["pos"])}
     return state, records
 
 
@@ -497,6 +572,29 @@ def resume(state, slot, forced, n):
             "live": state["live"].at[slot].set(True, mode="drop")}
 
 # ---------------------------------------------------------------- the slot engine: the host loop
+
+
+def prompt_bucket(context, n):
+    """The padded length of a prompt of n tokens, an admit program each: the context, a
+    quarter of it, a sixteenth, ... down to 32 tokens (a prefill costs little next to a
+    compile: 512 gives 32, 128, 512; 256 gives 64, 256)."""
+    padded = context
+    while padded // 4 >= max(n, 32):
+        padded //= 4
+    return padded
+
+
+def chunk_views(context):
+    """How far into the cache a chunk may read, a program each (each costs seconds of
+    start-up): a quarter of the context, or all of it."""
+    return sorted({max(1, context // 4), context})
+
+
+def page_size(context):
+    """The tokens of a page: PAGE, or fewer so that pages tile every view and prompt
+    bucket."""
+    buckets = {prompt_bucket(context, n) for n in range(1, context)}
+    return math.gcd(PAGE, *chunk_views(context), *buckets)
 
 
 class Busy(RuntimeError):
@@ -594,18 +692,20 @@ class Engine:
     - python_ids: the ids of <|python_start|> and <|python_end|>, for the calculator;
     - waiting: how many requests may wait for a slot before submit raises Busy (None:
       any);
-    - rows: the row counts a chunk may run on (default 1, 4, 16, ...);
     - kv_cache: "int8" for an int8 cache with a scale per token and head (None: the
-      compute dtype's, exact)."""
+      compute dtype's, exact);
+    - pages: the pages of `page` tokens the layers over the whole context hold, at least
+      a context's (None: every slot the whole context). A request holds the pages its
+      prompt and max_tokens can reach from its admission to its end; requests wait for
+      pages as for slots."""
 
     def __init__(self, params, cfg, *, slots=16, kmax=16, attn=nc.causal_attention,
-                 python_ids=None, waiting=None, rows=None, kv_cache=None):
+                 python_ids=None, waiting=None, kv_cache=None, pages=None):
         self.cfg = cfg
         self.layered = prepare(params, cfg)
         if kv_cache not in (None, "int8"):
             raise ValueError(f"kv_cache is {kv_cache!r}; it must be None (exact) or 'int8'")
         self.kv_cache = kv_cache
-        check_memory(cfg, slots, kv_cache)
         self.slots = slots
         self.kmax = kmax
         self.attn = attn
@@ -615,11 +715,17 @@ class Engine:
         # a chunk runs on the first 1, 4, 16, ... slots and the lowest free slot is
         # taken first, so that a few requests cost a few rows
         powers = {min(slots, 4**i) for i in range(slots.bit_length())}
-        self.row_buckets = rows or sorted(powers)
-        # and it reads the cache only as far as its slots reach: a quarter of the
-        # context, or all of it (a program each, and each one costs seconds of start-up)
+        self.row_buckets = sorted(powers)
+        # and it reads the cache only as far as its slots reach
         S = cfg.sequence_len
-        self.views = sorted({max(1, S // 4), S})
+        self.views = chunk_views(S)
+        self.page = page_size(S)
+        self.paged = pages is not None
+        self.pages = pages or slots * (S // self.page)
+        if self.pages < S // self.page:
+            raise ValueError(f"pages is {pages}; the engine needs at least {S // self.page} "
+                             f"(one context of {S} tokens in pages of {self.page})")
+        check_memory(cfg, slots, kv_cache, pages, self.page)  # None: pages grow with slots
         self.inbox = collections.deque()
         self.wake = threading.Condition()  # guards the inbox; notified on each submit
         self.stats = collections.Counter()  # device calls (admits, chunks, hops), tokens
@@ -628,9 +734,15 @@ class Engine:
 
     def reset(self):
         """Every slot empty (after a failure too: the donated state may be gone)."""
-        self.state = new_state(self.cfg, self.slots, self.kv_cache)
+        self.state = new_state(self.cfg, self.slots, self.kv_cache,
+                               self.pages if self.paged else None, self.page)
         self.owner = [None] * self.slots  # (request, choice) of each busy slot
         self.stopping = set()  # slots of cancelled requests, stopped by the next chunk
+        # the pages: the free ones (lowest last, taken first), each slot's, and the page
+        # tables the device reads (0, the null page, past a slot's pages)
+        self.free_pages = list(range(self.pages, 0, -1))
+        self.held = [[] for _ in range(self.slots)]
+        self.table = np.zeros((self.slots, self.cfg.sequence_len // self.page), np.int32)
 
     def submit(self, prompt, sampling, *, n=1, tool=None, stream=False):
         """Queue a prompt's n choices: the Request. One-line ValueErrors for what a
@@ -641,6 +753,12 @@ class Engine:
             raise ValueError(f"max_tokens and n must be 1 or more, the stop ids at most "
                              f"{MAX_STOPS} (got {counts[0]}, {counts[1]}, {counts[2]})")
         request = Request(prompt, sampling, n, tool, stream)
+        need = min(n, self.choices) * self.pages_for(request)
+        if need > self.pages:
+            raise ValueError(f"{min(n, self.choices)} choices of up to "
+                             f"{len(prompt) + sampling.max_tokens} tokens need {need} pages of "
+                             f"{self.page} tokens, more than the engine's {self.pages}; ask "
+                             "for fewer choices or tokens")
         with self.wake:
             if self.waiting is not None and len(self.inbox) >= self.waiting:
                 raise Busy(f"{len(self.inbox)} requests are waiting for the model; try "
@@ -692,7 +810,7 @@ class Engine:
         # 1. cancelled requests: their slots stop in this chunk and are free after it
         for slot, owner in enumerate(self.owner):
             if owner is not None and owner[0].cancelled:
-                self.owner[slot] = None
+                self.release(slot)
                 self.stopping.add(slot)
         # 2. waiting requests into free slots, their first tokens handed out
         admitted = self.admit_waiting()
@@ -710,11 +828,12 @@ class Engine:
         control = {"steps": np.int32(self.kmax),
                    "exit_on_done": np.bool_(len(self.inbox) > 0),
                    "cancel": cancel,
+                   "pages": self.table.copy(),  # the host's own changes after the call
                    "python": self.python,
                    "logprobs": np.bool_(logprobs)}
         self.state, records = decode_chunk(self.layered, self.state, control, cfg=self.cfg,
                                            attn=self.attn, rows=rows, view=view,
-                                           kmax=self.kmax)
+                                           kmax=self.kmax, paged=self.paged)
         self.stopping.clear()
         self.stats["calls"] += 1
         self.stats["chunks"] += 1
@@ -743,6 +862,7 @@ class Engine:
         """Start waiting requests, first come first served, while their choices find
         free slots; their prompts prefilled together, a call for each prompt bucket
         (prompt_rows); hand out each choice's first token. Whether any started."""
+        S = self.cfg.sequence_len
         free = [slot for slot, owner in enumerate(self.owner)
                 if owner is None and slot not in self.stopping]
         taken = collections.defaultdict(list)  # prompt bucket -> [(request, slots, first)]
@@ -753,7 +873,9 @@ class Engine:
                     break
                 request = self.inbox[0]
                 count = min(request.n - request.started, self.choices)
-                if not request.cancelled and len(free) < count:
+                need = self.pages_for(request)
+                if not request.cancelled and (len(free) < count
+                                              or len(self.free_pages) < count * need):
                     break
                 if request.cancelled or request.started + count == request.n:
                     self.inbox.popleft()
@@ -765,7 +887,11 @@ class Engine:
             request.started += count
             for choice, slot in enumerate(slots, first):
                 self.owner[slot] = (request, choice)
-            taken[self.prompt_bucket(len(request.prompt))].append((request, slots, first))
+                self.held[slot] = [self.free_pages.pop() for _ in range(need)]
+                self.table[slot, :need] = self.held[slot]
+            in_use = self.pages - len(self.free_pages)
+            self.stats["pages_peak"] = max(self.stats["pages_peak"], in_use)
+            taken[prompt_bucket(S, len(request.prompt))].append((request, slots, first))
         # 3. one call for each bucket's prompts, as many as its largest row count holds
         started = []
         for T, entries in taken.items():
@@ -774,7 +900,7 @@ class Engine:
                 group = entries[i:i + most]
                 arrays = self.request_arrays(T, group)
                 self.state, records = admit(self.layered, self.state, arrays, self.python,
-                                            cfg=self.cfg, attn=self.attn)
+                                            cfg=self.cfg, attn=self.attn, paged=self.paged)
                 self.stats["calls"] += 1
                 self.stats["admits"] += 1
                 started.append((group, records))
@@ -805,7 +931,8 @@ class Engine:
         # slot B, out of range, for the rows past the choices: writes nothing
         choices = {"row": np.zeros(self.slots, np.int32),
                    "choice": np.zeros(self.slots, np.int32),
-                   "slots": np.full(self.slots, self.slots, np.int32)}
+                   "slots": np.full(self.slots, self.slots, np.int32),
+                   "pages": np.zeros((self.slots, S // self.page), np.int32)}
         j = 0
         for p, (request, slots, first) in enumerate(group):
             n = len(request.prompt)
@@ -822,17 +949,23 @@ class Engine:
                 choices["row"][j] = p
                 choices["choice"][j] = choice
                 choices["slots"][j] = slot
+                choices["pages"][j] = self.table[slot]
                 j += 1
         return {**prompts, **choices, "n": np.int32(j)}
 
-    def prompt_bucket(self, n):
-        """The padded length of a prompt of n tokens: the context, a quarter of it, a
-        sixteenth, ... down to 32 tokens (a prefill costs little next to a compile: 512
-        gives 32, 128, 512; 256 gives 64, 256)."""
-        padded = self.cfg.sequence_len
-        while padded // 4 >= max(n, 32):
-            padded //= 4
-        return padded
+    def pages_for(self, request):
+        """The pages each of a request's choices holds: as many as its prompt and
+        max_tokens can reach."""
+        tokens = min(len(request.prompt) + request.sampling.max_tokens, self.cfg.sequence_len)
+        return -(-tokens // self.page)
+
+    def release(self, slot):
+        """A slot's request is done with it: the slot and its pages are free (its page
+        table points at the null page)."""
+        self.owner[slot] = None
+        self.free_pages.extend(reversed(self.held[slot]))
+        self.held[slot] = []
+        self.table[slot] = 0
 
     def prompt_rows(self, T):
         """The prompt counts one admit call prefills at bucket T, an admit program each:
@@ -866,7 +999,7 @@ class Engine:
         if flags & DONE:
             finish = "stop" if token in request.sampling.stop_ids else "length"
             request.add(Event(choice, finish=finish))
-            self.owner[slot] = None
+            self.release(slot)
         elif flags & CLOSES:
             self.resume(slot, forced)
 
@@ -887,23 +1020,24 @@ class Engine:
         resume of slot B, out of range)."""
         S = self.cfg.sequence_len
         # 1. admit for each bucket and prompt count
-        for T in sorted({self.prompt_bucket(n) for n in range(1, S)}):
+        for T in sorted({prompt_bucket(S, n) for n in range(1, S)}):
             for P in self.prompt_rows(T):
                 empty = Request([0] * T, Sampling(max_tokens=1), 1, None, False)
                 arrays = self.request_arrays(T, [(empty, [], 0)] * P)
                 self.state, _ = admit(self.layered, self.state, arrays, self.python,
-                                      cfg=self.cfg, attn=self.attn)
+                                      cfg=self.cfg, attn=self.attn, paged=self.paged)
         # 2. a chunk of each row count and view
         control = {"steps": np.int32(0),
                    "exit_on_done": np.bool_(False),
                    "cancel": np.zeros(self.slots, bool),
+                   "pages": self.table.copy(),
                    "python": self.python,
                    "logprobs": np.bool_(False)}
         for rows in self.row_buckets:
             for view in self.views:
                 self.state, _ = decode_chunk(self.layered, self.state, control, cfg=self.cfg,
                                              attn=self.attn, rows=rows, view=view,
-                                             kmax=self.kmax)
+                                             kmax=self.kmax, paged=self.paged)
         # 3. resume
         nothing = np.zeros(S, np.int32)
         self.state = resume(self.state, np.int32(self.slots), nothing, np.int32(0))

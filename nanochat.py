@@ -657,20 +657,24 @@ def init_cache(cfg, batch, max_len, kv_dtype=None, rings=False):
     memory: a masked slot still enters the softmax's weighted sum, and 0 * NaN is NaN.
     rings: each sliding-window layer holds a ring of ring_size slots, not max_len (a
     decode cache, one token a call: forward_cached's rings)."""
-    dtype = cfg.compute_dtype
-
-    def empty(length):
-        shape = (batch, cfg.n_kv_head, length, cfg.head_dim)
-        if kv_dtype == "int8":
-            return jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1] + (1,), dtype)
-        return jnp.zeros(shape, dtype)
     layers = []
     for window in window_sizes(cfg):
         ring = ring_size(window, cfg.sequence_len) if rings else None
-        layers.append((empty(ring or max_len), empty(ring or max_len)))  # k, v
+        length = ring or max_len
+        layers.append((empty_kv(cfg, batch, length, kv_dtype),
+                       empty_kv(cfg, batch, length, kv_dtype)))  # k, v
     return {"layers": layers,
             "prev": jnp.zeros((batch, cfg.n_embd), cfg.compute_dtype),
             "pos": jnp.zeros((batch,), jnp.int32)}
+
+
+def empty_kv(cfg, batch, length, kv_dtype=None):
+    """One layer's k or v, zeros: (batch, K, length, D) in the compute dtype, or for an
+    int8 cache the values and their scales (batch, K, length, 1)."""
+    shape = (batch, cfg.n_kv_head, length, cfg.head_dim)
+    if kv_dtype == "int8":
+        return jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1] + (1,), cfg.compute_dtype)
+    return jnp.zeros(shape, cfg.compute_dtype)
 
 
 def forward_cached(layered, tokens, cache, cfg, attn, length=None, rings=False):

@@ -2929,6 +2929,9 @@ def test_engine_sliding_window_layers_hold_rings(window_model):
     eng = engine.Engine(params, cfg, slots=2, kmax=8)
     shapes = [k.shape for k, _ in eng.state["cache"]["layers"]]
     assert shapes == [(2, 1, 144, 16), (2, 1, 256, 16)]
+    # with pages, layer 1 is a pool of pages of 32 tokens and the null page
+    pooled = engine.new_state(cfg, 2, pages=10)["cache"]["layers"]
+    assert [k.shape for k, _ in pooled] == [(2, 1, 144, 16), (11, 1, 32, 16)]
     whole = jax.eval_shape(lambda: nc.init_cache(cfg, 2, 256))
     ringed = jax.eval_shape(lambda: nc.init_cache(cfg, 2, 256, rings=True))
     # k and v of 2 slots: layer 0's 112 positions fewer
@@ -2976,9 +2979,10 @@ def test_int8_kv_cache(window_model):
     k, scales = eng.state["cache"]["layers"][0][0]
     B, K, S, D = k.shape
     assert k.dtype == jnp.int8 and scales.shape == (B, K, S, 1)
-    held = sum(k[0].shape[2] for k, _ in eng.state["cache"]["layers"])  # each layer's slots
+    # the tokens each layer holds: a ring's slots, a pool's pages
+    held = sum(k[0].shape[0] * k[0].shape[2] for k, _ in eng.state["cache"]["layers"])
     assert engine.state_bytes(cfg, 2, "int8") == engine.state_bytes(cfg, 2) - (
-        2 * B * K * held * (4 * D - D - 4))
+        2 * K * held * (4 * D - D - 4))
     assert first["int8"] == first[None]
     with pytest.raises(ValueError, match="^kv_cache is 'fp8'; it must be None"):
         engine.Engine(params, cfg, slots=2, kv_cache="fp8")
@@ -2990,15 +2994,16 @@ def test_engine_slots_that_do_not_fit_are_one_line(chat_model, monkeypatch, caps
     and how many fit; as many as it names fit, and their state is the bytes counted. chat.py
     --serve says it in one line, and bench.py's infer sweep skips such a batch and goes on."""
     params, cfg, _, root = chat_model
-    one = engine.state_bytes(cfg, 1)
-    assert engine.state_bytes(cfg, 8) == 8 * one
-    monkeypatch.setattr(engine, "free_device_bytes", lambda: 3 * one + one // 2)
+    null = engine.state_bytes(cfg, 0)  # no slot: the null page of each paged layer
+    one = engine.state_bytes(cfg, 1) - null
+    assert engine.state_bytes(cfg, 8) == null + 8 * one
+    monkeypatch.setattr(engine, "free_device_bytes", lambda: null + 3 * one + one // 2)
     with pytest.raises(ValueError, match=r"^8 slots need \d+\.\d\d GiB of KV cache, more than "
                                          r"the \d+\.\d\d GiB the device has free beside the "
                                          r"weights; at most 3 fit$"):
         engine.Engine(params, cfg, slots=8)
     eng = engine.Engine(params, cfg, slots=3)
-    assert sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(eng.state)) == 3 * one
+    assert sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(eng.state)) == null + 3 * one
     with pytest.raises(SystemExit) as e:
         chat.main(["--checkpoint", str(root / "sft" / "step_000005"), "--compile-cache", "",
                    "--serve", "--slots", "8"])
@@ -3015,7 +3020,8 @@ def test_engine_slots_that_do_not_fit_are_one_line(chat_model, monkeypatch, caps
     assert [row["batch_size"] for row in lines[-1]["sweep"]] == [1]
     bench.bench_chat_traffic("tiny", 4)
     line = json.loads(capsys.readouterr().out)
-    assert line["slots"] == 4 and line["skipped"].endswith("at most 2 fit")
+    assert line["slots"] == 4 and re.fullmatch(r"4 slots and \d+ pages need .*; at most 0 fit",
+                                               line["skipped"])
 
 
 def block_tool(start, end, result):
@@ -3134,6 +3140,58 @@ def test_engine_prefills_a_burst_together(window_model):
     alone = eng.submit(prompt[:lengths[-1]].tolist(), seeded, n=3)
     eng.drain()
     assert alone.tokens == burst[-1].tokens and len({tuple(t) for t in alone.tokens}) == 3
+
+
+def test_engine_pages_are_taken_returned_and_never_shared(window_model):
+    """The layers over the whole context hold pages of 32 tokens from one pool: a request holds
+    the pages its prompt and max_tokens reach, waits for them as for a slot, and returns them when
+    it ends, is cancelled or the engine fails; no two slots ever hold one page; the replies equal
+    solo generate's. A request that no pool could hold, or a pool under one context, is one line."""
+    params, prompt = window_model
+    eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8, pages=10)  # 8 pages a context
+
+    def check_pages():
+        held = [page for pages in eng.held for page in pages]
+        assert len(held) == len(set(held)) and 0 not in held  # none shared, none the null page
+        assert sorted(held + eng.free_pages) == list(range(1, 11))
+        for slot, pages in enumerate(eng.held):
+            assert eng.table[slot, :len(pages)].tolist() == pages
+            assert not eng.table[slot, len(pages):].any()
+    asks = [(100, 100), (20, 20), (60, 100)]  # 7, 2 and 5 pages
+    requests = [eng.submit(prompt[:n].tolist(), greedy(m)) for n, m in asks]
+    eng.step()
+    assert [r.started for r in requests] == [1, 1, 0]  # a free slot, but 1 page of the 5
+    assert eng.stats["pages_peak"] == 9
+    while eng.step():
+        check_pages()
+    for (n, m), request in zip(asks, requests):
+        assert request.tokens[0] == solo(params, WINDOW_CFG, prompt[:n], max_tokens=m)[0]
+    assert len(eng.free_pages) == 10 and not eng.table.any()
+    # cancelled, and failed: the pages come back
+    cancelled = eng.submit(prompt[:50].tolist(), greedy(150))
+    failed = eng.submit(prompt[:30].tolist(), greedy(60))
+    eng.step()
+    assert not eng.free_pages  # 7 and 3 pages
+    cancelled.cancel()
+    eng.step()
+    check_pages()
+    assert len(eng.free_pages) == 7
+    eng.fail(RuntimeError("injected"))
+    assert failed.error is not None and len(eng.free_pages) == 10 and not eng.table.any()
+    # an int8 cache in pages: the tokens of the int8 cache in rows
+    int8 = {}
+    for pages in (None, 8):
+        one = engine.Engine(params, WINDOW_CFG, slots=2, kmax=8, kv_cache="int8", pages=pages)
+        int8[pages] = one.submit(prompt[:100].tolist(), greedy(40))
+        one.drain()
+    assert int8[8].tokens == int8[None].tokens
+    with pytest.raises(ValueError, match="^2 choices of up to 256 tokens need 16 pages of 32 "
+                                         "tokens, more than the engine's 10; ask for fewer "
+                                         "choices or tokens$"):
+        eng.submit(prompt[:56].tolist(), greedy(200), n=2)
+    with pytest.raises(ValueError, match=r"^pages is 7; the engine needs at least 8 \(one "
+                                         r"context of 256 tokens in pages of 32\)$"):
+        engine.Engine(params, WINDOW_CFG, slots=4, pages=7)
 
 
 def test_engine_never_recompiles_after_warm_up_and_donates(window_model, recwarn):
@@ -5940,7 +5998,9 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys):
     assert line["compiles_after_warm_up"] == 0 and line["reply_tokens"] == 32
     assert 0 < line["ttft_ms_p50"] <= line["ttft_ms_p95"]
     assert 0 < line["tpot_ms_p50"] <= line["tpot_ms_p95"]
-    assert line["cache_bytes"] == engine.state_bytes(TINY, 3)
+    # pages of 16 tokens (a quarter of 64): 4 a conversation, all held at once
+    assert line["pages"] == line["pages_peak"] == 3 * 4
+    assert line["cache_bytes"] == engine.state_bytes(TINY, 3, None, 12)
 
 
 # --------------------------------------------------------------------------------------------------
