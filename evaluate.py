@@ -129,9 +129,10 @@ def generate_batch(params, cfg, tok, prompts, sampling, n=1):
     special = tok.special
     python_ids = (special["<|python_start|>"], special["<|python_end|>"])
     slots = fit_slots(cfg, sum(room) * n)
-    # every chunk on all the slots: one program to compile, where a batch's tail is short
     eng = engine.Engine(params, cfg, slots=slots, kmax=32, attn=kernels.attention_fn(),
-                        python_ids=python_ids, rows=(slots,))
+                        python_ids=python_ids)
+    # every chunk on all the slots: one program to compile, where a batch's tail is short
+    eng.row_buckets = [slots]
     requests = []
     for i, prompt in enumerate(prompts):
         seeded = dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**32)
