@@ -253,6 +253,19 @@ def layouts(cfg, paged):
             for window in nc.window_sizes(cfg)]
 
 
+def to_pages(a, page):
+    """(..., K, L, D) as its L / page pages, (..., L / page, K, page, D): a pool's
+    layout."""
+    *lead, K, L, D = a.shape
+    return jnp.moveaxis(a.reshape(*lead, K, L // page, page, D), -3, -4)
+
+
+def from_pages(blocks):
+    """to_pages undone: (..., n, K, page, D) as (..., K, n * page, D)."""
+    *lead, n, K, page, D = blocks.shape
+    return jnp.moveaxis(blocks, -4, -3).reshape(*lead, K, n * page, D)
+
+
 def new_state(cfg, slots, kv_dtype=None, pages=None, page=None):
     """The engine's device state, every slot empty: the KV cache (layouts: a sliding
     window's layer a ring a slot, nc.init_cache's rings; a layer over the whole context
@@ -411,8 +424,7 @@ def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention, pag
 
         def into_pages(pool, new):  # (pages + 1, K, page, D), the prompt's T / page pages
             page = pool.shape[2]
-            blocks = new[0].reshape(new.shape[1], T // page, page, new.shape[-1])
-            return pool.at[request["pages"][j, :T // page]].set(blocks.swapaxes(0, 1))
+            return pool.at[request["pages"][j, :T // page]].set(to_pages(new[0], page))
 
         def store(put, entry, new):  # an int8 cache takes it quantized per token and head
             if isinstance(entry, tuple):
@@ -486,8 +498,7 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
         return a[:rows]
 
     def gather(pool):  # (pages + 1, K, page, D) -> (rows, K, view, D)
-        blocks = pool[table].swapaxes(1, 2)  # (rows, K, view / page, page, D)
-        return blocks.reshape(rows, pool.shape[1], view, pool.shape[-1])
+        return from_pages(pool[table])
 
     def viewed(a):
         return a[:rows, :, :view]
@@ -543,10 +554,9 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
     written = jnp.minimum(written, view // page - 1)  # (rows, touched) of the view's pages
 
     def scatter(pool, done):
-        blocks = done.reshape(rows, pool.shape[1], view // page, page, pool.shape[-1])
-        blocks = jnp.take_along_axis(blocks, written[:, None, :, None, None], axis=2)
-        ids = jnp.take_along_axis(table, written, axis=1)
-        return pool.at[ids].set(blocks.swapaxes(1, 2))
+        blocks = jnp.take_along_axis(to_pages(done, page), written[..., None, None, None],
+                                     axis=1)  # (rows, touched, K, page, D)
+        return pool.at[jnp.take_along_axis(table, written, axis=1)].set(blocks)
 
     def back(whole, done, layout):
         put = {"ring": put_back, "rows": put_view, "pages": scatter}[layout]
