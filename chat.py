@@ -565,8 +565,8 @@ class _Server(http.server.ThreadingHTTPServer):
             body = json.dumps({"error": error}).encode()
             with contextlib.suppress(OSError):
                 request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
-                                b"application/json\r\nConnection: close\r\nContent-Length: "
-                                b"%d\r\n\r\n%s" % (len(body), body))
+                                b"application/json\r\nRetry-After: 1\r\nConnection: close\r\n"
+                                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             return self.shutdown_request(request)
         # the thread releases its connection when it ends; one that never started, here
         try:
