@@ -221,16 +221,13 @@ def rotary(positions, head_dim):
 
 
 def apply_rotary(x, rope):
-    """Rotate the split halves of x (B, T, H, D) by -theta, the sign of nanochat's
-    checkpoints; rope: rotary's (cos, sin)."""
-    cos, sin = rope
+    """Rotate the split halves of x (..., D) by -theta, the sign of nanochat's
+    checkpoints; rope: rotary's (cos, sin), shaped to broadcast against x's halves."""
+    cos, sin = (table.astype(x.dtype) for table in rope)
     d = x.shape[-1] // 2
     # slices, not jnp.split, whose gradient is a concatenate
     x1 = x[..., :d]
     x2 = x[..., d:]
-    # (T, 1, D/2) or (B, T, 1, D/2): one table for every head
-    cos = cos[..., None, :].astype(x.dtype)
-    sin = sin[..., None, :].astype(x.dtype)
     y1 = x1 * cos + x2 * sin
     y2 = x2 * cos - x1 * sin
     return jnp.concatenate([y1, y2], axis=-1)
@@ -338,15 +335,19 @@ def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0, ring=None):
     token written a call, at its position modulo the ring."""
     B, T, C = x.shape
     D = rope[0].shape[-1] * 2
-    # 1. queries (B, T, H, D), keys and values (B, T, K, D)
-    q = linear(x, w["c_q"]).reshape(B, T, -1, D)
-    k = linear(x, w["c_k"]).reshape(B, T, -1, D)
-    v = linear(x, w["c_v"]).reshape(B, T, -1, D)
+    # heads first where attn takes them so (attn.heads_first: a kernel's layout), projected
+    # straight into it: no transposed copies of q, k, v and y
+    heads_first = cache is None and getattr(attn, "heads_first", False)
+    # 1. queries (B, T, H, D), keys and values (B, T, K, D); heads first (B, H, T, D)
+    q, k, v = (project_heads(x, w[name], D, heads_first) for name in ("c_q", "c_k", "c_v"))
     # 2. ResFormer: the token's value embedding mixed into v, gated in (0, 3)
     if ve is not None:
         gate = 3 * jax.nn.sigmoid(x[..., :VE_GATE_CHANNELS] @ w["ve_gate"])  # (B, T, K)
-        v = v + gate[..., None] * ve.reshape(v.shape)
-    # 3. RoPE, then QK-norm
+        ve = gate[..., None] * ve.reshape(B, T, -1, D)
+        v = v + (ve.swapaxes(1, 2) if heads_first else ve)
+    # 3. RoPE (tables (T, D/2), or (B, T, D/2): one for every head), then QK-norm
+    if not heads_first:
+        rope = tuple(table[..., None, :] for table in rope)
     q = apply_rotary(q, rope)
     k = apply_rotary(k, rope)
     q = rms_norm(q) * QK_SCALE
@@ -361,7 +362,17 @@ def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0, ring=None):
         keys, values = read_kv(cache[0], q.dtype), read_kv(cache[1], q.dtype)
         k_pos = None if ring is None else ring_positions(pos, ring)
         y = attn(q, keys, values, window, pos, k_pos)
+    if heads_first:
+        return jnp.einsum("bhtd,hdc->btc", y, w["c_proj"].reshape(-1, D, C)), cache
     return linear(y.reshape(B, T, C), w["c_proj"]), cache
+
+
+def project_heads(x, w, D, heads_first):
+    """x (B, T, C) @ w (C, N*D) as N heads of D: (B, T, N, D), or (B, N, T, D) heads
+    first."""
+    if heads_first:
+        return jnp.einsum("btc,cnd->bntd", x, w.reshape(w.shape[0], -1, D))
+    return linear(x, w).reshape(*x.shape[:2], -1, D)
 
 
 def block(layer, x, x0, ve, rope, *, window, attn=causal_attention, cache=None, pos=0,
@@ -509,9 +520,10 @@ def hidden(params, tokens, cfg, attn=causal_attention, remat=False):
 
 
 def logits_from_hidden(params, x, cfg):
-    """Softcapped fp32 logits (..., vocab_size) from hidden states (..., C)."""
+    """Softcapped fp32 logits (..., vocab_size) from hidden states (..., C): the matmul
+    in the compute dtype, as nanochat's autocast gives them, then fp32."""
     w = params["lm_head"][:, :cfg.vocab_size].astype(x.dtype)
-    logits = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    logits = jnp.dot(x, w).astype(jnp.float32)
     return SOFTCAP * jnp.tanh(logits / SOFTCAP)
 
 

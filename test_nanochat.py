@@ -449,6 +449,25 @@ def test_sliding_window_limits_context():
     assert np.flatnonzero(decode[0]).tolist() == list(range(72, 201))
 
 
+def test_bf16_logits_come_out_of_the_matmul_in_bf16():
+    """Under bf16 compute lm_head's matmul gives bf16 logits, as nanochat's autocast does, cast to
+    fp32 for the softcap and the loss: undoing the cap gives bf16 values (to fp32's tanh, 1e-5),
+    where fp32 compute keeps fp32 ones (bf16 keeps 8 bits: ~4e-3 apart)."""
+    keys = jax.random.split(jax.random.key(17), 2)
+    x = jax.random.normal(keys[0], (64, 64))
+    head = {"lm_head": 0.1 * jax.random.normal(keys[1], (64, 512))}
+    raw = {}
+    for dtype in ("bfloat16", "float32"):
+        cfg = nc.Config(vocab_size=500, n_embd=64, n_head=1, n_kv_head=1, compute_dtype=dtype)
+        logits = nc.logits_from_hidden(head, x.astype(dtype), cfg)
+        assert logits.shape == (64, 500) and logits.dtype == jnp.float32
+        raw[dtype] = nc.SOFTCAP * np.arctanh(np.asarray(logits, np.float64) / nc.SOFTCAP)
+    as_bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16), np.float64)
+    np.testing.assert_allclose(raw["bfloat16"], as_bf16(raw["bfloat16"]), rtol=1e-5)
+    off = np.abs(raw["float32"] - as_bf16(raw["float32"])) > 1e-5 * np.abs(raw["float32"])
+    assert off.mean() > 0.9
+
+
 def test_chunked_loss_equals_the_whole(fp32_matmuls):
     """The loss over chunks of rows (the logits computed again in the backward pass) against the
     loss over every row at once: the same mean, per-token losses and gradients to fp32 rounding,
@@ -580,6 +599,16 @@ def test_fast_attention_equals_plain(T, window, dtype):
         assert np.abs(plain - full.astype(jnp.float32)).max() > 0.1
 
 
+def sequence_attention(route, window):
+    """kernels.attention_fn(route) over a whole sequence, taking and giving (B, T, H, D) whatever
+    layout the route takes (attn.heads_first)."""
+    attn = kernels.attention_fn(route)
+    if not attn.heads_first:
+        return lambda q, k, v: attn(q, k, v, window)
+    swap = lambda a: a.swapaxes(1, 2)
+    return lambda q, k, v: swap(attn(swap(q), swap(k), swap(v), window))
+
+
 # op by op: some 190 compiles a route
 @functools.partial(jax.jit, static_argnames=("route", "window"))
 def attention_loss_and_grads(q, k, v, w, route, window):
@@ -589,7 +618,7 @@ def attention_loss_and_grads(q, k, v, w, route, window):
     if route is None:
         attn = lambda q, k, v: nc.attend(q, k, v, nc.attention_mask(pos, pos, window))
     else:
-        attn = lambda q, k, v: kernels.attention_fn(route)(q, k, v, window)
+        attn = sequence_attention(route, window)
     return jax.value_and_grad(lambda q, k, v: jnp.sum(attn(q, k, v) * w), (0, 1, 2))(q, k, v)
 
 
@@ -611,6 +640,35 @@ def test_every_attention_route_equals_plain(route):
         np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
         for g, h in zip(got[1], want[1]):
             np.testing.assert_allclose(g, h, rtol=0, atol=1e-4 * float(jnp.abs(h).max()))
+
+
+@pytest.mark.usefixtures("on_cpu")
+def test_the_model_heads_first_equals_its_plain_layout():
+    """Where attn takes heads first (splash's route: the model projects q, k, v straight into
+    (B, H, T, D) and c_proj reads y so), the loss and every gradient equal those of the model in
+    (B, T, H, D) through the plain attention: fp32, a windowed and a causal layer, value
+    embeddings, GQA (4 query heads on 2 kv heads). The splash kernel is interpreted here."""
+    if jax.default_backend() == "tpu":
+        pytest.skip("on a TPU the kernel compiles for the chip: the accelerator tier's steps")
+    assert kernels.attention_fn("splash").heads_first
+    assert not kernels.attention_fn("plain").heads_first
+    cfg = nc.Config(sequence_len=256, vocab_size=512, n_layer=2, n_head=4, n_kv_head=2,
+                    n_embd=512, window_pattern="SL")
+    assert nc.window_sizes(cfg) == [128, 256] and cfg.ve_layers == [1]
+    keys = jax.random.split(jax.random.key(16), 3)
+    # every matrix random (the init zeroes c_proj): each path carries gradient
+    params = jax.tree.map(lambda p: 0.05 * jax.random.normal(keys[0], p.shape) if p.ndim > 1 else p,
+                          nc.init_params(cfg, keys[1]))
+    x, y = jax.random.randint(keys[2], (2, 2, 256), 0, 512)
+    results = {}
+    for route in ("plain", "splash"):
+        loss = functools.partial(nc.loss_fn, cfg=cfg, attn=kernels.attention_fn(route))
+        results[route] = jax.jit(jax.value_and_grad(loss))(params, x, y)
+    (want, want_grads), (got, got_grads) = results["plain"], results["splash"]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # to 1e-5 of each leaf's largest, and 1e-7 absolute: a scalar whose gradient sums to ~1e-8
+    for g, h in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(g, h, rtol=0, atol=1e-5 * float(jnp.abs(h).max()) + 1e-7)
 
 
 def test_cached_attention_of_every_route_equals_plain():
@@ -3120,6 +3178,7 @@ def test_engine_stops_limits_choices_and_seeds(window_model):
         eng.submit(prompt[:5].tolist(), dataclasses.replace(sampled, top_k=257))
 
 
+@pytest.mark.usefixtures("fp32_matmuls")
 def test_engine_prefills_a_burst_together(window_model):
     """Prompts waiting at one call are prefilled together, one admit call for each prompt
     bucket and as many prompts as its largest count holds: a burst of eight takes four calls,
@@ -3142,6 +3201,7 @@ def test_engine_prefills_a_burst_together(window_model):
     assert alone.tokens == burst[-1].tokens and len({tuple(t) for t in alone.tokens}) == 3
 
 
+@pytest.mark.usefixtures("fp32_matmuls")
 def test_engine_pages_are_taken_returned_and_never_shared(window_model):
     """The layers over the whole context hold pages of 32 tokens from one pool: a request holds
     the pages its prompt and max_tokens reach, waits for them as for a slot, and returns them when
@@ -6149,8 +6209,7 @@ def test_bf16_step_close_to_fp32():
 def attention_and_grads(q, k, v, w, route, window):
     """Attention through a route of kernels.ROUTES, and the gradients in q, k, v of its sum
     weighted by w."""
-    attn = lambda q, k, v: kernels.attention_fn(route)(q, k, v, window)
-    y, pullback = jax.vjp(attn, q, k, v)
+    y, pullback = jax.vjp(sequence_attention(route, window), q, k, v)
     return y, pullback(w.astype(y.dtype))
 
 
