@@ -506,11 +506,12 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
     def part(layer, layout):
         take = {"ring": first, "rows": viewed, "pages": gather}[layout]
         return jax.tree.map(take, layer)
-    active = jax.tree.map(first, {name: a for name, a in state.items() if name != "cache"})
+
+    def per_slot(s):  # every array but the cache's layers: a row a slot
+        return {**s, "cache": {**s["cache"], "layers": None}}
     cache = state["cache"]
-    active["cache"] = {"layers": [part(layer, k) for layer, k in zip(cache["layers"], kinds)],
-                       "prev": first(cache["prev"]),
-                       "pos": first(cache["pos"])}
+    active = jax.tree.map(first, per_slot(state))
+    active["cache"]["layers"] = [part(layer, k) for layer, k in zip(cache["layers"], kinds)]
     records = jnp.full((kmax, rows, 3 + 2 * TOP_LOGPROBS), -1, jnp.int32)
 
     def step(carry):
@@ -563,11 +564,8 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
         return jax.tree.map(put, whole, done)
     layers = [back(*layer, k) for *layer, k in zip(cache["layers"], active["cache"]["layers"],
                                                     kinds)]
-    state = jax.tree.map(put_back, {name: a for name, a in state.items() if name != "cache"},
-                         {name: a for name, a in active.items() if name != "cache"})
-    state["cache"] = {"layers": layers,
-                      "prev": put_back(cache["prev"], active["cache"]["prev"]),
-                      "pos": put_back(cache["pos"], active["cache"]["pos"])}
+    state = jax.tree.map(put_back, per_slot(state), per_slot(active))
+    state["cache"]["layers"] = layers
     return state, records
 
 

@@ -2,9 +2,10 @@
 nanochat's flash_attention.py picks FlashAttention-3 or PyTorch's SDPA for its model).
 
 The model calls one attention function, `attn`, with the signature of the plain
-`nanochat.causal_attention(q, k, v, window, pos=None, k_pos=None)`; where `attn.heads_first`,
-a whole sequence comes heads first, (B, H, T, D), as the splash kernel takes it. `attention_fn(route)` returns
-the one for a route of ROUTES, "auto" picking at trace time by backend, dtype, shapes:
+`nanochat.causal_attention(q, k, v, window, pos=None, k_pos=None)`; where
+`attn.heads_first`, a whole sequence comes heads first, (B, H, T, D), as the splash
+kernel takes it. `attention_fn(route)` returns the one for a route of ROUTES, "auto"
+picking at trace time by backend, dtype, shapes:
 - "cudnn" (a GPU in bf16): cuDNN's fused flash attention (jax.nn.dot_product_attention).
 - "splash" (a TPU): the splash-attention Pallas kernel; `shard_map` under a mesh.
 - "cpu": heads first and no max pass (QK-norm bounds |score| by 1.44 sqrt(D), so exp

@@ -599,7 +599,7 @@ def test_fast_attention_equals_plain(T, window, dtype):
         assert np.abs(plain - full.astype(jnp.float32)).max() > 0.1
 
 
-def sequence_attention(route, window):
+def attention_in_bthd(route, window):
     """kernels.attention_fn(route) over a whole sequence, taking and giving (B, T, H, D) whatever
     layout the route takes (attn.heads_first)."""
     attn = kernels.attention_fn(route)
@@ -618,7 +618,7 @@ def attention_loss_and_grads(q, k, v, w, route, window):
     if route is None:
         attn = lambda q, k, v: nc.attend(q, k, v, nc.attention_mask(pos, pos, window))
     else:
-        attn = sequence_attention(route, window)
+        attn = attention_in_bthd(route, window)
     return jax.value_and_grad(lambda q, k, v: jnp.sum(attn(q, k, v) * w), (0, 1, 2))(q, k, v)
 
 
@@ -6205,7 +6205,7 @@ def test_bf16_step_close_to_fp32():
 def attention_and_grads(q, k, v, w, route, window):
     """Attention through a route of kernels.ROUTES, and the gradients in q, k, v of its sum
     weighted by w."""
-    y, pullback = jax.vjp(sequence_attention(route, window), q, k, v)
+    y, pullback = jax.vjp(attention_in_bthd(route, window), q, k, v)
     return y, pullback(w.astype(y.dtype))
 
 
