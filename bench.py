@@ -44,6 +44,7 @@ import numpy as np
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import checkpoint
 import data
 import engine
 import kernels
@@ -53,6 +54,7 @@ import nanochat as nc
 import report
 import runtime
 import sharding
+import tasks
 import train
 
 # The models PyTorch nanochat was measured on beside us (docs/performance.md), and their batches.
@@ -609,6 +611,40 @@ def bench_chat_traffic(name, requests, slots_most=128, kmax=16, reply=256, kv_ca
                       "compiles_after_warm_up": len(compiles)}), flush=True)
 
 
+def bench_agreement(path, max_tokens=64, slots=16):
+    """How often a greedy reply through the slot engine, every question at once, equals the
+    question's reply alone (engine.generate), at this machine's default matmul precision:
+    testdata/heldout_questions.jsonl on the checkpoint at `path`, no calculator. A CPU's fp32
+    gives every one; a chip's default precision runs fp32 matmuls as bf16 passes, where a
+    row rounds differently in a batch than alone and a near tie can go the other way. One
+    JSON line: the replies, how many are equal, and where each other one first differs."""
+    params, cfg, tok = checkpoint.load_model(path)
+    here = pathlib.Path(__file__).with_name("testdata")
+    questions = tasks.load_questions(here / "heldout_questions.jsonl")
+    prompts = [data.render_for_completion(tok, [{"role": "user", "content": q["question"]},
+                                                {"role": "assistant", "content": ""}])
+               for q in questions]
+    sampling = engine.Sampling(max_tokens=max_tokens, temperature=0.0,
+                               stop_ids=data.reply_stops(tok))
+    attn = kernels.attention_fn()
+    alone = [[column[0] for column, _ in engine.generate(params, cfg, p, sampling, attn=attn)]
+             for p in prompts]
+    eng = engine.Engine(params, cfg, slots=slots, attn=attn)
+    requests = [eng.submit(p, sampling) for p in prompts]
+    eng.drain()
+    together = [r.tokens[0] for r in requests]
+    # where each reply that differs leaves its reply alone (a token index)
+    differ = [next((i for i, (a, b) in enumerate(zip(one, all_)) if a != b),
+                   min(len(one), len(all_)))
+              for one, all_ in zip(alone, together) if one != all_]
+    print(json.dumps({"bench": "agreement", "checkpoint": path,
+                      "device": jax.devices()[0].device_kind,
+                      "precision": str(jax.config.jax_default_matmul_precision),
+                      "replies": len(prompts), "equal": len(prompts) - len(differ),
+                      "first_differences": differ, "slots": slots,
+                      "tokens": sum(map(len, alone))}), flush=True)
+
+
 def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most=128, kmax=16,
                 kv_cache=None):
     """nanochat's scripts/infer_bench.py protocol on the slot engine: a prompt of the context less
@@ -861,6 +897,8 @@ def parse_args(argv=None):
       "int8 KV cache, a scale a token and head (none: the compute dtype's, exact)")
     s("--http", metavar="CHECKPOINT", help="through chat.py --serve on this checkpoint: 16 "
       "clients one after another, then at once")
+    s("--agreement", metavar="CHECKPOINT", help="how many greedy replies through the engine, "
+      "all at once, equal each alone: the held-out questions on this checkpoint")
     m = p.add_argument_group("memory (docs/scaling-out.md)").add_argument
     m("--depth", type=int, default=20, help="nanochat's depth (vocab 32768, bf16 compute)")
     m("--devices", type=int, default=8, help="emulated devices of the data mesh")
@@ -906,6 +944,8 @@ def main(argv=None):
         bench_train(args.configs or tuple(CONFIGS), args.steps)
     elif args.mode == "train-child":
         bench_train_child(args.configs[0], args.steps)
+    elif args.mode == "serve" and args.agreement:
+        bench_agreement(args.agreement, slots=args.slots)
     elif args.mode == "serve" and args.http:
         bench_serve_http(args.http, slots=args.slots)
     elif args.mode == "serve" and args.chat_traffic:

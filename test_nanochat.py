@@ -6074,6 +6074,34 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys):
     assert line["cache_bytes"] == engine.state_bytes(TINY, 3, None, 12)
 
 
+@pytest.mark.usefixtures("fp32_matmuls")
+def test_bench_agreement_counts_the_replies_that_differ(tmp_path, nanochat_d2, monkeypatch,
+                                                       capsys):
+    """bench.py serve --agreement: held-out questions (3 here) greedy through the engine
+    at once against each one's reply alone; in fp32 all equal but the one whose reply alone is
+    made to differ at its third token, which it names."""
+    import bench
+    params, cfg, tok = nanochat_d2
+    meta = {"stage": "sft", "step": 1, "config": dataclasses.asdict(cfg),
+            "tokenizer": "tokenizer.json"}
+    step_dir = checkpoint.save_checkpoint(str(tmp_path / "sft"), 1, params, None, meta)
+    tok.save(os.path.join(step_dir, "tokenizer.json"))
+    generate = engine.generate
+    calls = []
+
+    def one_altered(*args, **kwargs):  # the second question's third token, one id higher
+        for i, (column, mask) in enumerate(generate(*args, **kwargs)):
+            yield ([column[0] + 1] if len(calls) == 1 and i == 2 else column), mask
+        calls.append(1)
+    monkeypatch.setattr(engine, "generate", one_altered)
+    questions = tasks.load_questions
+    monkeypatch.setattr(tasks, "load_questions", lambda path: questions(path)[:3])
+    bench.bench_agreement(str(tmp_path / "sft"), max_tokens=4, slots=2)
+    line = json.loads(capsys.readouterr().out)
+    assert len(calls) == line["replies"] == 3
+    assert line["equal"] == 2 and line["first_differences"] == [2]
+
+
 # --------------------------------------------------------------------------------------------------
 # The documented commands: docs/pieces.md's snippets, and every `python <script>.py ...` of
 # README.md and docs/*.md runs or parses
