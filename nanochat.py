@@ -520,9 +520,9 @@ def hidden(params, tokens, cfg, attn=causal_attention, remat=False):
 
 
 def logits_from_hidden(params, x, cfg):
-    """Softcapped fp32 logits (..., vocab_size) from hidden states (..., C): the matmul's
-    operands in the compute dtype, as under nanochat's autocast; jit folds the cast into the
-    matmul, whose fp32 sums then come out unrounded (autocast rounds them to bf16)."""
+    """Softcapped fp32 logits (..., vocab_size) from hidden states (..., C): the matmul in
+    the compute dtype, as under nanochat's autocast (XLA may fold the cast to fp32 into the
+    matmul, whose fp32 sums then come out unrounded: in a small jit, not in the step)."""
     w = params["lm_head"][:, :cfg.vocab_size].astype(x.dtype)
     logits = jnp.dot(x, w).astype(jnp.float32)
     return SOFTCAP * jnp.tanh(logits / SOFTCAP)

@@ -449,26 +449,32 @@ def test_sliding_window_limits_context():
     assert np.flatnonzero(decode[0]).tolist() == list(range(72, 201))
 
 
-def test_bf16_logits_are_the_bf16_matmul_accumulated_in_fp32(fp32_matmuls):
-    """Under bf16 compute lm_head's matmul takes bf16 operands, as nanochat's autocast does;
-    under jit XLA folds the cast to fp32 into the matmul, whose fp32 accumulator then comes out
-    unrounded (nanochat's autocast rounds it to bf16 first). fp32 compute's logits differ from
-    them (bf16 operands keep 8 bits; fp32 matmuls at full precision, not a TPU's default one pass
-    of bf16). The tolerance: a TPU's fp32 tanh (8e-5 off), sums' order."""
+def test_bf16_logits_come_from_a_bf16_matmul(fp32_matmuls):
+    """Under bf16 compute lm_head's matmul takes bf16 operands and gives bf16 logits, as
+    nanochat's autocast does, cast to fp32 for the softcap; XLA may fold that cast into the
+    matmul (its fp32 sums then come out unrounded: a small jit on a CPU or a TPU does, the
+    training step on a TPU does not). Each logit is one of the two, where fp32 compute's are
+    neither (fp32 matmuls at full precision, not a TPU's default bf16 passes). The tolerance:
+    a TPU's fp32 tanh (8e-5 off), sums' order."""
     keys = jax.random.split(jax.random.key(17), 2)
     x = jax.random.normal(keys[0], (64, 64))
     head = {"lm_head": 0.1 * jax.random.normal(keys[1], (64, 512))}
-    logits = {}
-    for dtype in ("bfloat16", "float32"):
-        cfg = nc.Config(vocab_size=500, n_embd=64, n_head=1, n_kv_head=1, compute_dtype=dtype)
-        logits[dtype] = jax.jit(nc.logits_from_hidden, static_argnums=2)(head, x.astype(dtype),
-                                                                         cfg)
-        assert logits[dtype].shape == (64, 500) and logits[dtype].dtype == jnp.float32
     w = head["lm_head"][:, :500].astype(jnp.bfloat16)
-    product = jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
-    expected = nc.SOFTCAP * np.tanh(np.asarray(product, np.float64) / nc.SOFTCAP)
-    np.testing.assert_allclose(logits["bfloat16"], expected, rtol=2e-4, atol=1e-6)
-    assert (np.abs(logits["float32"] - expected) > 2e-4 * np.abs(expected) + 1e-6).mean() > 0.7
+    sums = jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+    capped = [nc.SOFTCAP * np.tanh(np.asarray(a, np.float64) / nc.SOFTCAP)
+              for a in (sums, sums.astype(jnp.bfloat16))]  # unrounded, rounded to bf16
+
+    def either(logits):  # (64, 500) bool: the logit is one of the two
+        return np.logical_or(*(np.isclose(logits, c, rtol=2e-4, atol=1e-6) for c in capped))
+    for dtype, by_jit in (("bfloat16", True), ("bfloat16", False), ("float32", True)):
+        cfg = nc.Config(vocab_size=500, n_embd=64, n_head=1, n_kv_head=1, compute_dtype=dtype)
+        fn = jax.jit(nc.logits_from_hidden, static_argnums=2) if by_jit else nc.logits_from_hidden
+        logits = fn(head, x.astype(dtype), cfg)
+        assert logits.shape == (64, 500) and logits.dtype == jnp.float32
+        if dtype == "bfloat16":
+            assert either(logits).all(), by_jit
+        else:
+            assert either(logits).mean() < 0.3
 
 
 def test_chunked_loss_equals_the_whole(fp32_matmuls):
