@@ -186,7 +186,7 @@ TINY_MODEL = dict(depth=2, aspect_ratio=32, head_dim=16, max_seq_len=32)  # TRAI
 TINY_OPTIM = dict(total_batch_size=256, warmup_steps=2)
 # the model's entry points, jitted once for every test
 forward = jax.jit(nc.forward, static_argnames="cfg")
-loss_fn = jax.jit(nc.loss_fn, static_argnames=("cfg", "reduction"))
+loss_fn = jax.jit(nc.loss_fn, static_argnames=("cfg", "reduction", "chunk"))
 value_and_grad = jax.jit(jax.value_and_grad(nc.loss_fn), static_argnames="cfg")
 
 
@@ -497,7 +497,7 @@ def test_chunked_loss_equals_the_whole(fp32_matmuls):
     assert not chunked[:, -5:].any()  # ignored targets count 0
     for a, b in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(whole_grads)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.abs(b).max()))
-    mean = nc.loss_fn(params, tokens, targets, cfg, chunk=50)
+    mean = loss_fn(params, tokens, targets, cfg, chunk=50)
     assert float(mean) == pytest.approx(float(whole.sum() / (targets >= 0).sum()), rel=1e-6)
     # the default chunk holds LOGITS_PER_CHUNK logits: one chunk for every CPU model here
     assert nc.LOGITS_PER_CHUNK // cfg.vocab_size > targets.size
@@ -516,7 +516,7 @@ def test_the_training_loss_takes_its_gradients_with_the_logits(fp32_matmuls):
     def plain(params):  # token_nll over all 192 rows at once
         x = nc.hidden(params, tokens, cfg).reshape(-1, cfg.n_embd)
         return nc.token_nll(params, x, targets, cfg).sum()
-    want, want_grads = jax.value_and_grad(plain)(params)
+    want, want_grads = jax.jit(jax.value_and_grad(plain))(params)
     for chunk in (50, None):  # 4 chunks, the last padded; one chunk
         def fused(params):
             x = nc.hidden(params, tokens, cfg).reshape(-1, cfg.n_embd)
@@ -900,8 +900,9 @@ def test_muon_update_padded_for_devices_is_the_same():
     def place(stack):
         placed.append(stack.shape)
         return stack
-    plain = muon.update(grads, state, params, labels, groups)
-    padded = muon.update(grads, state, params, labels, groups, 8, place)
+    plain = jax.jit(lambda g, s, p: muon.update(g, s, p, labels, groups))(grads, state, params)
+    padded = jax.jit(lambda g, s, p: muon.update(g, s, p, labels, groups, 8, place))(
+        grads, state, params)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(padded)):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
