@@ -3032,12 +3032,13 @@ def test_int8_kv_cache(window_model):
     assert bool(jnp.all(jnp.abs(q).max(-1) == 127))  # each vector's largest value: 127 scales
     # a decode step's logits over each cache
     layered = engine.prepare(params, cfg)
+    cached = jax.jit(nc.forward_cached, static_argnames=("cfg", "attn"))
     logits = {}
     for kv in (None, "int8"):
         cache = nc.init_cache(cfg, 1, cfg.sequence_len, kv)
-        _, cache = nc.forward_cached(layered, prompt[None, :90], cache, cfg, nc.causal_attention)
-        logits[kv], _ = nc.forward_cached(layered, prompt[None, 90:91], cache, cfg,
-                                          nc.causal_attention)
+        _, cache = cached(layered, prompt[None, :90], cache, cfg=cfg, attn=nc.causal_attention)
+        logits[kv], _ = cached(layered, prompt[None, 90:91], cache, cfg=cfg,
+                               attn=nc.causal_attention)
     assert 0 < float(jnp.abs(logits["int8"] - logits[None]).max()) < 0.05
     # the engine's slots: a byte a value, a scale a token and head; in pages, the same tokens
     replies = {}
