@@ -4200,8 +4200,9 @@ def run_cli(root, *extra, env=None):
 def test_four_devices_equal_one(train_root, tmp_path, capsys):
     """Data parallel on a 4-device mesh (--shard optimizer, the default) trains to the losses of
     one device, through the CPU route and through TPU's splash-attention route (interpreted here,
-    run per device by shard_map); the startup line names the route. The val loss and the sample at the last step run on one device
-    of the four (outside the step's mesh) and agree between the routes."""
+    run per device by shard_map); the startup line names the route. The val loss and the sample
+    at the last step run on one device of the four (outside the step's mesh) and agree between
+    the routes."""
     args = ("--max-seq-len", "128", "--device-batch-size", "2", "--total-batch-size", "1024",
             "--eval-every", "3", "--eval-steps", "1", "--sample-every", "3")
     _, _, one, _ = run_base(fresh_root(train_root, tmp_path / "one"), 3,
