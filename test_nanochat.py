@@ -250,8 +250,8 @@ IMPORTS = {
     "scaling_fits": set(),
     "scaling": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "runtime",
                 "scaling_fits", "sharding", "train"},
-    "bench": {"data", "engine", "kernels", "lora", "muon", "nanochat", "report", "runtime",
-              "sharding", "train"},
+    "bench": {"checkpoint", "data", "engine", "kernels", "lora", "muon", "nanochat", "report",
+              "runtime", "sharding", "tasks", "train"},
 }
 
 
