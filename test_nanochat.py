@@ -4329,32 +4329,32 @@ def two_process_cmd(root, iterations):
             "--num-processes", "2"]
 
 
-@pytest.mark.slow  # two train.py processes (jax.distributed)
-@pytest.mark.parametrize("shard", ["optimizer", "full"])
+@pytest.mark.slow  # two pairs of train.py processes (jax.distributed)
 @pytest.mark.usefixtures("loopback")
-def test_two_processes_equal_one(train_root, tmp_path, shard):
-    """Two processes of one device each train as one process does, in both sharded modes; the
-    val loss and the sample at the last step and the report card (which gather the params under
-    full: a collective every process must join) finish on both."""
+def test_two_processes_equal_one(train_root, tmp_path):
+    """Two processes of one device each train as one process does, under --shard optimizer and
+    under full; the val loss and the sample at the last step and the report card (which gather the
+    params under full: a collective every process must join) finish on both."""
     # one process reading both shards, accumulating two micro-batches of 4 rows
     _, _, one, _ = run_base(fresh_root(train_root, tmp_path / "one"), 3, data_shards=2)
-    root = fresh_root(train_root, tmp_path / "two")
-    cmd = two_process_cmd(root, 3) + ["--shard", shard, "--eval-every", "3", "--eval-steps", "1",
-                                      "--sample-every", "3"]
-    procs = [subprocess.Popen(cmd + ["--process-id", str(i)], cwd=pathlib.Path(__file__).parent,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=child_env())
-             for i in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
-    assert f"--shard {shard}: per device" in outs[0][0]
-    with open(os.path.join(root, "base", "metrics.jsonl")) as f:
-        lines = [json.loads(line) for line in f]
-    two = [entry["loss"] for entry in lines if "loss" in entry]
-    assert len(two) == 3  # one line per step: only process 0 writes the log
-    np.testing.assert_allclose(two, one, rtol=1e-5)
-    assert [entry["step"] for entry in lines if "val_bpb" in entry] == [0, 3]
-    assert "sample:" in outs[0][0] and "sample:" in outs[1][0]
+    for shard in ("optimizer", "full"):
+        root = fresh_root(train_root, tmp_path / shard)
+        cmd = two_process_cmd(root, 3) + ["--shard", shard, "--eval-every", "3", "--eval-steps",
+                                          "1", "--sample-every", "3"]
+        procs = [subprocess.Popen(cmd + ["--process-id", str(i)],
+                                  cwd=pathlib.Path(__file__).parent, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=child_env())
+                 for i in range(2)]
+        outs = [p.communicate(timeout=300) for p in procs]
+        assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
+        assert f"--shard {shard}: per device" in outs[0][0]
+        with open(os.path.join(root, "base", "metrics.jsonl")) as f:
+            lines = [json.loads(line) for line in f]
+        two = [entry["loss"] for entry in lines if "loss" in entry]
+        assert len(two) == 3, shard  # one line per step: only process 0 writes the log
+        np.testing.assert_allclose(two, one, rtol=1e-5, err_msg=shard)
+        assert [entry["step"] for entry in lines if "val_bpb" in entry] == [0, 3]
+        assert "sample:" in outs[0][0] and "sample:" in outs[1][0]
 
 
 @pytest.mark.slow  # three train.py processes
