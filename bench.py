@@ -619,8 +619,7 @@ def bench_agreement(path, max_tokens=64, slots=16):
     row rounds differently in a batch than alone and a near tie can go the other way. One
     JSON line: the replies, how many are equal, and where each other one first differs."""
     params, cfg, tok = checkpoint.load_model(path)
-    here = pathlib.Path(__file__).with_name("testdata")
-    questions = tasks.load_questions(here / "heldout_questions.jsonl")
+    questions = tasks.load_questions(train.QUESTIONS)
     prompts = [data.render_for_completion(tok, [{"role": "user", "content": q["question"]},
                                                 {"role": "assistant", "content": ""}])
                for q in questions]
