@@ -224,13 +224,16 @@ def apply_rotary(x, rope):
     """Rotate the split halves of x (..., D) by -theta, the sign of nanochat's
     checkpoints; rope: rotary's (cos, sin), shaped to broadcast against x's halves."""
     cos, sin = (table.astype(x.dtype) for table in rope)
-    d = x.shape[-1] // 2
-    # slices, not jnp.split, whose gradient is a concatenate
-    x1 = x[..., :d]
-    x2 = x[..., d:]
-    y1 = x1 * cos + x2 * sin
-    y2 = x2 * cos - x1 * sin
-    return jnp.concatenate([y1, y2], axis=-1)
+    D = x.shape[-1]
+    d = D // 2
+    # (x1, x2) -> (x1 cos + x2 sin, x2 cos - x1 sin) = x * (cos, cos) + (x2, x1) * (sin, -sin)
+    cos = jnp.concatenate([cos, cos], axis=-1)
+    sin = jnp.concatenate([sin, -sin], axis=-1)
+    # (x2, x1) as a matmul by a permutation, exact (a product by 1 each): a TPU moves
+    # half-width lanes slower than its matrix unit takes the product
+    swap = jnp.eye(D, dtype=x.dtype)[:, (jnp.arange(D) + d) % D]
+    swapped = jnp.dot(x, swap, precision=jax.lax.Precision.HIGHEST)
+    return x * cos + swapped * sin
 
 
 def attention_mask(q_pos, k_pos, window):
@@ -535,18 +538,12 @@ def forward(params, tokens, cfg, attn=causal_attention):
 
 def token_nll(params, x, targets, cfg):
     """-log p of each target (N,) from hidden states x (N, C); 0 where a target is < 0."""
-    return nll_of_logits(logits_from_hidden(params, x, cfg), targets)[0]
-
-
-def nll_of_logits(logits, targets):
-    """(-log p of each target (N,), 0 where a target is < 0; log Z (N,)) from logits
-    (N, V)."""
+    logits = logits_from_hidden(params, x, cfg)
     valid = targets >= 0
     # each target's logit (an ignored target reads index 0, then counts 0)
     safe = jnp.where(valid, targets, 0)
     picked = jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    return jnp.where(valid, log_z - picked, 0.0), log_z
+    return jnp.where(valid, jax.nn.logsumexp(logits, axis=-1) - picked, 0.0)
 
 
 def row_chunks(x, targets, cfg, chunk=None):
@@ -596,10 +593,16 @@ def nll_sum_and_grads(lm_head, x, targets, cfg, chunk):
     def step(d_head, chunk_rows):
         x, targets = chunk_rows
         logits = logits_from_hidden({"lm_head": w}, x, cfg)  # (rows, V)
-        nll, log_z = nll_of_logits(logits, targets)
+        # the targets' one-hot (an ignored target's row all False) picks each target's logit
+        # by a masked sum, which XLA folds into logsumexp's pass over the logits (a gather,
+        # as in token_nll, would have the fp32 logits written out for it)
+        hit = jnp.arange(V) == targets[:, None]
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+        nll = jnp.where(targets >= 0, log_z - picked, 0.0)
         # d nll / d logits: the softmax less the target's one-hot, through the cap's tanh
         softmax = jnp.exp(logits - log_z[:, None])
-        d = softmax - jax.nn.one_hot(targets, V)
+        d = softmax - hit
         d = d * (1 - (logits / SOFTCAP) ** 2)
         d = jnp.where(targets[:, None] >= 0, d, 0).astype(x.dtype)
         # the gradients of the chunk's matmul

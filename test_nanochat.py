@@ -449,6 +449,22 @@ def test_sliding_window_limits_context():
     assert np.flatnonzero(decode[0]).tolist() == list(range(72, 201))
 
 
+def test_rotary_swap_is_exact():
+    """apply_rotary's half swap by a permutation matmul against the halves' rotation: bit for
+    bit, in fp32 and bf16 (on a chip too, at its default matmul precision: the swap's matmul
+    asks for full precision)."""
+    x = jax.random.normal(jax.random.key(5), (2, 3, 16, 8))
+    rope = nc.rotary(jnp.arange(16), 8)  # (16, 4) each
+
+    def by_halves(x, rope):
+        cos, sin = (table.astype(x.dtype) for table in rope)
+        x1, x2 = x[..., :4], x[..., 4:]
+        return jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], axis=-1)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        rotated = jax.jit(nc.apply_rotary)(x.astype(dtype), rope)
+        np.testing.assert_array_equal(rotated, jax.jit(by_halves)(x.astype(dtype), rope))
+
+
 def test_bf16_logits_come_from_a_bf16_matmul(fp32_matmuls):
     """Under bf16 compute lm_head's matmul takes bf16 operands and gives bf16 logits, as
     nanochat's autocast does, cast to fp32 for the softcap; XLA may fold that cast into the
