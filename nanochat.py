@@ -229,8 +229,8 @@ def apply_rotary(x, rope):
     # (x1, x2) -> (x1 cos + x2 sin, x2 cos - x1 sin) = x * (cos, cos) + (x2, x1) * (sin, -sin)
     cos = jnp.concatenate([cos, cos], axis=-1)
     sin = jnp.concatenate([sin, -sin], axis=-1)
-    # (x2, x1) as a matmul by a permutation, exact (a product by 1 each): a TPU moves
-    # half-width lanes slower than its matrix unit takes the product
+    # (x2, x1) as a matmul by a permutation, exact (a product by 1 each): a matrix unit
+    # takes it faster than a vector unit moves half-width lanes
     swap = jnp.eye(D, dtype=x.dtype)[:, (jnp.arange(D) + d) % D]
     swapped = jnp.dot(x, swap, precision=jax.lax.Precision.HIGHEST)
     return x * cos + swapped * sin

@@ -4081,11 +4081,13 @@ def test_remat_leaves_the_losses(train_root, tmp_path):
 def test_remat_lowers_the_step_temp_bytes():
     """jax.checkpoint around each block lowers XLA's temp bytes of the train step. CPU XLA's
     default scheduler orders for concurrency and keeps every activation either way, so the step is
-    compiled with its memory-optimized scheduler, as a memory-bound accelerator's would order it."""
-    cfg = train.model_config(300, depth=3, aspect_ratio=32, head_dim=32, max_seq_len=128)
+    compiled with its memory-optimized scheduler, as a memory-bound accelerator's would order it.
+    The model is one whose activations outweigh the optimizer's temporaries: 0.71 of the bytes
+    (at depth 3 and T 128 remat saved 11%, and a change to RoPE's form took 10 of them)."""
+    cfg = train.model_config(300, depth=4, aspect_ratio=32, head_dim=32, max_seq_len=256)
     params = nc.param_shapes(cfg)
     opt = jax.eval_shape(lambda p: muon.init(p, *nc.param_groups(p)), params)
-    x = jax.ShapeDtypeStruct((1, 8, 128), jnp.int32)
+    x = jax.ShapeDtypeStruct((1, 4, 256), jnp.int32)
     temp = {}
     for remat in (False, True):
         lowered = train.jit_train_step.lower(params, opt, (x, x), 0, train.base_schedule(10, 0.0),
@@ -4094,7 +4096,7 @@ def test_remat_lowers_the_step_temp_bytes():
         memory_first = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
         compiled = lowered.compile(memory_first)
         temp[remat] = compiled.memory_analysis().temp_size_in_bytes
-    assert temp[True] < 0.95 * temp[False], temp
+    assert temp[True] < 0.8 * temp[False], temp
 
 
 # --------------------------------------------------------------------------------------------------
