@@ -597,14 +597,15 @@ def nll_sum_and_grads(lm_head, x, targets, cfg, chunk):
         # by a masked sum, which XLA folds into logsumexp's pass over the logits (a gather,
         # as in token_nll, would have the fp32 logits written out for it)
         hit = jnp.arange(V) == targets[:, None]
+        valid = targets >= 0
         log_z = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
-        nll = jnp.where(targets >= 0, log_z - picked, 0.0)
+        nll = jnp.where(valid, log_z - picked, 0.0)
         # d nll / d logits: the softmax less the target's one-hot, through the cap's tanh
         softmax = jnp.exp(logits - log_z[:, None])
         d = softmax - hit
         d = d * (1 - (logits / SOFTCAP) ** 2)
-        d = jnp.where(targets[:, None] >= 0, d, 0).astype(x.dtype)
+        d = jnp.where(valid[:, None], d, 0).astype(x.dtype)
         # the gradients of the chunk's matmul
         dx = jnp.dot(d, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
         d_head += jnp.dot(x.T, d, preferred_element_type=jnp.float32)
