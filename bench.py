@@ -342,10 +342,11 @@ def timed(eng, request):
     of one chunk share its device call."""
     stamps = []
     add = request.add
+    stats = eng.stats  # not eng: a request the engine holds would hold the engine
 
     def add_timed(event):
         if event.token is not None:
-            stamps.append((time.perf_counter(), eng.stats["calls"]))
+            stamps.append((time.perf_counter(), stats["calls"]))
         add(event)
     request.add = add_timed
     return stamps

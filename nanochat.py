@@ -291,15 +291,18 @@ def smear(x, gate_w, lam, prev=None):
 
 def write_rows(cache, new, pos):
     """cache (B, K, S, D) with each row's new (B, T, K, D) written at that row's pos
-    (B,), in place on a donated cache."""
-    new = new.swapaxes(1, 2)  # (B, K, T, D), the cache's layout
-    # XLA copies a one-row cache to scatter into it: write it in place
-    if cache.shape[0] == 1:
-        return jax.lax.dynamic_update_slice(cache, new, (0, 0, pos[0], 0))
-
-    def write(row, new_row, at):
-        return jax.lax.dynamic_update_slice(row, new_row, (0, at, 0))
-    return jax.vmap(write)(cache, new, pos)
+    (B,), moved back to fit as dynamic_update_slice moves it; in place on a donated
+    cache."""
+    B, K, S, D = cache.shape
+    T = new.shape[1]
+    # the cache as a table of B * K * S vectors of D, and one scatter of whole vectors:
+    # a vmapped dynamic_update_slice would be a loop over the rows
+    at = jnp.clip(pos, 0, S - T)[:, None, None] + jnp.arange(T)  # (B, 1, T)
+    index = (jnp.arange(B)[:, None, None] * K + jnp.arange(K)[:, None]) * S + at
+    table = cache.reshape(B * K * S, D).at[index.reshape(-1)].set(
+        new.swapaxes(1, 2).reshape(B * K * T, D), unique_indices=True,
+        mode="promise_in_bounds")
+    return table.reshape(B, K, S, D)
 
 
 def quantize(x):

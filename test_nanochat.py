@@ -696,6 +696,21 @@ def test_the_model_heads_first_equals_its_plain_layout():
         np.testing.assert_allclose(g, h, rtol=0, atol=1e-5 * float(jnp.abs(h).max()) + 1e-7)
 
 
+def test_write_rows_is_dynamic_update_slice_a_row():
+    """The KV cache's write, one scatter of whole vectors, equals a dynamic_update_slice
+    into each row, moved back as it moves a write that would run past the end (where the
+    scatter's table would run into the next head)."""
+    cache = jax.random.normal(jax.random.key(0), (3, 2, 16, 4))
+    pos = jnp.array([0, 7, 15])
+    for T in (1, 5):
+        new = jax.random.normal(jax.random.key(T), (3, T, 2, 4))
+
+        def one_row(row, new_row, at):
+            return jax.lax.dynamic_update_slice(row, new_row.swapaxes(0, 1), (0, at, 0))
+        want = jax.vmap(one_row)(cache, new, pos)
+        np.testing.assert_array_equal(nc.write_rows(cache, new, pos), want)
+
+
 def test_cached_attention_of_every_route_equals_plain():
     """A query chunk over a KV cache (prefill, decode: pos given, one per row; the cache heads
     first) takes attend_cache_cpu on a CPU: the plain numbers, each row at its own position."""
