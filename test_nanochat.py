@@ -4365,29 +4365,29 @@ def two_process_cmd(root, iterations):
 @pytest.mark.slow  # two pairs of train.py processes (jax.distributed)
 @pytest.mark.usefixtures("loopback")
 def test_two_processes_equal_one(train_root, tmp_path):
-    """Two processes of one device each train as one process does, under --shard optimizer and
-    under full; the val loss and the sample at the last step and the report card (which gather the
-    params under full: a collective every process must join) finish on both."""
+    """Two processes of one device each train as one process does under --shard full; the val
+    loss and the sample at the last step and the report card (which gather the params: a
+    collective every process must join) finish on both. (Two processes under --shard optimizer,
+    several devices' default: test_two_processes_agree_on_ctrl_c.)"""
     # one process reading both shards, accumulating two micro-batches of 4 rows
     _, _, one, _ = run_base(fresh_root(train_root, tmp_path / "one"), 3, data_shards=2)
-    for shard in ("optimizer", "full"):
-        root = fresh_root(train_root, tmp_path / shard)
-        cmd = two_process_cmd(root, 3) + ["--shard", shard, "--eval-every", "3", "--eval-steps",
-                                          "1", "--sample-every", "3"]
-        procs = [subprocess.Popen(cmd + ["--process-id", str(i)],
-                                  cwd=pathlib.Path(__file__).parent, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env=child_env())
-                 for i in range(2)]
-        outs = [p.communicate(timeout=300) for p in procs]
-        assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
-        assert f"--shard {shard}: per device" in outs[0][0]
-        with open(os.path.join(root, "base", "metrics.jsonl")) as f:
-            lines = [json.loads(line) for line in f]
-        two = [entry["loss"] for entry in lines if "loss" in entry]
-        assert len(two) == 3, shard  # one line per step: only process 0 writes the log
-        np.testing.assert_allclose(two, one, rtol=1e-5, err_msg=shard)
-        assert [entry["step"] for entry in lines if "val_bpb" in entry] == [0, 3]
-        assert "sample:" in outs[0][0] and "sample:" in outs[1][0]
+    root = fresh_root(train_root, tmp_path / "full")
+    cmd = two_process_cmd(root, 3) + ["--shard", "full", "--eval-every", "3", "--eval-steps",
+                                      "1", "--sample-every", "3"]
+    procs = [subprocess.Popen(cmd + ["--process-id", str(i)],
+                              cwd=pathlib.Path(__file__).parent, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=child_env())
+             for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert "--shard full: per device" in outs[0][0]
+    with open(os.path.join(root, "base", "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    two = [entry["loss"] for entry in lines if "loss" in entry]
+    assert len(two) == 3  # one line per step: only process 0 writes the log
+    np.testing.assert_allclose(two, one, rtol=1e-5)
+    assert [entry["step"] for entry in lines if "val_bpb" in entry] == [0, 3]
+    assert "sample:" in outs[0][0] and "sample:" in outs[1][0]
 
 
 @pytest.mark.slow  # three train.py processes
@@ -4635,18 +4635,18 @@ LORA_CHILD = """
 import json, shutil, sys
 import test_nanochat as t
 root, out = t.pathlib.Path(sys.argv[1]), {}
-for mode in ("none", "optimizer", "full"):
+for mode in ("optimizer", "full"):
     d = shutil.copytree(root / "one", root / mode, ignore=shutil.ignore_patterns("sft"))
     out[mode] = t.run_lora(str(d), "sft", 3, shard=mode, device_batch_size=1)[2]
 print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # a child of 4 emulated devices, 3 compiles
+@pytest.mark.slow  # a child of 4 emulated devices, 2 compiles
 def test_lora_on_four_devices_equals_one(train_root, tmp_path):
-    """LoRA SFT on 4 emulated devices under --shard none, optimizer and full (the frozen base
-    split as the params are) trains to one device's losses (rtol 1e-5, as the base stage's
-    test)."""
+    """LoRA SFT on 4 emulated devices under --shard optimizer (several devices' default) and
+    full (the frozen base split as the params are) trains to one device's losses (rtol 1e-5, as
+    the base stage's test)."""
     one = fresh_root(train_root, tmp_path / "one")
     run_stage(one, "base", 2)
     _, _, losses, _ = run_lora(one, "sft", 3)
