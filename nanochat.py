@@ -295,13 +295,15 @@ def write_rows(cache, new, pos):
     cache."""
     B, K, S, D = cache.shape
     T = new.shape[1]
-    # the cache as a table of B * K * S vectors of D, and one scatter of whole vectors:
-    # a vmapped dynamic_update_slice would be a loop over the rows
-    at = jnp.clip(pos, 0, S - T)[:, None, None] + jnp.arange(T)  # (B, 1, T)
-    index = (jnp.arange(B)[:, None, None] * K + jnp.arange(K)[:, None]) * S + at
-    table = cache.reshape(B * K * S, D).at[index.reshape(-1)].set(
-        new.swapaxes(1, 2).reshape(B * K * T, D), unique_indices=True,
-        mode="promise_in_bounds")
+    # the cache as a table of B * K * S vectors of D, written in one scatter of whole
+    # vectors (a vmapped dynamic_update_slice would be a loop over the rows)
+    table = cache.reshape(B * K * S, D)
+    start = jnp.clip(pos, 0, S - T)  # (B,)
+    head = jnp.arange(B)[:, None] * K + jnp.arange(K)  # (B, K): each row's heads
+    index = head[:, :, None] * S + start[:, None, None] + jnp.arange(T)  # (B, K, T)
+    vectors = new.swapaxes(1, 2).reshape(B * K * T, D)
+    table = table.at[index.reshape(-1)].set(vectors, unique_indices=True,
+                                            mode="promise_in_bounds")
     return table.reshape(B, K, S, D)
 
 
