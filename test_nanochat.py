@@ -260,7 +260,7 @@ def test_imports_form_a_dag_without_private_names():
     bottom, data.py without jax, tasks and checkpoints on the model and data, the programs above
     them, the tools on top), and no module uses another's private (_name) functions."""
     root = pathlib.Path(__file__).parent
-    assert {p.stem for p in root.glob("*.py")} - {"test_nanochat"} == set(IMPORTS)
+    assert {p.stem for p in root.glob("*.py")} - {"test_nanochat", "conftest"} == set(IMPORTS)
     for name, want in IMPORTS.items():
         tree = ast.parse((root / f"{name}.py").read_text())
         aliases = {}  # the local name -> the module of ours it is
