@@ -702,11 +702,11 @@ def test_write_rows_is_dynamic_update_slice_a_row():
     scatter's table would run into the next head)."""
     cache = jax.random.normal(jax.random.key(0), (3, 2, 16, 4))
     pos = jnp.array([0, 7, 15])
+
+    def one_row(row, new_row, at):
+        return jax.lax.dynamic_update_slice(row, new_row.swapaxes(0, 1), (0, at, 0))
     for T in (1, 5):
         new = jax.random.normal(jax.random.key(T), (3, T, 2, 4))
-
-        def one_row(row, new_row, at):
-            return jax.lax.dynamic_update_slice(row, new_row.swapaxes(0, 1), (0, at, 0))
         want = jax.vmap(one_row)(cache, new, pos)
         np.testing.assert_array_equal(nc.write_rows(cache, new, pos), want)
 
@@ -4362,7 +4362,7 @@ def two_process_cmd(root, iterations):
             "--num-processes", "2"]
 
 
-@pytest.mark.slow  # two pairs of train.py processes (jax.distributed)
+@pytest.mark.slow  # a pair of train.py processes (jax.distributed)
 @pytest.mark.usefixtures("loopback")
 def test_two_processes_equal_one(train_root, tmp_path):
     """Two processes of one device each train as one process does under --shard full; the val
