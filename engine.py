@@ -486,19 +486,19 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
     logprobs, emit's; paged, admit's. Hands back early when a slot closes a python
     block."""
     # 1. stop the cancelled slots, then take the first `rows`, their cache over the whole
-    # context up to `view` (or its pages gathered): a copy once a chunk, where every step
-    # reads what it holds
+    # context up to `view` (or its pages gathered: a copy once a chunk). The steps only
+    # read it: each writes its token's k, v into the chunk's own (rows, K, kmax, D)
     live = state["live"] & ~control["cancel"]
     state = {**state, "live": live}
     page = cfg.sequence_len // control["pages"].shape[1]
-    table = control["pages"][:rows, :view // page]  # (rows, view / page)
+    table = control["pages"][:rows]  # (rows, S / page)
     kinds = layouts(cfg, paged)
 
     def first(a):
         return a[:rows]
 
     def gather(pool):  # (pages + 1, K, page, D) -> (rows, K, view, D)
-        return from_pages(pool[table])
+        return from_pages(pool[table[:, :view // page]])
 
     def viewed(a):
         return a[:rows, :, :view]
@@ -507,64 +507,76 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
         take = {"ring": first, "rows": viewed, "pages": gather}[layout]
         return jax.tree.map(take, layer)
 
+    def own(a):  # the chunk's k or v of a layer: empty
+        return jnp.zeros((rows, a.shape[1], kmax, a.shape[3]), a.dtype)
+
     def per_slot(s):  # every array but the cache's layers: a row a slot
         return {**s, "cache": {**s["cache"], "layers": None}}
     cache = state["cache"]
+    read = [part(layer, k) for layer, k in zip(cache["layers"], kinds)]
+    start = cache["pos"][:rows]
     active = jax.tree.map(first, per_slot(state))
-    active["cache"]["layers"] = [part(layer, k) for layer, k in zip(cache["layers"], kinds)]
+    fresh = [jax.tree.map(own, layer) for layer in read]
     records = jnp.full((kmax, rows, 3 + 2 * TOP_LOGPROBS), -1, jnp.int32)
 
     def step(carry):
-        i, active, records, _ = carry
+        i, active, fresh, records, _ = carry
         # 2. feed each live slot its last token; an idle slot's position and smear stay put
         old = active["cache"]
-        logits, cache = nc.forward_cached(layered, active["token"][:, None], old, cfg, attn,
+        chunk = {"step": i, "start": start, "layers": fresh}
+        logits, cache = nc.forward_cached(layered, active["token"][:, None],
+                                          {**old, "layers": read, "chunk": chunk}, cfg, attn,
                                           rings=True)
         live = active["live"]
-        cache["pos"] = jnp.where(live, cache["pos"], old["pos"])
-        cache["prev"] = jnp.where(live[:, None], cache["prev"], old["prev"])
+        moved = {"layers": None,
+                 "pos": jnp.where(live, cache["pos"], old["pos"]),
+                 "prev": jnp.where(live[:, None], cache["prev"], old["prev"])}
         # 3. each live slot's next token
         slot_values = {k: v for k, v in active.items() if k != "cache"}
-        slot_values, record = emit(slot_values, logits, cache["pos"], control["python"],
+        slot_values, record = emit(slot_values, logits, moved["pos"], control["python"],
                                    control["logprobs"])
-        active = {**slot_values, "cache": cache}
+        active = {**slot_values, "cache": moved}
         records = records.at[i].set(record)
         # 4. back to the host early: a calculator to run, or a freed slot for a waiting request
         flags = record[:, 1]
         waits = jnp.any((flags & CLOSES) > 0)
         ended = control["exit_on_done"] & jnp.any((flags & DONE) > 0)
-        return i + 1, active, records, waits | ended
+        return i + 1, active, cache["chunk"]["layers"], records, waits | ended
 
     def more(carry):
-        i, active, _, back = carry
+        i, active, _, _, back = carry
         return (i < control["steps"]) & jnp.any(active["live"]) & ~back
 
-    carry = (0, active, records, False)
-    _, active, records, _ = jax.lax.while_loop(more, step, carry)
+    carry = (0, active, fresh, records, False)
+    _, active, fresh, records, _ = jax.lax.while_loop(more, step, carry)
 
-    # 5. the rows back in place, up to the view, and into its pages the pages a slot can
-    # have written: from the one of its position at the chunk's start, kmax tokens on (the
-    # state is donated: no second cache; an idle slot's junk goes to the null page)
-    def put_back(whole, done):
-        return whole.at[:rows].set(done)
+    # 5. each slot's new tokens (its position now less at the start) into the cache: a
+    # ring at their positions modulo its size, a row at their positions, pages through
+    # the slot's table; one scatter of whole vectors a layer
+    at = start[:, None] + jnp.arange(kmax)  # (rows, kmax)
+    new = at < active["cache"]["pos"][:, None]
+    heads = jnp.arange(cfg.n_kv_head)[:, None]  # (K, 1)
 
-    def put_view(whole, done):
-        return whole.at[:rows, :, :view].set(done)
-    touched = -(-kmax // page) + 1
-    written = cache["pos"][:rows, None] // page + jnp.arange(touched)
-    written = jnp.minimum(written, view // page - 1)  # (rows, touched) of the view's pages
+    def vectors(layout, length):  # (rows, K, kmax): each new vector's index in a table of D
+        if layout == "pages":  # the page each token falls in, through the slot's table
+            block = jnp.take_along_axis(table, jnp.minimum(at // page, table.shape[1] - 1),
+                                        axis=1)
+        else:  # the slot's own ring or row
+            block = jnp.broadcast_to(jnp.arange(rows)[:, None], at.shape)
+        return (block[:, None] * cfg.n_kv_head + heads) * length + at[:, None] % length
 
-    def scatter(pool, done):
-        blocks = jnp.take_along_axis(to_pages(done, page), written[..., None, None, None],
-                                     axis=1)  # (rows, touched, K, page, D)
-        return pool.at[jnp.take_along_axis(table, written, axis=1)].set(blocks)
+    def write(whole, done, index):
+        flat = whole.reshape(-1, whole.shape[-1])
+        index = jnp.where(new[:, None], index, flat.shape[0])  # past the end: dropped
+        flat = flat.at[index.reshape(-1)].set(done.reshape(-1, done.shape[-1]), mode="drop")
+        return flat.reshape(whole.shape)
 
-    def back(whole, done, layout):
-        put = {"ring": put_back, "rows": put_view, "pages": scatter}[layout]
-        return jax.tree.map(put, whole, done)
-    layers = [back(*layer, k) for *layer, k in zip(cache["layers"], active["cache"]["layers"],
-                                                    kinds)]
-    state = jax.tree.map(put_back, per_slot(state), per_slot(active))
+    layers = []
+    for layer, done, layout in zip(cache["layers"], fresh, kinds):
+        index = vectors(layout, jax.tree.leaves(layer)[0].shape[2])
+        layers.append(jax.tree.map(lambda whole, d: write(whole, d, index), layer, done))
+    state = jax.tree.map(lambda whole, done: whole.at[:rows].set(done),
+                         per_slot(state), per_slot(active))
     state["cache"]["layers"] = layers
     return state, records
 
@@ -857,13 +869,12 @@ class Engine:
         return True
 
     def view(self, busy):
-        """How far into the cache a chunk reads: the first view past every busy slot's
-        next kmax tokens."""
+        """How far into the cache a chunk reads: the first view that holds every busy
+        slot's tokens (the chunk's new ones are its own)."""
         reach = 0
         for slot in busy:
             request, choice = self.owner[slot]
-            length = len(request.prompt) + len(request.tokens[choice])
-            reach = max(reach, length + self.kmax)
+            reach = max(reach, len(request.prompt) + len(request.tokens[choice]))
         return min((v for v in self.views if v >= reach), default=self.cfg.sequence_len)
 
     def admit_waiting(self):

@@ -11,7 +11,7 @@ picking at trace time by backend, dtype, shapes:
 - "cpu": heads first and no max pass (QK-norm bounds |score| by 1.44 sqrt(D), so exp
   cannot overflow in fp32), each query block over only the keys its window reaches.
 - "xla", "plain": dot_product_attention's XLA path, nanochat.causal_attention itself.
-A query chunk over a KV cache takes `attend_cache_cpu` on a CPU. Every route is tested
+A query chunk over a KV cache takes `attend_cache` on every backend. Every route is tested
 against the plain attention; docs/performance.md says why each exists and what it saves.
 `init_params` compiles the init cheaply.
 """
@@ -60,24 +60,28 @@ def attend_cpu(q, k, v, mask):
     return y.reshape(B, Tq, H, D)
 
 
-def attend_cache_cpu(q, k, v, mask):
-    """Queries q (B, Tq, H, D) over a KV cache's k, v (B, K, S, D) under mask (B, Tq,
-    S), as attend_cpu (no max pass) but on the cache as it lies: XLA's dots then read
-    each head's keys in place, where a transposed copy of the whole cache would cost
-    more than the math."""
+def attend_cache(q, keys, values, masks):
+    """Queries q (B, Tq, H, D) over a KV cache's parts, keys and values lists of (B, K,
+    S_i, D) under masks (B, Tq, S_i), as one softmax over every part's keys (a decode
+    chunk's: the cache and the chunk's own tokens), without a max pass (see the
+    header). The cache is read as it lies: XLA's dots then read each head's keys in
+    place, where a transposed copy, or the parts joined, would cost more than the
+    math."""
     B, Tq, H, D = q.shape
-    K = k.shape[1]
+    K = keys[0].shape[1]
     q = q.reshape(B, Tq, K, H // K, D)
-    # the softmax's weights over the cache, without a max pass
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / D**0.5
-    p = jnp.exp(jnp.where(mask[:, None, None], scores, -jnp.inf))  # (B, K, H/K, Tq, S)
-    # the weighted values, normalized
-    weighted = p.astype(v.dtype)
-    y = jnp.einsum("bkgts,bksd->btkgd", weighted, v, preferred_element_type=jnp.float32)
-    sums = jnp.moveaxis(p.sum(-1), -1, 1)  # (B, Tq, K, H/K)
+    # each part's softmax weights (B, K, H/K, Tq, S_i), unnormalized, and their sum
+    weights = []
+    for k, mask in zip(keys, masks):
+        scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
+        weights.append(jnp.exp(jnp.where(mask[:, None, None], scores / D**0.5, -jnp.inf)))
+    sums = sum(jnp.moveaxis(p.sum(-1), -1, 1) for p in weights)  # (B, Tq, K, H/K)
+    # the weighted values of every part, normalized
+    y = sum(jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v,
+                       preferred_element_type=jnp.float32)
+            for p, v in zip(weights, values))
     y = y / sums[..., None]
-    return y.astype(v.dtype).reshape(B, Tq, H, D)
+    return y.astype(values[0].dtype).reshape(B, Tq, H, D)
 
 
 def blocked_attention(q, k, v, window, block=None):
@@ -149,15 +153,15 @@ def attention_fn(route="auto"):
 def _route_attention(name):
     def attn(q, k, v, window, pos=None, k_pos=None):
         backend = jax.default_backend()
-        # a query chunk over a KV cache, each row at its own position
+        # a query chunk over a KV cache, each row at its own position; a decode chunk's
+        # in parts
         if pos is not None:
-            if backend != "cpu":
-                return nc.causal_attention(q, k, v, window, pos, k_pos)
+            if not isinstance(k, list):
+                k, v, k_pos = [k], [v], [k_pos]
             q_pos = nc.query_positions(pos, q.shape[1])
-            if k_pos is None:
-                k_pos = jnp.arange(k.shape[2])
-            mask = nc.attention_mask(q_pos, k_pos, window)
-            return attend_cache_cpu(q, k, v, mask)
+            masks = [nc.attention_mask(q_pos, jnp.arange(a.shape[2]) if p is None else p,
+                                       window) for a, p in zip(k, k_pos)]
+            return attend_cache(q, k, v, masks)
         # a whole sequence: the route's attention. Heads first where attn.heads_first says
         # so (the model then projects q, k, v into it): splash's layout; the others take
         # (B, T, H, D)

@@ -265,7 +265,10 @@ def causal_attention(q, k, v, window, pos=None, k_pos=None):
     """The model's attention, `attn`: queries at positions pos, pos + 1, ... over keys
     at k_pos (None: 0, 1, ...), causal within `window`. pos None: training, q and k the
     same positions 0..T-1; pos (B,): each row its own, k and v a KV cache's (B, K, S,
-    D), k_pos (B, S) where a ring cache holds them (ring_positions)."""
+    D), k_pos (B, S) where a ring cache holds them (ring_positions); or lists of such
+    parts and their k_pos, attended as one (a decode chunk's: `forward_cached`)."""
+    if isinstance(k, list):
+        k, v, k_pos = joined(k, v, k_pos)
     if pos is not None:  # a cache is stored heads first
         k = k.swapaxes(1, 2)
         v = v.swapaxes(1, 2)
@@ -274,6 +277,16 @@ def causal_attention(q, k, v, window, pos=None, k_pos=None):
         k_pos = jnp.arange(k.shape[1])
     mask = attention_mask(q_pos, k_pos, window)
     return attend(q, k, v, mask)
+
+
+def joined(keys, values, k_pos):
+    """A cache's parts (lists of (B, K, S_i, D) and their k_pos, each (S_i,), (B, S_i) or
+    None) as one cache: (k, v, k_pos (B, S))."""
+    B = keys[0].shape[0]
+    k_pos = [jnp.broadcast_to(jnp.arange(k.shape[2]) if p is None else p, (B, k.shape[2]))
+             for k, p in zip(keys, k_pos)]
+    return (jnp.concatenate(keys, axis=2), jnp.concatenate(values, axis=2),
+            jnp.concatenate(k_pos, axis=1))
 
 
 def smear(x, gate_w, lam, prev=None):
@@ -340,7 +353,10 @@ def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0, ring=None):
     or int8 ones: init_cache) row b's tokens sit at pos[b]: their k and v are written
     there, and the queries attend over every slot, the mask hiding the slots not written
     yet. ring: the cache is a sliding window's ring of that many slots (ring_size), one
-    token written a call, at its position modulo the ring."""
+    token written a call, at its position modulo the ring. A decode chunk's cache (k,
+    v, (step, start, chunk's k, v)) (`forward_cached`) is only read, as it stood at each
+    row's start; the token's k and v go into the chunk's own (B, K, kmax, D) at the
+    step, returned in the cache's place."""
     B, T, C = x.shape
     D = rope[0].shape[-1] * 2
     # heads first where attn takes them so (attn.heads_first: a kernel's layout), projected
@@ -364,6 +380,20 @@ def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0, ring=None):
     # place on a donated cache: one compiled step serves every position)
     if cache is None:
         y = attn(q, k, v, window)
+    elif len(cache) == 3:
+        step, start, fresh = cache[2]
+        fresh = tuple(write_kv(entry, new, jnp.broadcast_to(step, pos.shape))
+                      for entry, new in zip(fresh, (k, v)))
+        # what the cache held at each row's start: a ring's latest positions, or the
+        # positions before it
+        S = jax.tree.leaves(cache[0])[0].shape[2]
+        held = (ring_positions(start - 1, ring) if ring is not None else
+                jnp.where(jnp.arange(S) < start[:, None], jnp.arange(S), -1))
+        kmax = jax.tree.leaves(fresh[0])[0].shape[2]
+        keys, values = ([read_kv(entry, q.dtype) for entry in (cache[i], fresh[i])]
+                        for i in (0, 1))
+        y = attn(q, keys, values, window, pos, [held, start[:, None] + jnp.arange(kmax)])
+        cache = fresh
     else:
         at = pos if ring is None else pos % ring
         cache = (write_kv(cache[0], k, at), write_kv(cache[1], v, at))
@@ -386,7 +416,7 @@ def project_heads(x, w, D, heads_first):
 def block(layer, x, x0, ve, rope, *, window, attn=causal_attention, cache=None, pos=0,
           ring=None):
     """One transformer layer on the residual stream x (B, T, C): (x, cache). layer: one
-    layer's weights (`unstack`); x0: the smeared embeddings; ve, ring: as
+    layer's weights (`unstack`); x0: the smeared embeddings; ve, cache, ring: as
     `attention`'s."""
     # 1. nanochat's per-layer mix of the stream and the embeddings
     x = layer["resid_lambdas"] * x + layer["x0_lambdas"] * x0
@@ -484,12 +514,13 @@ def scan_layers(params, tokens, x, cfg, period, *, attn, remat=False):
     return x, x_backout
 
 
-def trunk(layered, tokens, x, cfg, *, attn, caches=None, pos=0, remat=False, rings=False):
+def trunk(layered, tokens, x, cfg, *, attn, caches=None, pos=0, remat=False, rings=False,
+          chunk=None):
     """The layers, backout and final norm over the smeared embeddings x (B, T, C) of
     tokens at positions pos, pos + 1, ...; layered is unstacked. Returns (normed hidden
-    states, layer caches). remat: the backward pass recomputes each block's
-    activations instead of keeping them. rings: the caches are init_cache's with
-    rings."""
+    states, layer caches: with a chunk, the chunk's own k, v). remat: the backward pass
+    recomputes each block's activations instead of keeping them. rings: the caches are
+    init_cache's with rings. chunk: forward_cached's."""
     rope = rotary(query_positions(pos, tokens.shape[1]), cfg.head_dim)
     caches = caches or [None] * cfg.n_layer
     x0 = x
@@ -500,6 +531,8 @@ def trunk(layered, tokens, x, cfg, *, attn, caches=None, pos=0, remat=False, rin
         if remat:
             layer_fn = jax.checkpoint(layer_fn)
         ve = layer["value_embeds"][tokens] if "value_embeds" in layer else None
+        if chunk is not None:  # the layer's cache, read only, and the chunk's own k, v
+            caches[i] = (*caches[i], (chunk["step"], chunk["start"], chunk["layers"][i]))
         x, caches[i] = layer_fn(layer, x, x0, ve, rope, cache=caches[i], pos=pos)
         if i == cfg.n_layer // 2:
             x_backout = x
@@ -705,7 +738,13 @@ def forward_cached(layered, tokens, cache, cfg, attn, length=None, rings=False):
     unstacked, in the compute dtype; tokens (B, T) go in at each row's position. A
     prompt padded at the end to a bucket writes junk k, v past its length, which later
     writes replace before any query can see them. rings: the cache is init_cache's with
-    rings, and tokens one a row (T = 1)."""
+    rings, and tokens one a row (T = 1).
+
+    A decode chunk (engine.py) reads its cache without writing it: cache["chunk"] holds
+    step, the call's index within the chunk; start (B,), each row's position at the
+    chunk's start; and layers, per layer the chunk's own k, v (B, K, kmax, D), empty
+    entries like init_cache's. The tokens' k and v go there at the step, and the
+    returned cache's chunk carries them."""
     if rings and tokens.shape[1] != 1:
         raise ValueError(f"a cache with rings takes one token a row, not {tokens.shape[1]}")
     length = tokens.shape[1] if length is None else length
@@ -714,16 +753,20 @@ def forward_cached(layered, tokens, cache, cfg, attn, length=None, rings=False):
     e = rms_norm(layered["wte"][tokens])  # (B, T, C)
     x = smear(e, layered["smear_gate"], layered["smear_lambda"], cache["prev"])
     # 2. the layers, each writing its keys and values at each row's position
+    chunk = cache.get("chunk")
     x, layers = trunk(layered, tokens, x, cfg, attn=attn, caches=list(cache["layers"]),
-                      pos=cache["pos"], rings=rings)
+                      pos=cache["pos"], rings=rings, chunk=chunk)
 
     # 3. the logits after each row's last valid token, and the advanced cache
     lengths = jnp.broadcast_to(length, tokens.shape[:1])
 
     def last(a):
         return jnp.take_along_axis(a, lengths[:, None, None] - 1, axis=1)[:, 0]
-    cache = {"layers": layers, "prev": last(e), "pos": cache["pos"] + lengths}
-    return logits_from_hidden(layered, last(x), cfg), cache
+    advanced = {"layers": layers, "prev": last(e), "pos": cache["pos"] + lengths}
+    if chunk is not None:  # the cache as it was, the chunk's own k, v advanced
+        advanced["layers"] = cache["layers"]
+        advanced["chunk"] = {**chunk, "layers": layers}
+    return logits_from_hidden(layered, last(x), cfg), advanced
 
 # ----------------------------------------------------------------------------- counting
 

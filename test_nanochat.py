@@ -713,7 +713,8 @@ def test_write_rows_is_dynamic_update_slice_a_row():
 
 def test_cached_attention_of_every_route_equals_plain():
     """A query chunk over a KV cache (prefill, decode: pos given, one per row; the cache heads
-    first) takes attend_cache_cpu on a CPU: the plain numbers, each row at its own position."""
+    first) takes attend_cache: the plain numbers, each row at its own position; a cache in
+    parts (a decode chunk's: the cache, then the chunk's own tokens) as the parts joined."""
     keys = jax.random.split(jax.random.key(14), 3)
     q = jax.random.normal(keys[0], (2, 5, 4, 32))  # (B, T, H, D)
     k, v = (jax.random.normal(key, (2, 2, 40, 32)) for key in keys[1:])  # (B, K, S, D)
@@ -728,6 +729,16 @@ def test_cached_attention_of_every_route_equals_plain():
             alone = nc.causal_attention(q[row:row + 1], k[row:row + 1], v[row:row + 1], window,
                                         pos[row])
             np.testing.assert_allclose(want[row:row + 1], alone, atol=1e-6)
+        # the last 8 slots as a part of their own, at positions of each row's
+        held = jnp.where(jnp.arange(32) < 20, jnp.arange(32), -1)  # slots 20..31 empty
+        at = jnp.array([[20], [4]]) + jnp.arange(8)
+        k_pos = [held, at]
+        joined = nc.causal_attention(q, k, v, window, pos, jnp.concatenate(
+            [jnp.broadcast_to(held, (2, 32)), at], axis=1))
+        for route in kernels.ROUTES:
+            parts = kernels.attention_fn(route)(q, [k[:, :, :32], k[:, :, 32:]],
+                                                [v[:, :, :32], v[:, :, 32:]], window, pos, k_pos)
+            np.testing.assert_allclose(parts, joined, atol=1e-5)
 
 
 def test_model_names_no_backend():
