@@ -550,11 +550,25 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
     carry = (0, active, fresh, records, False)
     _, active, fresh, records, _ = jax.lax.while_loop(more, step, carry)
 
-    # 5. each slot's new tokens (its position now less at the start) into the cache: a
-    # ring at their positions modulo its size, a row at their positions, pages through
-    # the slot's table; one scatter of whole vectors a layer
+    # 5. each slot's new tokens into the cache, and the slots' values back in place
+    layers = store_chunk(cache["layers"], fresh, kinds, start, active["cache"]["pos"],
+                         table=table, cfg=cfg)
+    state = jax.tree.map(lambda whole, done: whole.at[:rows].set(done),
+                         per_slot(state), per_slot(active))
+    state["cache"]["layers"] = layers
+    return state, records
+
+
+def store_chunk(layers, fresh, kinds, start, end, *, table, cfg):
+    """A decode chunk's own k, v (per layer, (rows, K, kmax, D) entries) into the first
+    rows' cache `layers` (layouts `kinds`): each row's tokens from its position at the
+    chunk's start up to its position `end`, the rest dropped; a ring at their positions
+    modulo its size, a row at their positions, pages through the slot's page `table`
+    (rows, S / page). One scatter of whole vectors a layer."""
+    rows, kmax = table.shape[0], jax.tree.leaves(fresh[0])[0].shape[2]
+    page = cfg.sequence_len // table.shape[1]
     at = start[:, None] + jnp.arange(kmax)  # (rows, kmax)
-    new = at < active["cache"]["pos"][:, None]
+    new = at < end[:, None]
     heads = jnp.arange(cfg.n_kv_head)[:, None]  # (K, 1)
 
     def vectors(layout, length):  # (rows, K, kmax): each new vector's index in a table of D
@@ -571,14 +585,11 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
         flat = flat.at[index.reshape(-1)].set(done.reshape(-1, done.shape[-1]), mode="drop")
         return flat.reshape(whole.shape)
 
-    layers = []
-    for layer, done, layout in zip(cache["layers"], fresh, kinds):
+    stored = []
+    for layer, done, layout in zip(layers, fresh, kinds):
         index = vectors(layout, jax.tree.leaves(layer)[0].shape[2])
-        layers.append(jax.tree.map(lambda whole, d: write(whole, d, index), layer, done))
-    state = jax.tree.map(lambda whole, done: whole.at[:rows].set(done),
-                         per_slot(state), per_slot(active))
-    state["cache"]["layers"] = layers
-    return state, records
+        stored.append(jax.tree.map(lambda whole, d: write(whole, d, index), layer, done))
+    return stored
 
 
 @functools.partial(jax.jit, donate_argnames="state")

@@ -384,14 +384,13 @@ def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0, ring=None):
         step, start, fresh = cache[2]
         fresh = tuple(write_kv(entry, new, jnp.broadcast_to(step, pos.shape))
                       for entry, new in zip(fresh, (k, v)))
-        # what the cache held at each row's start: a ring's latest positions, or the
-        # positions before it
-        S = jax.tree.leaves(cache[0])[0].shape[2]
-        held = (ring_positions(start - 1, ring) if ring is not None else
-                jnp.where(jnp.arange(S) < start[:, None], jnp.arange(S), -1))
-        kmax = jax.tree.leaves(fresh[0])[0].shape[2]
         keys, values = ([read_kv(entry, q.dtype) for entry in (cache[i], fresh[i])]
                         for i in (0, 1))
+        # what the cache held at each row's start: a ring's latest positions, or the
+        # positions before it; then the chunk's own from the start on
+        S, kmax = keys[0].shape[2], keys[1].shape[2]
+        held = (ring_positions(start - 1, ring) if ring is not None else
+                jnp.where(jnp.arange(S) < start[:, None], jnp.arange(S), -1))
         y = attn(q, keys, values, window, pos, [held, start[:, None] + jnp.arange(kmax)])
         cache = fresh
     else:
