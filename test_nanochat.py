@@ -711,6 +711,7 @@ def test_write_rows_is_dynamic_update_slice_a_row():
         np.testing.assert_array_equal(nc.write_rows(cache, new, pos), want)
 
 
+@pytest.mark.usefixtures("fp32_matmuls")
 def test_cached_attention_of_every_route_equals_plain():
     """A query chunk over a KV cache (prefill, decode: pos given, one per row; the cache heads
     first) takes attend_cache: the plain numbers, each row at its own position; a cache in
