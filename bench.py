@@ -797,7 +797,7 @@ def step_memory(cfg, devices, device_batch_size, shard="optimizer", remat=False,
             frozen=frozen)
         if real:  # the chip's plan, or XLA's count when it refuses (out of memory)
             state = sharding.memory(params, opt_state, devices, shard)
-            planned = train.needed_bytes(lowered, state["params"] + state["optimizer"])
+            planned = runtime.needed_bytes(lowered, state["params"] + state["optimizer"])
             return {"shard": shard, "device": jax.devices()[0].device_kind,
                     "total_bytes": planned, "total_gib": round(planned / 2**30, 3),
                     "compile_s": round(time.perf_counter() - t0, 1)}

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import nanochat as nc
+import runtime
 
 TOP_K_MAX = 256  # top_k is traced under this bound: a fixed-size lax.top_k is fast, a sort is not
 MAX_STOPS = 4  # stop ids per request
@@ -317,21 +318,32 @@ def free_device_bytes():
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
-def check_memory(cfg, slots, kv_dtype=None, pages=None, page=None):
+def check_memory(cfg, slots, kv_dtype=None, pages=None, page=None, work=lambda slots: 0):
     """One ValueError line, before any cache is allocated, when the state of `slots`
-    slots and `pages` pages (None: every slot the whole context) does not fit the
-    device's free memory (the weights already on it): what it needs, what is free and
-    how many slots fit."""
+    slots and `pages` pages (None: every slot the whole context) and the bytes of work
+    (work(slots): the largest decode call's beyond its arguments, asked only of a device
+    with a limit) do not fit the device's free memory (the weights already on it): what
+    they need, what is free and how many slots fit."""
     free = free_device_bytes()
-    need = state_bytes(cfg, slots, kv_dtype, pages, page)
-    if free is None or need <= free:
+    if free is None:
         return
-    # a slot's bytes, and those of no slot (the null page; the pages given)
-    each = need - state_bytes(cfg, slots - 1, kv_dtype, pages, page)
-    fit = max(0, int((free - (need - slots * each)) // each))
+
+    def need(n):
+        return state_bytes(cfg, n, kv_dtype, pages, page) + work(n)
+    asked = need(slots)
+    if asked <= free:
+        return
+    # fewer slots, each estimate from the bytes a slot took in the last, until one fits
+    null = state_bytes(cfg, 0, kv_dtype, pages, page)  # the null page; the pages given
+    fit, needs = slots, asked
+    while fit and needs > free:
+        fit = max(0, min(fit - 1, int((free - null) // ((needs - null) / fit))))
+        needs = need(fit) if fit else 0
+    cache = state_bytes(cfg, slots, kv_dtype, pages, page)
+    decoding = f" and {(asked - cache) / 2**30:.2f} GiB to decode" if asked > cache else ""
     what = f"{slots} slots" + (f" and {pages} pages" if pages is not None else "")
-    raise ValueError(f"{what} need {need / 2**30:.2f} GiB of KV cache, more than the "
-                     f"{free / 2**30:.2f} GiB the device has free beside the weights; "
+    raise ValueError(f"{what} need {cache / 2**30:.2f} GiB of KV cache{decoding}, more than "
+                     f"the {free / 2**30:.2f} GiB the device has free beside the weights; "
                      f"at most {fit} fit")
 
 
@@ -756,7 +768,8 @@ class Engine:
         if self.pages < S // self.page:
             raise ValueError(f"pages is {pages}; the engine needs at least {S // self.page} "
                              f"(one context of {S} tokens in pages of {self.page})")
-        check_memory(cfg, slots, kv_cache, pages, self.page)  # None: pages grow with slots
+        # (pages None: they grow with the slots)
+        check_memory(cfg, slots, kv_cache, pages, self.page, work=self.decode_work)
         self.inbox = collections.deque()
         self.wake = threading.Condition()  # guards the inbox; notified on each submit
         self.stats = collections.Counter()  # device calls (admits, chunks, hops), tokens
@@ -1043,6 +1056,31 @@ class Engine:
         self.stats["calls"] += 1
         self.stats["hops"] += 1
 
+    def idle_control(self, slots):
+        """The control of a decode call over `slots` slots that decodes nothing: no step,
+        no slot's page."""
+        return {"steps": np.int32(0),
+                "exit_on_done": np.bool_(False),
+                "cancel": np.zeros(slots, bool),
+                "pages": np.zeros((slots, self.cfg.sequence_len // self.page), np.int32),
+                "python": self.python,
+                "logprobs": np.bool_(False)}
+
+    def decode_work(self, slots):
+        """The bytes the largest decode call of an engine of `slots` slots (every slot,
+        the whole context) needs beyond its arguments, by the device compiler's count
+        (runtime.needed_bytes): on a chip the paged layers' gathered pages are most."""
+        state = jax.eval_shape(functools.partial(
+            new_state, self.cfg, slots, self.kv_cache, self.pages if self.paged else None,
+            self.page))
+        control = self.idle_control(slots)
+        lowered = decode_chunk.lower(self.layered, state, control, cfg=self.cfg, attn=self.attn,
+                                     rows=slots, view=self.views[-1], kmax=self.kmax,
+                                     paged=self.paged)
+        arguments = sum(a.size * a.dtype.itemsize
+                        for a in jax.tree.leaves((self.layered, state, control)))
+        return runtime.needed_bytes(lowered, arguments) - arguments
+
     def warm_up(self):
         """Compile every program a request can need: each prompt bucket's admit for
         each prompt count, each chunk of a row count and a view, resume; each called so
@@ -1057,12 +1095,7 @@ class Engine:
                 self.state, _ = admit(self.layered, self.state, arrays, self.python,
                                       cfg=self.cfg, attn=self.attn, paged=self.paged)
         # 2. a chunk of each row count and view
-        control = {"steps": np.int32(0),
-                   "exit_on_done": np.bool_(False),
-                   "cancel": np.zeros(self.slots, bool),
-                   "pages": self.table.copy(),
-                   "python": self.python,
-                   "logprobs": np.bool_(False)}
+        control = self.idle_control(self.slots)
         for rows in self.row_buckets:
             for view in self.views:
                 self.state, _ = decode_chunk(self.layered, self.state, control, cfg=self.cfg,

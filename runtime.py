@@ -1,6 +1,6 @@
 """The process a script runs in, set up for speed: the persistent XLA compilation cache,
 and glibc malloc for XLA's CPU buffers (docs/performance.md says why, with its
-measurements).
+measurements); and the bytes a compiled program needs on its device.
 
 train.py, bench.py's training child and scaling.py's runner call both before their first
 compile; chat.py turns on the cache only.
@@ -8,7 +8,9 @@ compile; chat.py turns on the cache only.
 
 import contextlib
 import ctypes
+import math
 import os
+import re
 import sys
 
 import jax
@@ -67,3 +69,25 @@ def tune_malloc(restart=False):
         if event == "/jax/core/compile/backend_compile_duration":
             libc.malloc_trim(0)
     jax.monitoring.register_event_duration_secs_listener(trim)
+
+
+def needed_bytes(lowered, state_bytes):
+    """The bytes a device needs for a lowered program once compiled: its arguments, the outputs
+    that do not reuse them and its temporaries. When XLA refuses to compile it for lack of
+    memory, its count of the temporaries plus state_bytes (the arguments), or infinity
+    where it gives none."""
+    try:
+        m = lowered.compile().memory_analysis()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        found = re.search(r"temporaries \(([\d.]+)G\)", str(e))
+        return float(found.group(1)) * 2**30 + state_bytes if found else math.inf
+    # a TPU's compiler simulates its heap: the peak is what is alive at once (its total of
+    # temporaries counts buffers that never are: d20's step, 18.7 GiB by that count, ran
+    # on the 15.75 GiB chip at a peak of 14.1). The CPU's peak counts no temporaries, and
+    # a GPU's is unmeasured: there, arguments and temporaries as if all alive at once.
+    if jax.default_backend() == "tpu" and getattr(m, "peak_memory_in_bytes", 0):
+        return m.peak_memory_in_bytes
+    arguments = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    return arguments + m.temp_size_in_bytes

@@ -3104,18 +3104,23 @@ def test_int8_kv_cache(window_model):
 
 
 def test_engine_slots_that_do_not_fit_are_one_line(chat_model, monkeypatch, capsys):
-    """Slots whose state does not fit the device's free memory (faked here: a CPU has no fixed
-    limit) are one ValueError line before any cache exists, naming what they need, what is free
-    and how many fit; as many as it names fit, and their state is the bytes counted. chat.py
-    --serve says it in one line, and bench.py's infer sweep skips such a batch and goes on."""
+    """Slots whose state and decode call do not fit the device's free memory (faked here: a CPU
+    has no fixed limit; the CPU compiler's counts stand in for the chip's) are one ValueError
+    line before any cache exists, naming what they need, what is free and how many fit; as many
+    as it names fit, and their state is the bytes counted. chat.py --serve says it in one line,
+    and bench.py's infer sweep skips such a batch and goes on."""
     params, cfg, _, root = chat_model
     null = engine.state_bytes(cfg, 0)  # no slot: the null page of each paged layer
     one = engine.state_bytes(cfg, 1) - null
     assert engine.state_bytes(cfg, 8) == null + 8 * one
-    monkeypatch.setattr(engine, "free_device_bytes", lambda: null + 3 * one + one // 2)
-    with pytest.raises(ValueError, match=r"^8 slots need \d+\.\d\d GiB of KV cache, more than "
-                                         r"the \d+\.\d\d GiB the device has free beside the "
-                                         r"weights; at most 3 fit$"):
+    # the largest decode call's work, by the compiler's count: more with more slots
+    work = engine.Engine(params, cfg, slots=3).decode_work
+    assert 0 < work(3) < work(4) < work(8)
+    monkeypatch.setattr(engine, "free_device_bytes", lambda: null + 3 * one + work(3) + one // 2)
+    with pytest.raises(ValueError, match=r"^8 slots need \d+\.\d\d GiB of KV cache and "
+                                         r"\d+\.\d\d GiB to decode, more than the \d+\.\d\d "
+                                         r"GiB the device has free beside the weights; at most 3 "
+                                         r"fit$"):
         engine.Engine(params, cfg, slots=8)
     eng = engine.Engine(params, cfg, slots=3)
     assert sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(eng.state)) == null + 3 * one
@@ -3128,12 +3133,17 @@ def test_engine_slots_that_do_not_fit_are_one_line(chat_model, monkeypatch, caps
     # sweep goes on
     import bench
     monkeypatch.setitem(bench.CONFIGS, "tiny", TINY)
-    monkeypatch.setattr(engine, "free_device_bytes", lambda: 2 * engine.state_bytes(TINY, 1))
+    tiny_work = engine.Engine(random_params(TINY, 48), TINY, slots=1, kmax=4,
+                              attn=kernels.attention_fn()).decode_work(1)
+    two = 2 * (engine.state_bytes(TINY, 1) + tiny_work)
+    monkeypatch.setattr(engine, "free_device_bytes", lambda: two)
     capsys.readouterr()
     bench.bench_infer("tiny", batch_sizes=(4, 1), decode_tokens=8, kmax=4)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert lines[0]["batch_size"] == 4 and lines[0]["skipped"].endswith("at most 2 fit")
+    assert lines[0]["batch_size"] == 4 and re.fullmatch(r"4 slots need .* to decode, .*; at most "
+                                                         r"[123] fit", lines[0]["skipped"])
     assert [row["batch_size"] for row in lines[-1]["sweep"]] == [1]
+    monkeypatch.setattr(engine, "free_device_bytes", lambda: 2 * engine.state_bytes(TINY, 1))
     bench.bench_chat_traffic("tiny", 4)
     line = json.loads(capsys.readouterr().out)
     assert line["slots"] == 4 and re.fullmatch(r"4 slots and \d+ pages need .*; at most 0 fit",
@@ -4034,12 +4044,12 @@ def test_memory_plan_on_an_accelerator(train_root, tmp_path, monkeypatch, capsys
     micro-batches make up the step's tokens, and the startup says so; a device batch given by
     hand that does not fit is a one-line error before any step runs."""
     needs = {}
-    needed_bytes = train.needed_bytes
+    needed_bytes = runtime.needed_bytes
 
     def recorded(lowered, state_bytes):
         needs[lowered.args_info[0][2][0].shape[1]] = needed_bytes(lowered, state_bytes)
         return needs[lowered.args_info[0][2][0].shape[1]]
-    monkeypatch.setattr(train, "needed_bytes", recorded)
+    monkeypatch.setattr(runtime, "needed_bytes", recorded)
     # a limit between the plans of 4 and 8 rows (TINY_OPTIM's 256 tokens: 8 rows of 32 at most)
     monkeypatch.setattr(train, "memory_limit", lambda: 10**12)
     for rows in (None, 4):  # the plans of 8 rows (none given: the most) and of 4
@@ -4071,7 +4081,7 @@ def test_memory_plan_remembers_its_refused_compiles(tmp_path, monkeypatch):
         rows = lowered.args_info[0][2][0].shape[1]
         compiled.append(rows)
         return state_bytes + 1000 * rows
-    monkeypatch.setattr(train, "needed_bytes", fake_needed_bytes)
+    monkeypatch.setattr(runtime, "needed_bytes", fake_needed_bytes)
     monkeypatch.setattr(train, "memory_limit", lambda: state_bytes + 2500)  # 2 rows fit
     stage = train.Stage(name="base", cfg=cfg, init=None, iterations=0)
     step_fn = functools.partial(train.jit_train_step, sched=train.base_schedule(10, 0.0),

@@ -18,7 +18,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import signal
 import sys
 import time
@@ -167,28 +166,6 @@ jit_train_step = jax.jit(train_step, static_argnames=("cfg", "attn", "layout"),
 
 
 # ---------------------------------------------------------------------------- the memory plan
-
-
-def needed_bytes(lowered, state_bytes):
-    """The bytes a device needs for a lowered step once compiled: its arguments, the outputs
-    that do not reuse them and its temporaries. When XLA refuses to compile it for lack of
-    memory, its count of the temporaries plus state_bytes (the arguments), or infinity
-    where it gives none."""
-    try:
-        m = lowered.compile().memory_analysis()
-    except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        found = re.search(r"temporaries \(([\d.]+)G\)", str(e))
-        return float(found.group(1)) * 2**30 + state_bytes if found else math.inf
-    # a TPU's compiler simulates its heap: the peak is what is alive at once (its total of
-    # temporaries counts buffers that never are: d20's step, 18.7 GiB by that count, ran
-    # on the 15.75 GiB chip at a peak of 14.1). The CPU's peak counts no temporaries, and
-    # a GPU's is unmeasured: there, arguments and temporaries as if all alive at once.
-    if jax.default_backend() == "tpu" and getattr(m, "peak_memory_in_bytes", 0):
-        return m.peak_memory_in_bytes
-    arguments = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-    return arguments + m.temp_size_in_bytes
 
 
 def fit_device_batch(needs, limit, most=64, given=None, base=0):
@@ -636,7 +613,7 @@ def plan_memory(stage, run, batch, step_fn, state):
         program = hashlib.sha256(lowered.as_text().encode()).hexdigest()
         if program in refused:
             return refused[program]
-        need = needed_bytes(lowered, state_bytes)
+        need = runtime.needed_bytes(lowered, state_bytes)
         if need > limit:
             refused[program] = need
             remember()
