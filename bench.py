@@ -582,7 +582,7 @@ def bench_chat_traffic(name, requests, slots_most=128, kmax=16, reply=256, kv_ca
     compiles after warm-up; or, when the slots do not fit the device, the line that says so.
     kv_cache: the engine's."""
     cfg = serving_config(name)
-    params = serving_params(cfg)
+    params = engine.prepare(serving_params(cfg), cfg)  # (the stacked ones freed)
     reply = min(reply, cfg.sequence_len // 2)
     longest = min(400, cfg.sequence_len - reply - 1)
     rng = np.random.default_rng(0)
@@ -653,7 +653,7 @@ def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most
     lines, then its last line: one JSON document of nanochat's schema. kv_cache: the engine's
     (its bytes counted as stored)."""
     cfg = serving_config(name)
-    params = serving_params(cfg)
+    params = engine.prepare(serving_params(cfg), cfg)  # each batch's engine shares them
     attn = kernels.attention_fn()
     device = jax.devices()[0]
     decode_tokens = min(decode_tokens, cfg.sequence_len // 2)  # room for a prompt

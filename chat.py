@@ -688,6 +688,7 @@ def main(argv=None):
             params, cfg, tok = checkpoint.load_model(args.checkpoint)
     except (OSError, ValueError, KeyError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
         sys.exit(f"error: {e}")
+    params = engine.prepare(params, cfg)  # the weights on the device once, as the engine's
     if args.max_tokens is None:
         args.max_tokens = cfg.sequence_len // 2
     # 3. the engine: the server's slots, and a line of 4 per slot waiting for one (slots

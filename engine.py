@@ -181,7 +181,11 @@ def bucket(n):
 
 def prepare(params, cfg):
     """The params as generation reads them: in the compute dtype, unstacked (once,
-    outside jit: inside, each layer's slice would be a copy every step)."""
+    outside jit: inside, each layer's slice would be a copy every step). Prepared ones
+    as they are: engines can share them, and the stacked ones need not stay on the
+    device beside them."""
+    if "layers" in params:
+        return params
     cast = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params)
     return nc.unstack(cast, cfg)
 

@@ -239,7 +239,7 @@ IMPORTS = {
     "tasks": {"data", "execution"},
     "torch_files": set(),
     "checkpoint": {"data", "lora", "nanochat", "torch_files"},
-    "engine": {"nanochat"},
+    "engine": {"nanochat", "runtime"},
     "sharding": set(),
     "evaluate": {"checkpoint", "data", "engine", "kernels", "nanochat", "sharding", "tasks"},
     "report": {"data", "evaluate", "nanochat", "sharding"},
@@ -2999,11 +2999,14 @@ def test_engine_golden_prompt_among_others(golden_generate):
 def test_engine_staggered_requests_equal_each_alone(window_model):
     """Six prompts of different lengths arrive at different steps into four slots (two reused
     after long requests); slots cross the 128-token sliding window at different steps. Every
-    stream equals its prompt's solo greedy `generate`."""
+    stream equals its prompt's solo greedy `generate`. The engine takes its weights prepared
+    (as bench.py and chat.py hand them, the stacked ones freed), solo generate stacked."""
     params, prompt = window_model
     lengths = (5, 100, 40, 120, 3, 60)
     budgets = (150, 100, 100, 120, 130, 150)  # past 128 in all: generate's cache is 256 for each
-    eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8)
+    weights = engine.prepare(params, WINDOW_CFG)
+    assert engine.prepare(weights, WINDOW_CFG) is weights
+    eng = engine.Engine(weights, WINDOW_CFG, slots=4, kmax=8)
     arrivals = {0: [0, 1], 1: [2], 3: [3, 4], 6: [5]}  # round -> the requests that come then
     requests = {}
     for round_ in range(200):
