@@ -380,19 +380,21 @@ def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0, ring=None):
     # place on a donated cache: one compiled step serves every position)
     if cache is None:
         y = attn(q, k, v, window)
-    elif len(cache) == 3:
-        step, start, fresh = cache[2]
-        fresh = tuple(write_kv(entry, new, jnp.broadcast_to(step, pos.shape))
-                      for entry, new in zip(fresh, (k, v)))
-        keys, values = ([read_kv(entry, q.dtype) for entry in (cache[i], fresh[i])]
-                        for i in (0, 1))
-        # what the cache held at each row's start: a ring's latest positions, or the
-        # positions before it; then the chunk's own from the start on
+    elif len(cache) == 3:  # a decode chunk's: the token into the chunk's own k, v
+        step, start, own = cache[2]
+        at = jnp.broadcast_to(step, pos.shape)
+        own = (write_kv(own[0], k, at), write_kv(own[1], v, at))
+        keys = [read_kv(cache[0], q.dtype), read_kv(own[0], q.dtype)]
+        values = [read_kv(cache[1], q.dtype), read_kv(own[1], q.dtype)]
+        # the positions each part holds: the cache as it stood at each row's start (a
+        # ring's latest positions, or those before the start), then the chunk's own
         S, kmax = keys[0].shape[2], keys[1].shape[2]
-        held = (ring_positions(start - 1, ring) if ring is not None else
-                jnp.where(jnp.arange(S) < start[:, None], jnp.arange(S), -1))
+        if ring is not None:
+            held = ring_positions(start - 1, ring)
+        else:
+            held = jnp.where(jnp.arange(S) < start[:, None], jnp.arange(S), -1)
         y = attn(q, keys, values, window, pos, [held, start[:, None] + jnp.arange(kmax)])
-        cache = fresh
+        cache = own
     else:
         at = pos if ring is None else pos % ring
         cache = (write_kv(cache[0], k, at), write_kv(cache[1], v, at))
