@@ -309,8 +309,17 @@ def new_state(cfg, slots, kv_dtype=None, pages=None, page=None):
 
 def state_bytes(cfg, slots, kv_dtype=None, pages=None, page=None):
     """The bytes of new_state's arrays."""
-    shapes = jax.eval_shape(functools.partial(new_state, cfg, slots, kv_dtype, pages, page))
-    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+    return tree_bytes(state_shapes(cfg, slots, kv_dtype, pages, page))
+
+
+def state_shapes(cfg, slots, kv_dtype=None, pages=None, page=None):
+    """new_state's arrays as shapes and dtypes, none allocated."""
+    return jax.eval_shape(functools.partial(new_state, cfg, slots, kv_dtype, pages, page))
+
+
+def tree_bytes(tree):
+    """The bytes of a pytree's arrays (or their shapes)."""
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
 def free_device_bytes():
@@ -334,17 +343,17 @@ def check_memory(cfg, slots, kv_dtype=None, pages=None, page=None, work=lambda s
 
     def need(n):
         return state_bytes(cfg, n, kv_dtype, pages, page) + work(n)
-    asked = need(slots)
-    if asked <= free:
+    cache = state_bytes(cfg, slots, kv_dtype, pages, page)
+    decoding = work(slots)
+    if cache + decoding <= free:
         return
     # fewer slots, each estimate from the bytes a slot took in the last, until one fits
     null = state_bytes(cfg, 0, kv_dtype, pages, page)  # the null page; the pages given
-    fit, needs = slots, asked
+    fit, needs = slots, cache + decoding
     while fit and needs > free:
         fit = max(0, min(fit - 1, int((free - null) // ((needs - null) / fit))))
         needs = need(fit) if fit else 0
-    cache = state_bytes(cfg, slots, kv_dtype, pages, page)
-    decoding = f" and {(asked - cache) / 2**30:.2f} GiB to decode" if asked > cache else ""
+    decoding = f" and {decoding / 2**30:.2f} GiB to decode" if decoding else ""
     what = f"{slots} slots" + (f" and {pages} pages" if pages is not None else "")
     raise ValueError(f"{what} need {cache / 2**30:.2f} GiB of KV cache{decoding}, more than "
                      f"the {free / 2**30:.2f} GiB the device has free beside the weights; "
@@ -1074,15 +1083,13 @@ class Engine:
         """The bytes the largest decode call of an engine of `slots` slots (every slot,
         the whole context) needs beyond its arguments, by the device compiler's count
         (runtime.needed_bytes): on a chip the paged layers' gathered pages are most."""
-        state = jax.eval_shape(functools.partial(
-            new_state, self.cfg, slots, self.kv_cache, self.pages if self.paged else None,
-            self.page))
+        state = state_shapes(self.cfg, slots, self.kv_cache,
+                             self.pages if self.paged else None, self.page)
         control = self.idle_control(slots)
         lowered = decode_chunk.lower(self.layered, state, control, cfg=self.cfg, attn=self.attn,
                                      rows=slots, view=self.views[-1], kmax=self.kmax,
                                      paged=self.paged)
-        arguments = sum(a.size * a.dtype.itemsize
-                        for a in jax.tree.leaves((self.layered, state, control)))
+        arguments = tree_bytes((self.layered, state, control))
         return runtime.needed_bytes(lowered, arguments) - arguments
 
     def warm_up(self):
