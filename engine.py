@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import kernels
 import nanochat as nc
 import runtime
 
@@ -589,31 +590,27 @@ def store_chunk(layers, fresh, kinds, start, end, *, table, cfg):
     rows' cache `layers` (layouts `kinds`): each row's tokens from its position at the
     chunk's start up to its position `end`, the rest dropped; a ring at their positions
     modulo its size, a row at their positions, pages through the slot's page `table`
-    (rows, S / page). One scatter of whole vectors a layer."""
+    (rows, S / page). kernels.write_tokens writes each k or v."""
     rows, kmax = table.shape[0], jax.tree.leaves(fresh[0])[0].shape[2]
     page = cfg.sequence_len // table.shape[1]
     at = start[:, None] + jnp.arange(kmax)  # (rows, kmax)
     new = at < end[:, None]
-    heads = jnp.arange(cfg.n_kv_head)[:, None]  # (K, 1)
 
-    def vectors(layout, length):  # (rows, K, kmax): each new vector's index in a table of D
+    def destination(layout, length):  # (rows, kmax) each: the (slot or page, position) of each
         if layout == "pages":  # the page each token falls in, through the slot's table
-            block = jnp.take_along_axis(table, jnp.minimum(at // page, table.shape[1] - 1),
+            major = jnp.take_along_axis(table, jnp.minimum(at // page, table.shape[1] - 1),
                                         axis=1)
         else:  # the slot's own ring or row
-            block = jnp.broadcast_to(jnp.arange(rows)[:, None], at.shape)
-        return (block[:, None] * cfg.n_kv_head + heads) * length + at[:, None] % length
-
-    def write(whole, done, index):
-        flat = whole.reshape(-1, whole.shape[-1])
-        index = jnp.where(new[:, None], index, flat.shape[0])  # past the end: dropped
-        flat = flat.at[index.reshape(-1)].set(done.reshape(-1, done.shape[-1]), mode="drop")
-        return flat.reshape(whole.shape)
+            major = jnp.broadcast_to(jnp.arange(rows)[:, None], at.shape)
+        return major, at % length
 
     stored = []
     for layer, done, layout in zip(layers, fresh, kinds):
-        index = vectors(layout, jax.tree.leaves(layer)[0].shape[2])
-        stored.append(jax.tree.map(lambda whole, d: write(whole, d, index), layer, done))
+        major, slot = destination(layout, jax.tree.leaves(layer)[0].shape[2])
+
+        def write(whole, d):
+            return kernels.write_tokens(whole, d, major, slot, new, wraps=layout == "ring")
+        stored.append(jax.tree.map(write, layer, done))
     return stored
 
 

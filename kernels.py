@@ -13,13 +13,18 @@ picking at trace time by backend, dtype, shapes:
 - "xla", "plain": dot_product_attention's XLA path, nanochat.causal_attention itself.
 A query chunk over a KV cache takes `attend_cache` on every backend. Every route is tested
 against the plain attention; docs/performance.md says why each exists and what it saves.
-`init_params` compiles the init cheaply.
+A decode chunk's tokens go into the cache by `write_tokens`: one scatter of vectors, or on a
+TPU a Pallas kernel that rewrites whole tiles (`write_windows`). `init_params` compiles the
+init cheaply.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 import nanochat as nc
 
@@ -190,6 +195,122 @@ def sequence_attention(route, q, k, v, window):
     if route == "cpu":
         return blocked_attention(q, k, v, window)
     return nc.causal_attention(q, k, v, window)
+
+
+# ------------------------------------------------------------- a decode chunk's writes
+
+TILE_ROWS = 8  # a TPU array's tile rows: a copy into one starts at a multiple of them
+
+
+def write_tokens(whole, new, major, slot, valid, *, wraps, windows=None):
+    """Each row's tokens new (rows, K, n, D) into whole (N, K, L, D): token j of row r
+    at whole[major[r, j], :, slot[r, j]] where valid[r, j] (a prefix of the row). A
+    row's tokens lie at consecutive slots, across one boundary at most: into slot 0 of
+    another major (the next page), or with `wraps` of the same one (a ring's end).
+    windows: by `write_windows` (None: on a TPU, where one scatter of vectors is slow),
+    else that scatter."""
+    rows, K, n, D = new.shape
+    L = whole.shape[2]
+    width = token_window(n)
+    if windows is None:
+        windows = jax.default_backend() == "tpu"
+    # the windows where rows of D are whole lanes of 16 or 32 bits (an int8 cache's
+    # values and scales are not), and where a row's wrap cannot overlap its two
+    tiles = D % 128 == 0 and whole.dtype.itemsize > 1
+    if windows and tiles and L >= (2 * width if wraps else width):
+        return write_windows(whole, *windows_of(new, major, slot, valid, L))
+    index = (major[:, None] * K + jnp.arange(K)[:, None]) * L + slot[:, None]  # (rows, K, n)
+    index = jnp.where(valid[:, None], index, whole.size // D)  # past the end: dropped
+    flat = whole.reshape(-1, D).at[index.reshape(-1)].set(new.reshape(-1, D), mode="drop")
+    return flat.reshape(whole.shape)
+
+
+def token_window(n):
+    """The rows of a window that holds n consecutive slots from any start: from the
+    tile row at or before the first, n + TILE_ROWS - 1 rounded up to whole tiles."""
+    return -(-(n + TILE_ROWS - 1) // TILE_ROWS) * TILE_ROWS
+
+
+def windows_of(new, major, slot, valid, L):
+    """write_tokens' tokens as two windows a row, whole tiles of one major each: the
+    first from the tile of the row's first token (no further than L - width), the
+    second from slot 0 of the major its tokens cross into, or the first again where
+    they cross nothing (the same bytes written twice). (majors, offsets, lo, hi: (2 *
+    rows,); blocks (2 * rows, K, width, D)): window w takes its rows lo[w]..hi[w] - 1
+    from blocks[w], the row's tokens moved to their rows."""
+    rows, K, n, D = new.shape
+    width = token_window(n)
+    first = jnp.minimum(slot[:, 0] // TILE_ROWS * TILE_ROWS, L - width)  # (rows,)
+    inside = (major == major[:, :1]) & (slot >= first[:, None]) & (slot < first[:, None] + width)
+    beyond = valid & ~inside  # (rows, n)
+    crosses = beyond.any(1)
+    into = jnp.take_along_axis(major, jnp.argmax(beyond, 1)[:, None], axis=1)[:, 0]
+    majors = jnp.stack([major[:, 0], jnp.where(crosses, into, major[:, 0])], 1)  # (rows, 2)
+    offsets = jnp.stack([first, jnp.where(crosses, 0, first)], 1)
+    # window row i of window w takes token j: one-hot (rows, 2, width, n), then the move
+    # (a product by one exact at the highest precision; a TPU's default rounds fp32 to bf16)
+    row = offsets[..., None] + jnp.arange(width)  # (rows, 2, width)
+    picks = (valid[:, None, None] & (major[:, None, None] == majors[..., None, None])
+             & (slot[:, None, None] == row[..., None]))
+    blocks = jnp.einsum("rwij,rkjd->rwkid", picks.astype(new.dtype), new,
+                        precision=jax.lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32).astype(new.dtype)
+    # the rows a window takes are consecutive: lo..hi - 1 (none: 0..-1)
+    taken = picks.any(-1)
+    lo = jnp.argmax(taken, -1)
+    hi = jnp.where(taken.any(-1), width - jnp.argmax(taken[..., ::-1], -1), 0)
+    return (majors.reshape(-1), offsets.reshape(-1), lo.reshape(-1), hi.reshape(-1),
+            blocks.reshape(2 * rows, K, width, D))
+
+
+def write_windows(whole, majors, offsets, lo, hi, blocks, group=16):
+    """whole (N, K, L, D) with window w, its rows lo[w]..hi[w] - 1 of whole[majors[w],
+    :, offsets[w] + (0..width-1)] from blocks (windows, K, width, D), in place: a Pallas
+    kernel that copies each window in, takes the block's rows and copies it back,
+    `group` windows at a time (offsets at whole tiles: TILE_ROWS). Windows of one group
+    overlap only where they are equal; off a TPU interpreted (tests)."""
+    count, K, width, D = blocks.shape
+    group = math.gcd(count, group)
+
+    def kernel(majors, offsets, lo, hi, blocks, _, whole, buffer, done):
+        first = pl.program_id(0) * group
+
+        def copy(i, inward):
+            at = pl.multiple_of(offsets[first + i], TILE_ROWS)
+            window = whole.at[majors[first + i], :, pl.ds(at, width)]
+            ends = (window, buffer.at[i]) if inward else (buffer.at[i], window)
+            return pltpu.make_async_copy(*ends, done.at[i])
+        # 1. the group's windows in, all copies in flight at once
+        for i in range(group):
+            copy(i, True).start()
+        for i in range(group):
+            copy(i, True).wait()
+        # 2. each window takes its block's rows lo..hi - 1
+        row = jax.lax.broadcasted_iota(jnp.int32, (K, width, D), 1)
+        for i in range(group):
+            take = (row >= lo[first + i]) & (row < hi[first + i])
+            buffer[i] = jnp.where(take, blocks[i], buffer[i])
+        # 3. and back
+        for i in range(group):
+            copy(i, False).start()
+        for i in range(group):
+            copy(i, False).wait()
+
+    interpret = pltpu.InterpretParams() if jax.default_backend() != "tpu" else False
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(whole.shape, whole.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(count // group,),
+            in_specs=[pl.BlockSpec((group, K, width, D), lambda g, *_: (g, 0, 0, 0)),
+                      pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec(memory_space=pl.ANY),
+            scratch_shapes=[pltpu.VMEM((group, K, width, D), whole.dtype),
+                            pltpu.SemaphoreType.DMA((group,))]),
+        input_output_aliases={5: 0},  # whole, after the 4 scalar arrays and blocks
+        interpret=interpret,
+    )(majors, offsets, lo, hi, blocks, whole)
 
 
 # ----------------------------------------------------------------------------- the init

@@ -239,7 +239,7 @@ IMPORTS = {
     "tasks": {"data", "execution"},
     "torch_files": set(),
     "checkpoint": {"data", "lora", "nanochat", "torch_files"},
-    "engine": {"nanochat", "runtime"},
+    "engine": {"kernels", "nanochat", "runtime"},
     "sharding": set(),
     "evaluate": {"checkpoint", "data", "engine", "kernels", "nanochat", "sharding", "tasks"},
     "report": {"data", "evaluate", "nanochat", "sharding"},
@@ -772,6 +772,35 @@ def test_attention_route_is_picked_by_backend_and_shape():
         kernels.attention_fn("flash")
     # one function a route: jit compiles it once
     assert kernels.attention_fn() is kernels.attention_fn("auto")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_written_windows_equal_the_scatter_of_vectors(dtype):
+    """kernels.write_tokens through write_windows (the TPU's Pallas kernel, interpreted off a TPU)
+    writes what one scatter of vectors writes, bit for bit: into rows, rings across their end and
+    pages across a page, rows writing 0..16 tokens, starts on and off tile rows and at the ends."""
+    rng = np.random.default_rng(0)
+    rows, K, n, D = 8, 2, 16, 128
+    start = np.array([0, 5, 8, 27, 40, 44, 47, 33])  # ring: 44 and 47 wrap; pages: 27 crosses
+    count = np.array([16, 3, 0, 16, 8, 16, 2, 1])  # the valid prefix of each row's tokens
+    at = start[:, None] + np.arange(n)
+    valid = jnp.asarray(np.arange(n) < count[:, None])
+    new = jnp.asarray(rng.standard_normal((rows, K, n, D)), dtype)
+    own = np.broadcast_to(np.arange(rows)[:, None], at.shape)
+    table = rng.permutation(np.arange(1, 2 * rows + 1)).reshape(rows, 2)  # 2 pages of 32 a row
+    cases = {"rows": (64, own, at, False),
+             "ring": (48, own, at % 48, True),
+             "pages": (32, np.take_along_axis(table, np.minimum(at // 32, 1), 1), at % 32, False)}
+    for layout, (L, major, slot, wraps) in cases.items():
+        N = 2 * rows + 1 if layout == "pages" else rows
+        whole = jnp.asarray(rng.standard_normal((N, K, L, D)), dtype)
+        args = (new, jnp.asarray(major), jnp.asarray(slot), valid)
+        want = kernels.write_tokens(whole, *args, wraps=wraps, windows=False)
+        got = kernels.write_tokens(whole, *args, wraps=wraps, windows=True)
+        assert (np.asarray(got) == np.asarray(want)).all(), layout
+        assert not (np.asarray(want) == np.asarray(whole)).all()
+    # a window: the tokens from any row of a tile, in whole tiles
+    assert kernels.token_window(16) == 24 and kernels.token_window(8) == 16
 
 
 # --------------------------------------------------------------------------------------------------
@@ -3316,6 +3345,31 @@ def test_engine_pages_are_taken_returned_and_never_shared(window_model):
     with pytest.raises(ValueError, match=r"^pages is 7; the engine needs at least 8 \(one "
                                          r"context of 256 tokens in pages of 32\)$"):
         engine.Engine(params, WINDOW_CFG, slots=4, pages=7)
+
+
+@pytest.mark.usefixtures("fp32_matmuls")
+@pytest.mark.parametrize("pages", [None, 24])
+def test_engine_writes_windows_as_it_scatters(monkeypatch, pages):
+    """A decode chunk's tokens written by the TPU's window kernel (interpreted here) leave the
+    engine's state and replies what the scatter of vectors leaves, bit for bit: heads of 128,
+    chunks of 16 tokens, rows across a ring's end (144 slots) and across pages of 32."""
+    cfg = config(sequence_len=256, n_layer=2, n_head=1, n_kv_head=1, n_embd=128)
+    params = random_params(cfg, 5)
+    prompt = np.random.default_rng(6).integers(0, cfg.vocab_size, 140).tolist()
+    write = kernels.write_tokens
+    runs = []
+    for windows in (False, True):
+        monkeypatch.setattr(kernels, "write_tokens", functools.partial(write, windows=windows))
+        jax.clear_caches()  # the decode program traced again, with this write
+        eng = engine.Engine(params, cfg, slots=4, kmax=16, pages=pages)
+        asks = [(5, 150), (100, 60), (37, 80), (130, 40)]  # past the ring, across pages
+        requests = [eng.submit(prompt[:n], greedy(m)) for n, m in asks]
+        eng.drain()
+        runs.append(([r.tokens[0] for r in requests], jax.device_get(eng.state["cache"])))
+    assert runs[0][0] == runs[1][0]
+    assert sum(map(len, runs[0][0])) == 330
+    for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1])):
+        assert (np.asarray(a) == np.asarray(b)).all()
 
 
 def test_engine_never_recompiles_after_warm_up_and_donates(window_model, recwarn):
