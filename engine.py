@@ -596,7 +596,7 @@ def store_chunk(layers, fresh, kinds, start, end, *, table, cfg):
     at = start[:, None] + jnp.arange(kmax)  # (rows, kmax)
     new = at < end[:, None]
 
-    def destination(layout, length):  # (rows, kmax) each: the (slot or page, position) of each
+    def destination(layout, length):  # (rows, kmax) each: each token's ring, row or page; its place
         if layout == "pages":  # the page each token falls in, through the slot's table
             major = jnp.take_along_axis(table, jnp.minimum(at // page, table.shape[1] - 1),
                                         axis=1)
