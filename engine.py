@@ -792,6 +792,7 @@ class Engine:
                                self.pages if self.paged else None, self.page)
         self.owner = [None] * self.slots  # (request, choice) of each busy slot
         self.stopping = set()  # slots of cancelled requests, stopped by the next chunk
+        self.in_flight = None  # the records of the chunk started last, not handed out
         # the pages: the free ones (lowest last, taken first), each slot's, and the page
         # tables the device reads (0, the null page, past a slot's pages)
         self.free_pages = list(range(self.pages, 0, -1))
@@ -859,9 +860,13 @@ class Engine:
         self.reset()
 
     def step(self):
-        """One round: admit waiting requests into free slots, decode one chunk, hand out
-        its tokens. False when there was nothing to do."""
-        # 1. cancelled requests: their slots stop in this chunk and are free after it
+        """One round: admit waiting requests into free slots, start one chunk, hand out
+        the tokens of the chunk before it. A chunk is in flight while the host hands
+        out the last one's tokens: the device never waits for the host. What the host
+        learns from a chunk (a choice ended, a calculator to run) therefore acts from
+        the chunk after the next; the device already knows it (the slot is not live).
+        False when there was nothing to do."""
+        # 1. cancelled requests: their slots stop in the next chunk and are free after it
         for slot, owner in enumerate(self.owner):
             if owner is not None and owner[0].cancelled:
                 self.release(slot)
@@ -869,13 +874,23 @@ class Engine:
         # 2. waiting requests into free slots, their first tokens handed out
         admitted = self.admit_waiting()
         busy = [slot for slot, owner in enumerate(self.owner) if owner is not None]
-        if not busy and not self.stopping:
-            return admitted
-        # 3. one chunk over the fewest rows that hold every busy slot, the cache as far
-        # as the slots may reach in it
+        last = self.in_flight
+        self.in_flight = None
+        if busy or self.stopping:
+            self.in_flight = self.start_chunk(busy, ahead=last is not None)
+        # 3. the tokens of the chunk before: its one copy to the host, step by step, slot
+        # by slot (a slot cancelled since has no owner)
+        if last is not None:
+            self.hand_out(np.asarray(last))
+        return admitted or last is not None or self.in_flight is not None
+
+    def start_chunk(self, busy, ahead):
+        """Start one chunk over the fewest rows that hold every busy slot, the cache as
+        far as the slots may reach in it (ahead: a chunk is in flight): its records, on
+        the device."""
         highest = max(busy, default=0)
         rows = min(r for r in self.row_buckets if r > highest)
-        view = self.view(busy)
+        view = self.view(busy, self.kmax if ahead else 0)
         cancel = np.zeros(self.slots, bool)
         cancel[list(self.stopping)] = True
         logprobs = any(self.owner[slot][0].sampling.logprobs for slot in busy)
@@ -891,8 +906,11 @@ class Engine:
         self.stopping.clear()
         self.stats["calls"] += 1
         self.stats["chunks"] += 1
-        # 4. the one copy to the host; its records step by step, slot by slot
-        records = np.asarray(records)
+        return records
+
+    def hand_out(self, records):
+        """A chunk's records (kmax, rows, W) to their slots' requests, one wake-up a
+        request."""
         steps, slots = np.nonzero(records[:, :, 0] >= 0)
         owners = [self.owner[slot] for slot in set(slots.tolist())]
         readers = {owner[0] for owner in owners if owner is not None}
@@ -900,15 +918,15 @@ class Engine:
             self.take(slot, records[i, slot])
         for request in readers:
             request.flush()
-        return True
 
-    def view(self, busy):
+    def view(self, busy, ahead=0):
         """How far into the cache a chunk reads: the first view that holds every busy
-        slot's tokens (the chunk's new ones are its own)."""
+        slot's tokens and `ahead` more, those of a chunk in flight (the chunk's new ones
+        are its own)."""
         reach = 0
         for slot in busy:
             request, choice = self.owner[slot]
-            reach = max(reach, len(request.prompt) + len(request.tokens[choice]))
+            reach = max(reach, len(request.prompt) + len(request.tokens[choice]) + ahead)
         return min((v for v in self.views if v >= reach), default=self.cfg.sequence_len)
 
     def admit_waiting(self):

@@ -3024,6 +3024,21 @@ def test_engine_golden_prompt_among_others(golden_generate):
         assert chosen == pytest.approx(float(want[step, event.token]), abs=4e-5)
 
 
+def test_engine_starts_a_chunk_before_handing_out_the_last(window_model):
+    """A step starts the next chunk, then hands out the tokens of the one before: one chunk is in
+    flight whenever a slot is busy, and its tokens come one step later."""
+    params, prompt = window_model
+    eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=4)
+    request = eng.submit(prompt[:20].tolist(), greedy(10))
+    counts = []
+    while eng.step():
+        counts.append((len(request.tokens[0]), eng.stats["chunks"], eng.in_flight is not None))
+    # admitted (its first token) and chunk 1 started; then each step a chunk's 4 tokens, the
+    # next started; the last chunk is started before the host knows the choice ended
+    assert counts == [(1, 1, True), (5, 2, True), (9, 3, True), (10, 4, True), (10, 4, False)]
+    assert request.tokens[0] == solo(params, WINDOW_CFG, prompt[:20], max_tokens=10)[0]
+
+
 @pytest.mark.usefixtures("fp32_matmuls")
 def test_engine_staggered_requests_equal_each_alone(window_model):
     """Six prompts of different lengths arrive at different steps into four slots (two reused
