@@ -296,7 +296,7 @@ def write_windows(whole, majors, offsets, lo, hi, blocks, group=16):
         for i in range(group):
             copy(i, False).wait()
 
-    interpret = pltpu.InterpretParams() if jax.default_backend() != "tpu" else False
+    interpret = jax.default_backend() != "tpu"
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(whole.shape, whole.dtype),
