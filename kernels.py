@@ -268,7 +268,8 @@ def write_windows(whole, majors, offsets, lo, hi, blocks, group=16):
     :, offsets[w] + (0..width-1)] from blocks (windows, K, width, D), in place: a Pallas
     kernel that copies each window in, takes the block's rows and copies it back,
     `group` windows at a time (offsets at whole tiles: TILE_ROWS). Windows of one group
-    overlap only where they are equal; off a TPU interpreted (tests)."""
+    overlap only where they are equal or take no rows (idle rows on a null page); off a
+    TPU interpreted (tests)."""
     count, K, width, D = blocks.shape
     group = math.gcd(count, group)
 
