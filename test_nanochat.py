@@ -774,11 +774,28 @@ def test_attention_route_is_picked_by_backend_and_shape():
     assert kernels.attention_fn() is kernels.attention_fn("auto")
 
 
+def run_alone(call):
+    """test_nanochat.`call` (a string) in a Python of its own without the suite's compile cache,
+    off a TPU: after Pallas's interpreter ran in a worker, a later compile there segfaulted (jax
+    0.10.2, three runs of the suite). On a TPU (one process holds the chip) here."""
+    if jax.default_backend() == "tpu":
+        return eval(call)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    code = f"import test_nanochat as t; t.{call}"
+    done = subprocess.run([sys.executable, "-c", code], cwd=pathlib.Path(__file__).parent,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_written_windows_equal_the_scatter_of_vectors(dtype):
     """kernels.write_tokens through write_windows (the TPU's Pallas kernel, interpreted off a TPU)
     writes what one scatter of vectors writes, bit for bit: into rows, rings across their end and
     pages across a page, rows writing 0..16 tokens, starts on and off tile rows and at the ends."""
+    run_alone(f"check_written_windows({dtype!r})")
+
+
+def check_written_windows(dtype):
     rng = np.random.default_rng(0)
     rows, K, n, D = 8, 2, 16, 128
     start = np.array([0, 5, 8, 27, 40, 44, 47, 33])  # ring: 44 and 47 wrap; pages: 27 crosses
@@ -3362,26 +3379,33 @@ def test_engine_pages_are_taken_returned_and_never_shared(window_model):
         engine.Engine(params, WINDOW_CFG, slots=4, pages=7)
 
 
-@pytest.mark.usefixtures("fp32_matmuls")
 @pytest.mark.parametrize("pages", [None, 24])
-def test_engine_writes_windows_as_it_scatters(monkeypatch, pages):
+def test_engine_writes_windows_as_it_scatters(pages):
     """A decode chunk's tokens written by the TPU's window kernel (interpreted here) leave the
     engine's state and replies what the scatter of vectors leaves, bit for bit: heads of 128,
     chunks of 16 tokens, rows across a ring's end (144 slots) and across pages of 32."""
+    run_alone(f"check_engine_windows({pages!r})")
+
+
+def check_engine_windows(pages):
     cfg = config(sequence_len=256, n_layer=2, n_head=1, n_kv_head=1, n_embd=128)
     params = random_params(cfg, 5)
     prompt = np.random.default_rng(6).integers(0, cfg.vocab_size, 140).tolist()
     write = kernels.write_tokens
     runs = []
     for windows in (False, True):
-        monkeypatch.setattr(kernels, "write_tokens", functools.partial(write, windows=windows))
+        kernels.write_tokens = functools.partial(write, windows=windows)
 
         def attn(*args, **kwargs):  # a function of its own: the engine's programs traced anew
             return nc.causal_attention(*args, **kwargs)
-        eng = engine.Engine(params, cfg, slots=4, kmax=16, attn=attn, pages=pages)
-        asks = [(5, 150), (100, 60), (37, 80), (130, 40)]  # past the ring, across pages
-        requests = [eng.submit(prompt[:n], greedy(m)) for n, m in asks]
-        eng.drain()
+        try:
+            with jax.default_matmul_precision("highest"):
+                eng = engine.Engine(params, cfg, slots=4, kmax=16, attn=attn, pages=pages)
+                asks = [(5, 150), (100, 60), (37, 80), (130, 40)]  # past the ring, across pages
+                requests = [eng.submit(prompt[:n], greedy(m)) for n, m in asks]
+                eng.drain()
+        finally:
+            kernels.write_tokens = write
         runs.append(([r.tokens[0] for r in requests], jax.device_get(eng.state["cache"])))
     assert runs[0][0] == runs[1][0]
     assert sum(map(len, runs[0][0])) == 330
