@@ -272,6 +272,19 @@ def from_pages(blocks):
     return jnp.moveaxis(blocks, -4, -3).reshape(*lead, K, n * page, D)
 
 
+def read_pages(pool, table, count, *, in_place=None):
+    """A paged layer's k or v as a decode chunk reads it: each row's pages through table
+    (B, n) gathered, (B, K, n * page, D); or in place (in_place None: on a TPU, for an
+    exact cache with heads of whole lanes), kernels.Pages, which attend_cache reads by
+    kernels.attend_pages, only as far as each row's count (B,) of tokens."""
+    if in_place is None:
+        exact = not isinstance(pool, tuple)
+        in_place = jax.default_backend() == "tpu" and exact and pool.shape[-1] % 128 == 0
+    if in_place:
+        return kernels.Pages(pool, table, count)
+    return jax.tree.map(lambda a: from_pages(a[table]), pool)
+
+
 def new_state(cfg, slots, kv_dtype=None, pages=None, page=None):
     """The engine's device state, every slot empty: the KV cache (layouts: a sliding
     window's layer a ring a slot, nc.init_cache's rings; a layer over the whole context
@@ -512,8 +525,9 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
     logprobs, emit's; paged, admit's. Hands back early when a slot closes a python
     block."""
     # 1. stop the cancelled slots, then take the first `rows`, their cache over the whole
-    # context up to `view` (or its pages gathered: a copy once a chunk). The steps only
-    # read it: each writes its token's k, v into the chunk's own (rows, K, kmax, D)
+    # context up to `view` (pages gathered, a copy once a chunk, or read in place:
+    # read_pages). The steps only read it: each writes its token's k, v into the chunk's
+    # own (rows, K, kmax, D)
     live = state["live"] & ~control["cancel"]
     state = {**state, "live": live}
     page = cfg.sequence_len // control["pages"].shape[1]
@@ -523,26 +537,27 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
     def first(a):
         return a[:rows]
 
-    def gather(pool):  # (pages + 1, K, page, D) -> (rows, K, view, D)
-        return from_pages(pool[table[:, :view // page]])
+    cache = state["cache"]
+    start = cache["pos"][:rows]
+    in_place = None if getattr(attn, "reads_pages", False) else False
 
     def viewed(a):
         return a[:rows, :, :view]
 
     def part(layer, layout):
-        take = {"ring": first, "rows": viewed, "pages": gather}[layout]
-        return jax.tree.map(take, layer)
+        if layout == "pages":  # (pages + 1, K, page, D) -> (rows, K, view, D)
+            return tuple(read_pages(a, table[:, :view // page], start, in_place=in_place)
+                         for a in layer)
+        return jax.tree.map(first if layout == "ring" else viewed, layer)
 
     def own(a):  # the chunk's k or v of a layer: empty
         return jnp.zeros((rows, a.shape[1], kmax, a.shape[3]), a.dtype)
 
     def per_slot(s):  # every array but the cache's layers: a row a slot
         return {**s, "cache": {**s["cache"], "layers": None}}
-    cache = state["cache"]
     read = [part(layer, k) for layer, k in zip(cache["layers"], kinds)]
-    start = cache["pos"][:rows]
     active = jax.tree.map(first, per_slot(state))
-    fresh = [jax.tree.map(own, layer) for layer in read]
+    fresh = [jax.tree.map(own, layer) for layer in cache["layers"]]
     records = jnp.full((kmax, rows, 3 + 2 * TOP_LOGPROBS), -1, jnp.int32)
 
     def step(carry):

@@ -18,6 +18,7 @@ TPU a Pallas kernel that rewrites whole tiles (`write_windows`). `init_params` c
 init cheaply.
 """
 
+import dataclasses
 import functools
 import math
 
@@ -71,20 +72,24 @@ def attend_cache(q, keys, values, masks):
     chunk's: the cache and the chunk's own tokens), without a max pass (see the
     header). The cache is read as it lies: XLA's dots then read each head's keys in
     place, where a transposed copy, or the parts joined, would cost more than the
-    math."""
+    math. A part may be `Pages` (a decode step's, one query a row): attend_pages reads
+    it."""
     B, Tq, H, D = q.shape
     K = keys[0].shape[1]
     q = q.reshape(B, Tq, K, H // K, D)
-    # each part's softmax weights (B, K, H/K, Tq, S_i), unnormalized, and their sum
-    weights = []
-    for k, mask in zip(keys, masks):
-        scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
-        weights.append(jnp.exp(jnp.where(mask[:, None, None], scores / D**0.5, -jnp.inf)))
-    sums = sum(jnp.moveaxis(p.sum(-1), -1, 1) for p in weights)  # (B, Tq, K, H/K)
-    # the weighted values of every part, normalized
-    y = sum(jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v,
-                       preferred_element_type=jnp.float32)
-            for p, v in zip(weights, values))
+    # each part's weighted values (B, Tq, K, H/K, D) and weights' sum, unnormalized
+    y = sums = 0
+    for k, v, mask in zip(keys, values, masks):
+        if isinstance(k, Pages):
+            num, den = attend_pages(q[:, 0], k, v)
+            num, den = num[:, None], den[:, None]
+        else:
+            scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
+            p = jnp.exp(jnp.where(mask[:, None, None], scores / D**0.5, -jnp.inf))
+            den = jnp.moveaxis(p.sum(-1), -1, 1)  # (B, Tq, K, H/K)
+            num = jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v,
+                             preferred_element_type=jnp.float32)
+        y, sums = y + num, sums + den
     y = y / sums[..., None]
     return y.astype(values[0].dtype).reshape(B, Tq, H, D)
 
@@ -179,6 +184,7 @@ def _route_attention(name):
         return y.swapaxes(1, 2) if swap else y
     # heads first where the route is the splash kernel's: "splash", or "auto" on a TPU
     attn.heads_first = name == "splash" or (name == "auto" and jax.default_backend() == "tpu")
+    attn.reads_pages = True  # attend_cache takes Pages parts
     return attn
 
 
@@ -195,6 +201,132 @@ def sequence_attention(route, q, k, v, window):
     if route == "cpu":
         return blocked_attention(q, k, v, window)
     return nc.causal_attention(q, k, v, window)
+
+
+# ---------------------------------------------------- a decode chunk's pages, read in place
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pages:
+    """A paged layer's k or v as a decode chunk reads it in place (`attend_pages`): the
+    pool (pages, K, page, D), the rows' page tables (B, n) and the tokens each row holds
+    from position 0, count (B,). Its shape is the gathered array's, (B, K, n * page, D)."""
+    pool: jax.Array
+    table: jax.Array
+    count: jax.Array
+
+    @property
+    def shape(self):
+        B, n = self.table.shape
+        _, K, page, D = self.pool.shape
+        return (B, K, n * page, D)
+
+    @property
+    def dtype(self):
+        return self.pool.dtype
+
+
+def attend_pages(q, keys, values, block=8):
+    """Queries q (B, K, G, D), one a row, over each row's first keys.count[b] tokens,
+    Pages of the same table: (num (B, K, G, D), den (B, K, G)) in fp32, the sums over
+    those tokens of w v and of w, w = exp(q.k / sqrt D) (no max: see the header). A
+    Pallas kernel over the rows in turn reads `block` pages at a time of a row's pages
+    (only those it holds), the next block's copies in flight while it computes one, a
+    row's first block while the last row finishes; off a TPU interpreted (tests)."""
+    B, K, G, D = q.shape
+    _, _, page, _ = keys.pool.shape
+    n = keys.table.shape[1]
+    span = block * page  # a block's tokens
+    # an fp32 cache's scores in fp32 (Mosaic's default rounds them to bf16), as XLA's at
+    # the highest precision
+    exact = jax.lax.Precision.HIGHEST if keys.pool.dtype == jnp.float32 else None
+
+    def kernel(table, count, q, k_pool, v_pool, num_out, den_out, k_buf, v_buf, sems, turn):
+        r = pl.program_id(0)
+
+        def copies(row, b, slot, start):  # block b of a row's pages into buffer slot
+            held = (count[row] + page - 1) // page
+            for j in range(block):
+                at = jnp.minimum(b * block + j, n - 1)
+                for pool, buf, sem in ((k_pool, k_buf, sems.at[0, slot]),
+                                       (v_pool, v_buf, sems.at[1, slot])):
+                    copy = pltpu.make_async_copy(pool.at[table[row, at]],
+                                                 buf.at[slot, :, pl.ds(j * page, page)], sem)
+
+                    @pl.when(b * block + j < held)
+                    def _():
+                        copy.start() if start else copy.wait()
+
+        def blocks(row):  # at least one: a row holding nothing takes its zeros from one
+            return jnp.maximum(1, (count[row] + span - 1) // span)
+
+        @pl.when(r == 0)
+        def _():
+            turn[0] = 0
+            copies(0, 0, 0, True)
+
+        def body(b, sums):
+            slot = turn[0]
+            # 1. the next block's copies in flight: this row's next, or the next row's first
+            last = b + 1 == blocks(r)
+            after = jnp.where(last, r + 1, r)
+
+            @pl.when(after < B)
+            def _():
+                copies(after, jnp.where(last, 0, b + 1), 1 - slot, True)
+            copies(r, b, slot, False)
+            # 2. each head's weights over the block, broadcast over lanes: every column of
+            # the product is the same score (the query in every row of the right side)
+            token = b * span + jax.lax.broadcasted_iota(jnp.int32, (span, D), 0)
+            held = token < count[r]
+            out = []
+            for h in range(K):
+                k = k_buf[slot, h]  # (span, D)
+                v = v_buf[slot, h].astype(jnp.float32)
+                for g in range(G):
+                    num, den = sums[h * G + g]
+                    query = jnp.broadcast_to(q[0, h, pl.ds(g, 1)], (D, D))
+                    scores = jax.lax.dot_general(k, query, (((1,), (1,)), ((), ())),
+                                                 precision=exact,
+                                                 preferred_element_type=jnp.float32)
+                    w = jnp.where(held, jnp.exp(scores / D**0.5), 0.0)  # (span, D)
+                    # (a held token's only: the buffer past them holds an earlier block's)
+                    wv = jnp.where(held, w * v, 0.0)
+                    out.append((num + wv.reshape(span // 8, 8, D).sum(0),
+                                den + w.reshape(span // 8, 8, D).sum(0)))
+            turn[0] = 1 - slot
+            return out
+
+        zero = jnp.zeros((8, D), jnp.float32)
+        sums = jax.lax.fori_loop(0, blocks(r), body, [(zero, zero)] * (K * G))
+        for h in range(K):
+            for g in range(G):
+                num, den = sums[h * G + g]
+                num_out[0, h, pl.ds(g, 1)] = num.sum(0, keepdims=True)
+                den_out[0, h, pl.ds(g, 1)] = den.sum(0, keepdims=True)
+
+    def per_row(r, *_):
+        return (r, 0, 0, 0)
+    num, den = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((B, K, G, D), jnp.float32),) * 2,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(B,),
+            in_specs=[pl.BlockSpec((1, K, G, D), per_row),
+                      pl.BlockSpec(memory_space=pl.ANY),
+                      pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=[pl.BlockSpec((1, K, G, D), per_row)] * 2,
+            scratch_shapes=[pltpu.VMEM((2, K, span, D), keys.pool.dtype),
+                            pltpu.VMEM((2, K, span, D), values.pool.dtype),
+                            pltpu.SemaphoreType.DMA((2, 2)),
+                            pltpu.SMEM((1,), jnp.int32)]),
+        # the rows in turn: a row's copies start in the one before
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=jax.default_backend() != "tpu",
+    )(keys.table, keys.count, q, keys.pool, values.pool)
+    return num, den[..., 0]
 
 
 # ------------------------------------------------------------- a decode chunk's writes

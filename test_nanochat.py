@@ -820,6 +820,41 @@ def check_written_windows(dtype):
     assert kernels.token_window(16) == 24 and kernels.token_window(8) == 16
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attend_pages_sums_what_the_gathered_pages_sum(dtype):
+    """kernels.attend_pages (the TPU's Pallas kernel, interpreted off a TPU) sums over each row's
+    pages in place what XLA sums over them gathered: rows holding 0 tokens, one, a page's end, a
+    block's end, the whole table; two query heads a kv head; a row's blocks across rows' turns."""
+    run_alone(f"check_attend_pages({dtype!r})")
+
+
+def check_attend_pages(dtype):
+    rng = np.random.default_rng(0)
+    B, K, G, D, page, n, block = 9, 2, 2, 128, 16, 8, 2  # blocks of 32 tokens, 128 a row at most
+    count = np.array([0, 1, 15, 16, 17, 32, 33, 100, 128])
+    P = B * n + 1
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal((P, K, page, D)) * scale, dtype)
+                      for scale in (0.3, 1.0))
+    q = jnp.asarray(rng.standard_normal((B, K, G, D)) * 0.3, dtype)
+    held = -(-count // page)
+    table = np.zeros((B, n), np.int32)  # the null page past a row's pages
+    free = iter(rng.permutation(np.arange(1, P)))
+    for b in range(B):
+        table[b, :held[b]] = [next(free) for _ in range(held[b])]
+    table, count = jnp.asarray(table), jnp.asarray(count, jnp.int32)
+    # XLA over the pages gathered, in fp32 (the kernel keeps its weights in fp32)
+    k, v = (engine.from_pages(a[table]).astype(jnp.float32) for a in (k_pool, v_pool))
+    with jax.default_matmul_precision("highest"):
+        scores = jnp.einsum("bkgd,bksd->bkgs", q.astype(jnp.float32), k) / D**0.5
+        w = jnp.where(jnp.arange(n * page) < count[:, None, None, None], jnp.exp(scores), 0.0)
+        want = (jnp.einsum("bkgs,bksd->bkgd", w, v), w.sum(-1))
+    got = kernels.attend_pages(q, kernels.Pages(k_pool, table, count),
+                               kernels.Pages(v_pool, table, count), block)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-4)
+    assert (np.asarray(got[1][0]) == 0).all() and (np.asarray(got[1][1:]) > 0).all()
+
+
 # --------------------------------------------------------------------------------------------------
 # runtime.py: the compile cache, malloc on huge pages
 # --------------------------------------------------------------------------------------------------
@@ -3411,6 +3446,43 @@ def check_engine_windows(pages):
     assert sum(map(len, runs[0][0])) == 330
     for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1])):
         assert (np.asarray(a) == np.asarray(b)).all()
+
+
+def test_engine_reads_pages_in_place_as_it_gathers():
+    """A paged engine's decode chunks reading the pages in place (kernels.attend_pages, the TPU's
+    way; interpreted here) reply as the chunks that gather them do and leave the same state: heads
+    of 128, rows across pages of 32, two choices of one prompt."""
+    run_alone("check_engine_pages()")
+
+
+def check_engine_pages():
+    cfg = config(sequence_len=256, n_layer=2, n_head=1, n_kv_head=1, n_embd=128)
+    params = random_params(cfg, 5)
+    prompt = np.random.default_rng(7).integers(0, cfg.vocab_size, 140).tolist()
+    read = engine.read_pages
+    runs = []
+    for in_place in (False, True):
+        engine.read_pages = lambda *args, forced=in_place, **_: read(*args, in_place=forced)
+        route = kernels.attention_fn("plain")
+
+        def attn(*args, **kwargs):  # a function of its own: the engine's programs traced anew
+            return route(*args, **kwargs)
+        attn.heads_first, attn.reads_pages = False, True
+        try:
+            with jax.default_matmul_precision("highest"):
+                eng = engine.Engine(params, cfg, slots=4, kmax=16, attn=attn, pages=24)
+                asks = [(5, 100), (100, 60), (37, 80)]
+                requests = [eng.submit(prompt[:n], greedy(m)) for n, m in asks]
+                drawn = engine.Sampling(max_tokens=50, temperature=1.0, seed=3)
+                requests.append(eng.submit(prompt[:60], drawn, n=2))
+                eng.drain()
+        finally:
+            engine.read_pages = read
+        runs.append(([t for r in requests for t in r.tokens], jax.device_get(eng.state["cache"])))
+    assert runs[0][0] == runs[1][0]
+    assert sum(map(len, runs[0][0])) == 340
+    for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def test_engine_never_recompiles_after_warm_up_and_donates(window_model, recwarn):
