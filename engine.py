@@ -18,6 +18,7 @@ import functools
 import math
 import queue
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,9 @@ MAX_STOPS = 4  # stop ids per request
 MAX_CHOICES = 16  # choices that share one prefill
 TOP_LOGPROBS = 20  # OpenAI's most
 PAGE = 32  # tokens a page of the paged layers' cache, at most (page_size)
+# an idle engine's first request may lead a burst: it waits for the line to stop growing
+BURST_QUIET = 0.002  # seconds without a new request
+BURST_MOST = 0.05  # seconds at most
 # a record's flags: the token was forced (mask 0), it closed a python block, the choice ended
 FORCED = 1
 CLOSES = 2
@@ -886,7 +890,10 @@ class Engine:
             if owner is not None and owner[0].cancelled:
                 self.release(slot)
                 self.stopping.add(slot)
-        # 2. waiting requests into free slots, their first tokens handed out
+        # 2. waiting requests into free slots, their first tokens handed out (an idle
+        # engine waits for a burst's last)
+        if self.in_flight is None and all(owner is None for owner in self.owner):
+            self.settle()
         admitted = self.admit_waiting()
         busy = [slot for slot, owner in enumerate(self.owner) if owner is not None]
         last = self.in_flight
@@ -898,6 +905,18 @@ class Engine:
         if last is not None:
             self.hand_out(np.asarray(last))
         return admitted or last is not None or self.in_flight is not None
+
+    def settle(self):
+        """Wait until the waiting line stops growing: BURST_QUIET seconds without a new
+        request, BURST_MOST at most, so that requests sent together start together."""
+        end = time.monotonic() + BURST_MOST
+        with self.wake:
+            seen = len(self.inbox)
+            while seen and time.monotonic() < end:
+                self.wake.wait(min(BURST_QUIET, end - time.monotonic()))
+                if len(self.inbox) == seen:
+                    return
+                seen = len(self.inbox)
 
     def start_chunk(self, busy, ahead):
         """Start one chunk over the fewest rows that hold every busy slot, the cache as
@@ -1123,10 +1142,11 @@ class Engine:
         return runtime.needed_bytes(lowered, arguments) - arguments
 
     def warm_up(self):
-        """Compile every program a request can need: each prompt bucket's admit for
-        each prompt count, each chunk of a row count and a view, resume; each called so
-        that it changes nothing (an admit that starts no choice, a chunk of no step, a
-        resume of slot B, out of range)."""
+        """Compile and run once every program a request can need: each prompt bucket's
+        admit for each prompt count, each chunk of a row count and a view, resume; each
+        called so that it changes nothing a request reads (an admit that starts no
+        choice, a chunk's step whose slots' values are put back, a resume of slot B, out
+        of range)."""
         S = self.cfg.sequence_len
         # 1. admit for each bucket and prompt count
         for T in sorted({prompt_bucket(S, n) for n in range(1, S)}):
@@ -1135,13 +1155,22 @@ class Engine:
                 arrays = self.request_arrays(T, [(empty, [], 0)] * P)
                 self.state, _ = admit(self.layered, self.state, arrays, self.python,
                                       cfg=self.cfg, attn=self.attn, paged=self.paged)
-        # 2. a chunk of each row count and view
-        control = self.idle_control(self.slots)
+        # 2. a chunk of each row count and view, one step of live slots: a program's
+        # first run costs more than the next (0.17 s at 16 rows of d6 on a CPU). The
+        # slots' values are put back after; the token each wrote lies where no request
+        # reads (position 0 of an empty slot, the null page), as a finished request's
+        control = {**self.idle_control(self.slots), "steps": np.int32(1)}
         for rows in self.row_buckets:
             for view in self.views:
+                before = jax.tree.map(jnp.copy, {**self.state, "cache": None})
+                kept = {k: jnp.copy(self.state["cache"][k]) for k in ("pos", "prev")}
+                self.state = {**self.state, "live": jnp.ones(self.slots, bool),
+                              "left": jnp.ones(self.slots, jnp.int32)}
                 self.state, _ = decode_chunk(self.layered, self.state, control, cfg=self.cfg,
                                              attn=self.attn, rows=rows, view=view,
                                              kmax=self.kmax, paged=self.paged)
+                cache = {**self.state["cache"], **kept}
+                self.state = {**before, "cache": cache}
         # 3. resume
         nothing = np.zeros(S, np.int32)
         self.state = resume(self.state, np.int32(self.slots), nothing, np.int32(0))

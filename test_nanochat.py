@@ -3076,6 +3076,28 @@ def test_engine_golden_prompt_among_others(golden_generate):
         assert chosen == pytest.approx(float(want[step, event.token]), abs=4e-5)
 
 
+def test_an_idle_engine_starts_a_burst_in_one_admission(window_model, monkeypatch):
+    """Requests that reach an idle engine one shortly after another (within BURST_QUIET of the
+    last) start together: one admission, one prefill call, and their greedy replies as when
+    submitted before the engine ran."""
+    params, prompt = window_model
+    monkeypatch.setattr(engine, "BURST_QUIET", 0.5)  # a wide window: the sleeps below lie in it
+    monkeypatch.setattr(engine, "BURST_MOST", 30.0)
+    asks = [(12, 6), (30, 5), (7, 8), (20, 4)]
+    eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=4)
+    eng.start()
+    requests = []
+    for n, m in asks:
+        requests.append(eng.submit(prompt[:n].tolist(), greedy(m), stream=True))
+        time.sleep(0.05)
+    replies = [[event.token for event in r if event.token is not None] for r in requests]
+    assert eng.stats["admits"] == 1
+    alone = engine.Engine(params, WINDOW_CFG, slots=4, kmax=4)
+    before = [alone.submit(prompt[:n].tolist(), greedy(m)) for n, m in asks]
+    alone.drain()
+    assert replies == [r.tokens[0] for r in before] and sum(map(len, replies)) == 23
+
+
 def test_engine_starts_a_chunk_before_handing_out_the_last(window_model):
     """A step starts the next chunk, then hands out the tokens of the one before: one chunk is in
     flight whenever a slot is busy, and its tokens come one step later."""
@@ -3486,13 +3508,19 @@ def check_engine_pages():
 
 
 def test_engine_never_recompiles_after_warm_up_and_donates(window_model, recwarn):
-    """After warm_up, prompts of every bucket, any number of concurrent requests, chunks of any
-    row count, calculator hops, logprobs and cancellations compile nothing; each call donates the
-    state (no second cache)."""
+    """After warm_up (every slot's values as a fresh engine's), prompts of every bucket, any number
+    of concurrent requests, chunks of any row count, calculator hops, logprobs and cancellations
+    compile nothing; each call donates the state (no second cache)."""
     params, prompt = window_model
     plain, _ = solo(params, WINDOW_CFG, prompt[:20], max_tokens=8)
     eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8, python_ids=(plain[2], plain[5]))
     eng.warm_up()
+    # its chunks' steps ran on live slots, whose values it put back
+    fresh = engine.new_state(WINDOW_CFG, 4)
+    for a, b in zip(*(jax.tree.leaves({**s, "cache": {**s["cache"], "layers": None}})
+                      for s in (eng.state, fresh))):
+        if not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            assert (np.asarray(a) == np.asarray(b)).all()
     compiles = []
 
     def listen(event, *_, **__):
