@@ -803,6 +803,7 @@ class Engine:
         self.wake = threading.Condition()  # guards the inbox; notified on each submit
         self.stats = collections.Counter()  # device calls (admits, chunks, hops), tokens
         self.warmed = threading.Event()
+        self.threaded = False  # served from a thread of its own (start): others submit
         self.reset()
 
     def reset(self):
@@ -850,6 +851,8 @@ class Engine:
         """Serve from a thread of its own (a server): from now on only it touches the
         state. With warm_up it first compiles every program (then sets `warmed`);
         requests wait."""
+        self.threaded = True
+
         def run():
             if warm_up:
                 self.warm_up()
@@ -891,8 +894,9 @@ class Engine:
                 self.release(slot)
                 self.stopping.add(slot)
         # 2. waiting requests into free slots, their first tokens handed out (an idle
-        # engine waits for a burst's last)
-        if self.in_flight is None and all(owner is None for owner in self.owner):
+        # engine that other threads submit to waits for a burst's last)
+        idle = self.in_flight is None and all(owner is None for owner in self.owner)
+        if idle and self.threaded:
             self.settle()
         admitted = self.admit_waiting()
         busy = [slot for slot, owner in enumerate(self.owner) if owner is not None]
