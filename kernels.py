@@ -247,7 +247,7 @@ def attend_pages(q, keys, values, block=8):
         r = pl.program_id(0)
 
         def copies(row, b, slot, start):  # block b of a row's pages into buffer slot
-            held = (count[row] + page - 1) // page
+            owned = (count[row] + page - 1) // page  # the pages the row holds
             for j in range(block):
                 at = jnp.minimum(b * block + j, n - 1)
                 for pool, buf, sem in ((k_pool, k_buf, sems.at[0, slot]),
@@ -255,7 +255,7 @@ def attend_pages(q, keys, values, block=8):
                     copy = pltpu.make_async_copy(pool.at[table[row, at]],
                                                  buf.at[slot, :, pl.ds(j * page, page)], sem)
 
-                    @pl.when(b * block + j < held)
+                    @pl.when(b * block + j < owned)
                     def _():
                         copy.start() if start else copy.wait()
 
