@@ -518,6 +518,11 @@ def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention, pag
     return state, records
 
 
+def per_slot(state):
+    """Every array of an engine's state but the cache's layers: a row a slot."""
+    return {**state, "cache": {**state["cache"], "layers": None}}
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "attn", "rows", "view", "kmax", "paged"),
                    donate_argnames="state")
 def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=False):
@@ -557,8 +562,6 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
     def own(a):  # the chunk's k or v of a layer: empty
         return jnp.zeros((rows, a.shape[1], kmax, a.shape[3]), a.dtype)
 
-    def per_slot(s):  # every array but the cache's layers: a row a slot
-        return {**s, "cache": {**s["cache"], "layers": None}}
     read = [part(layer, k) for layer, k in zip(cache["layers"], kinds)]
     active = jax.tree.map(first, per_slot(state))
     fresh = [jax.tree.map(own, layer) for layer in cache["layers"]]
@@ -1166,15 +1169,14 @@ class Engine:
         control = {**self.idle_control(self.slots), "steps": np.int32(1)}
         for rows in self.row_buckets:
             for view in self.views:
-                before = jax.tree.map(jnp.copy, {**self.state, "cache": None})
-                kept = {k: jnp.copy(self.state["cache"][k]) for k in ("pos", "prev")}
+                before = jax.tree.map(jnp.copy, per_slot(self.state))
                 self.state = {**self.state, "live": jnp.ones(self.slots, bool),
                               "left": jnp.ones(self.slots, jnp.int32)}
                 self.state, _ = decode_chunk(self.layered, self.state, control, cfg=self.cfg,
                                              attn=self.attn, rows=rows, view=view,
                                              kmax=self.kmax, paged=self.paged)
-                cache = {**self.state["cache"], **kept}
-                self.state = {**before, "cache": cache}
+                layers = self.state["cache"]["layers"]
+                self.state = {**before, "cache": {**before["cache"], "layers": layers}}
         # 3. resume
         nothing = np.zeros(S, np.int32)
         self.state = resume(self.state, np.int32(self.slots), nothing, np.int32(0))

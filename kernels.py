@@ -277,27 +277,11 @@ def attend_pages(q, keys, values, block=8):
             def _():
                 copies(after, jnp.where(last, 0, b + 1), 1 - slot, True)
             copies(r, b, slot, False)
-            # 2. each head's weights over the block, broadcast over lanes: every column of
-            # the product is the same score (the query in every row of the right side)
+            # 2. the block's sums, added to the row's
             token = b * span + jax.lax.broadcasted_iota(jnp.int32, (span, D), 0)
-            held = token < count[r]
-            out = []
-            for h in range(K):
-                k = k_buf[slot, h]  # (span, D)
-                v = v_buf[slot, h].astype(jnp.float32)
-                for g in range(G):
-                    num, den = sums[h * G + g]
-                    query = jnp.broadcast_to(q[0, h, pl.ds(g, 1)], (D, D))
-                    scores = jax.lax.dot_general(k, query, (((1,), (1,)), ((), ())),
-                                                 precision=exact,
-                                                 preferred_element_type=jnp.float32)
-                    w = jnp.where(held, jnp.exp(scores / D**0.5), 0.0)  # (span, D)
-                    # (a held token's only: the buffer past them holds an earlier block's)
-                    wv = jnp.where(held, w * v, 0.0)
-                    out.append((num + wv.reshape(span // 8, 8, D).sum(0),
-                                den + w.reshape(span // 8, 8, D).sum(0)))
+            sums = block_sums(q, k_buf, v_buf, slot, token < count[r], sums, exact)
             turn[0] = 1 - slot
-            return out
+            return sums
 
         zero = jnp.zeros((8, D), jnp.float32)
         sums = jax.lax.fori_loop(0, blocks(r), body, [(zero, zero)] * (K * G))
@@ -328,6 +312,31 @@ def attend_pages(q, keys, values, block=8):
         interpret=jax.default_backend() != "tpu",
     )(keys.table, keys.count, q, keys.pool, values.pool)
     return num, den[..., 0]
+
+
+def block_sums(q, k_buf, v_buf, slot, held, sums, exact):
+    """attend_pages' sums (a list of (num, den), (8, D) each, per head and query head)
+    with one block's: q (1, K, G, D), the block in buffer `slot` of k_buf and v_buf (2,
+    K, span, D), held (span, D) the tokens the row holds. Each head's weights come out
+    broadcast over lanes: every column of the scores' product is the same (the query in
+    every row of its right side)."""
+    _, K, G, D = q.shape
+    span = k_buf.shape[2]
+    out = []
+    for h in range(K):
+        keys = k_buf[slot, h]  # (span, D)
+        values = v_buf[slot, h].astype(jnp.float32)
+        for g in range(G):
+            num, den = sums[h * G + g]
+            query = jnp.broadcast_to(q[0, h, pl.ds(g, 1)], (D, D))
+            scores = jax.lax.dot_general(keys, query, (((1,), (1,)), ((), ())),
+                                         precision=exact, preferred_element_type=jnp.float32)
+            w = jnp.where(held, jnp.exp(scores / D**0.5), 0.0)  # (span, D)
+            # (a held token's only: the buffer past them holds an earlier block's)
+            wv = jnp.where(held, w * values, 0.0)
+            out.append((num + wv.reshape(span // 8, 8, D).sum(0),
+                        den + w.reshape(span // 8, 8, D).sum(0)))
+    return out
 
 
 # ------------------------------------------------------------- a decode chunk's writes

@@ -3445,29 +3445,39 @@ def test_engine_writes_windows_as_it_scatters(pages):
 
 
 def check_engine_windows(pages):
-    cfg = config(sequence_len=256, n_layer=2, n_head=1, n_kv_head=1, n_embd=128)
-    params = random_params(cfg, 5)
-    prompt = np.random.default_rng(6).integers(0, cfg.vocab_size, 140).tolist()
     write = kernels.write_tokens
     runs = []
     for windows in (False, True):
         kernels.write_tokens = functools.partial(write, windows=windows)
-
-        def attn(*args, **kwargs):  # a function of its own: the engine's programs traced anew
-            return nc.causal_attention(*args, **kwargs)
         try:
-            with jax.default_matmul_precision("highest"):
-                eng = engine.Engine(params, cfg, slots=4, kmax=16, attn=attn, pages=pages)
-                asks = [(5, 150), (100, 60), (37, 80), (130, 40)]  # past the ring, across pages
-                requests = [eng.submit(prompt[:n], greedy(m)) for n, m in asks]
-                eng.drain()
+            asks = [(5, 150), (100, 60), (37, 80), (130, 40)]  # past the ring, across pages
+            runs.append(served_by_kernels(nc.causal_attention, pages, 6, asks))
         finally:
             kernels.write_tokens = write
-        runs.append(([r.tokens[0] for r in requests], jax.device_get(eng.state["cache"])))
     assert runs[0][0] == runs[1][0]
     assert sum(map(len, runs[0][0])) == 330
     for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1])):
         assert (np.asarray(a) == np.asarray(b)).all()
+
+
+def served_by_kernels(base, pages, seed, asks, drawn=None):
+    """(every choice's tokens, the cache) of an engine of 2 layers, T 256 and heads of 128 (the
+    kernels' lanes) at the highest precision under `base` attention, after serving prompts of
+    `asks`' lengths their greedy tokens, and `drawn`'s two choices of a prompt of 60."""
+    cfg = config(sequence_len=256, n_layer=2, n_head=1, n_kv_head=1, n_embd=128)
+    params = random_params(cfg, 5)
+    prompt = np.random.default_rng(seed).integers(0, cfg.vocab_size, 140).tolist()
+
+    @functools.wraps(base)  # its attributes, in a function of its own: programs traced anew
+    def attn(*args, **kwargs):
+        return base(*args, **kwargs)
+    with jax.default_matmul_precision("highest"):
+        eng = engine.Engine(params, cfg, slots=4, kmax=16, attn=attn, pages=pages)
+        requests = [eng.submit(prompt[:n], greedy(m)) for n, m in asks]
+        if drawn:
+            requests.append(eng.submit(prompt[:60], drawn, n=2))
+        eng.drain()
+    return [t for r in requests for t in r.tokens], jax.device_get(eng.state["cache"])
 
 
 def test_engine_reads_pages_in_place_as_it_gathers():
@@ -3478,29 +3488,16 @@ def test_engine_reads_pages_in_place_as_it_gathers():
 
 
 def check_engine_pages():
-    cfg = config(sequence_len=256, n_layer=2, n_head=1, n_kv_head=1, n_embd=128)
-    params = random_params(cfg, 5)
-    prompt = np.random.default_rng(7).integers(0, cfg.vocab_size, 140).tolist()
     read = engine.read_pages
     runs = []
     for in_place in (False, True):
         engine.read_pages = lambda *args, forced=in_place, **_: read(*args, in_place=forced)
-        route = kernels.attention_fn("plain")
-
-        def attn(*args, **kwargs):  # a function of its own: the engine's programs traced anew
-            return route(*args, **kwargs)
-        attn.heads_first, attn.reads_pages = False, True
         try:
-            with jax.default_matmul_precision("highest"):
-                eng = engine.Engine(params, cfg, slots=4, kmax=16, attn=attn, pages=24)
-                asks = [(40, 100), (50, 60), (33, 80)]  # one prompt bucket: fewer programs
-                requests = [eng.submit(prompt[:n], greedy(m)) for n, m in asks]
-                drawn = engine.Sampling(max_tokens=50, temperature=1.0, seed=3)
-                requests.append(eng.submit(prompt[:60], drawn, n=2))
-                eng.drain()
+            asks = [(40, 100), (50, 60), (33, 80)]  # one prompt bucket: fewer programs
+            drawn = engine.Sampling(max_tokens=50, temperature=1.0, seed=3)
+            runs.append(served_by_kernels(kernels.attention_fn("plain"), 24, 7, asks, drawn))
         finally:
             engine.read_pages = read
-        runs.append(([t for r in requests for t in r.tokens], jax.device_get(eng.state["cache"])))
     assert runs[0][0] == runs[1][0]
     assert sum(map(len, runs[0][0])) == 340
     for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1])):
@@ -3517,8 +3514,7 @@ def test_engine_never_recompiles_after_warm_up_and_donates(window_model, recwarn
     eng.warm_up()
     # its chunks' steps ran on live slots, whose values it put back
     fresh = engine.new_state(WINDOW_CFG, 4)
-    for a, b in zip(*(jax.tree.leaves({**s, "cache": {**s["cache"], "layers": None}})
-                      for s in (eng.state, fresh))):
+    for a, b in zip(*(jax.tree.leaves(engine.per_slot(s)) for s in (eng.state, fresh))):
         if not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
             assert (np.asarray(a) == np.asarray(b)).all()
     compiles = []
