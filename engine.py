@@ -264,16 +264,17 @@ def layouts(cfg, paged):
 
 
 def to_pages(a, page):
-    """(..., K, L, D) as its L / page pages, (..., L / page, K, page, D): a pool's
-    layout."""
-    *lead, K, L, D = a.shape
-    return jnp.moveaxis(a.reshape(*lead, K, L // page, page, D), -3, -4)
+    """(K, L, D) as its L / page pages, (L / page, K, page, D): a pool's layout (an int8
+    cache's scales (K, L) likewise, without D)."""
+    K, L, *vector = a.shape
+    return jnp.moveaxis(a.reshape(K, L // page, page, *vector), 1, 0)
 
 
 def from_pages(blocks):
-    """to_pages undone: (..., n, K, page, D) as (..., K, n * page, D)."""
-    *lead, n, K, page, D = blocks.shape
-    return jnp.moveaxis(blocks, -4, -3).reshape(*lead, K, n * page, D)
+    """Each row's pages as one array: (B, n, K, page, D) as (B, K, n * page, D) (an
+    int8 cache's scales likewise, without D)."""
+    B, n, K, page, *vector = blocks.shape
+    return jnp.moveaxis(blocks, 1, 2).reshape(B, K, n * page, *vector)
 
 
 def read_pages(pool, table, count, *, in_place=None):
@@ -462,8 +463,9 @@ def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention, pag
     # 2. a prompt's keys and values into its choice's slot or pages; a ring takes the
     # positions it holds after the prompt's last token
     def copy(j, layers):
-        def into_slot(cache, new):  # (B, K, ring or S, D) at the slot
-            return jax.lax.dynamic_update_slice(cache, new, (slots[j], 0, 0, 0))
+        def into_slot(cache, new):  # (B, K, ring or S, D) at the slot (scales: no D)
+            at = (slots[j],) + (0,) * (new.ndim - 1)
+            return jax.lax.dynamic_update_slice(cache, new, at)
 
         def into_pages(pool, new):  # (pages + 1, K, page, D), the prompt's T / page pages
             page = pool.shape[2]
@@ -548,7 +550,7 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
 
     cache = state["cache"]
     start = cache["pos"][:rows]
-    in_place = None if getattr(attn, "reads_pages", False) else False
+    in_place = None if getattr(attn, "reads_stored", False) else False
 
     def viewed(a):
         return a[:rows, :, :view]
@@ -560,7 +562,7 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
         return jax.tree.map(first if layout == "ring" else viewed, layer)
 
     def own(a):  # the chunk's k or v of a layer: empty
-        return jnp.zeros((rows, a.shape[1], kmax, a.shape[3]), a.dtype)
+        return jnp.zeros((rows, a.shape[1], kmax, *a.shape[3:]), a.dtype)
 
     read = [part(layer, k) for layer, k in zip(cache["layers"], kinds)]
     active = jax.tree.map(first, per_slot(state))

@@ -74,9 +74,10 @@ def attend_cache(q, keys, values, masks):
     header). The cache is read as it lies: XLA's dots then read each head's keys in
     place, where a transposed copy, or the parts joined, would cost more than the
     math. A part may be `Pages` (a decode step's, one query a row): attend_pages reads
-    it."""
+    it; or an int8 cache's (values, scales (B, K, S_i)): the dots read the int8 values,
+    and the scales multiply the scores and the weights, S_i along their lanes."""
     B, Tq, H, D = q.shape
-    K = keys[0].shape[1]
+    K = nc.kv_shape(keys[0])[1]
     q = q.reshape(B, Tq, K, H // K, D)
     # each part's weighted values (B, Tq, K, H/K, D) and weights' sum, unnormalized
     y = sums = 0
@@ -85,14 +86,26 @@ def attend_cache(q, keys, values, masks):
             num, den = attend_pages(q[:, 0], k, v)
             num, den = num[:, None], den[:, None]
         else:
-            scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
+            k, k_scale = split_scales(k)
+            v, v_scale = split_scales(v)
+            scores = jnp.einsum("btkgd,bksd->bkgts", q, k.astype(q.dtype),
+                                preferred_element_type=jnp.float32) * k_scale
             p = jnp.exp(jnp.where(mask[:, None, None], scores / D**0.5, -jnp.inf))
             den = jnp.moveaxis(p.sum(-1), -1, 1)  # (B, Tq, K, H/K)
-            num = jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v,
-                             preferred_element_type=jnp.float32)
+            num = jnp.einsum("bkgts,bksd->btkgd", (p * v_scale).astype(q.dtype),
+                             v.astype(q.dtype), preferred_element_type=jnp.float32)
         y, sums = y + num, sums + den
     y = y / sums[..., None]
-    return y.astype(values[0].dtype).reshape(B, Tq, H, D)
+    return y.astype(q.dtype).reshape(B, Tq, H, D)
+
+
+def split_scales(part):
+    """A cache part's values and the scales that multiply its scores (B, K, H/K, Tq, S):
+    an int8 part's (B, K, S) along the scores' lanes; an exact part's 1."""
+    if isinstance(part, tuple):
+        values, scales = part
+        return values, scales[:, :, None, None, :]
+    return part, 1
 
 
 def blocked_attention(q, k, v, window, block=None):
@@ -170,8 +183,9 @@ def _route_attention(name):
             if not isinstance(k, list):
                 k, v, k_pos = [k], [v], [k_pos]
             q_pos = nc.query_positions(pos, q.shape[1])
-            masks = [nc.attention_mask(q_pos, jnp.arange(a.shape[2]) if p is None else p,
-                                       window) for a, p in zip(k, k_pos)]
+            masks = [nc.attention_mask(q_pos, p if p is not None else
+                                       jnp.arange(nc.kv_shape(a)[2]), window)
+                     for a, p in zip(k, k_pos)]
             return attend_cache(q, k, v, masks)
         # a whole sequence: the route's attention. Heads first where attn.heads_first says
         # so (the model then projects q, k, v into it): splash's layout; the others take
@@ -185,7 +199,7 @@ def _route_attention(name):
         return y.swapaxes(1, 2) if swap else y
     # heads first where the route is the splash kernel's: "splash", or "auto" on a TPU
     attn.heads_first = name == "splash" or (name == "auto" and jax.default_backend() == "tpu")
-    attn.reads_pages = True  # attend_cache takes Pages parts
+    attn.reads_stored = True  # attend_cache reads Pages in place, int8 values and scales
     return attn
 
 
@@ -351,19 +365,20 @@ def write_tokens(whole, new, major, slot, valid, *, wraps, windows=None):
     another major (the next page), or with `wraps` of the same one (a ring's end).
     windows: by `write_windows` (None: on a TPU, where one scatter of vectors is slow),
     else that scatter."""
-    rows, K, n, D = new.shape
-    L = whole.shape[2]
+    rows, K, n, *vector = new.shape  # (D,), or () for an int8 cache's scales
+    N, _, L = whole.shape[:3]
     width = token_window(n)
     if windows is None:
         windows = jax.default_backend() == "tpu"
     # the windows where rows of D are whole lanes of 16 or 32 bits (an int8 cache's
     # values and scales are not), and where a row's wrap cannot overlap its two
-    tiles = D % 128 == 0 and whole.dtype.itemsize > 1
+    tiles = vector and vector[0] % 128 == 0 and whole.dtype.itemsize > 1
     if windows and tiles and L >= (2 * width if wraps else width):
         return write_windows(whole, *windows_of(new, major, slot, valid, L))
     index = (major[:, None] * K + jnp.arange(K)[:, None]) * L + slot[:, None]  # (rows, K, n)
-    index = jnp.where(valid[:, None], index, whole.size // D)  # past the end: dropped
-    flat = whole.reshape(-1, D).at[index.reshape(-1)].set(new.reshape(-1, D), mode="drop")
+    index = jnp.where(valid[:, None], index, N * K * L)  # past the end: dropped
+    flat = whole.reshape(-1, *vector).at[index.reshape(-1)].set(new.reshape(-1, *vector),
+                                                                 mode="drop")
     return flat.reshape(whole.shape)
 
 

@@ -305,26 +305,26 @@ def smear(x, gate_w, lam, prev=None):
 def write_rows(cache, new, pos):
     """cache (B, K, S, D) with each row's new (B, T, K, D) written at that row's pos
     (B,), moved back to fit as dynamic_update_slice moves it; in place on a donated
-    cache."""
-    B, K, S, D = cache.shape
+    cache. (An int8 cache's scales: (B, K, S) and (B, T, K), no D.)"""
+    B, K, S, *vector = cache.shape
     T = new.shape[1]
     # the cache as a table of B * K * S vectors of D, written in one scatter of whole
     # vectors (a vmapped dynamic_update_slice would be a loop over the rows)
-    table = cache.reshape(B * K * S, D)
+    table = cache.reshape(B * K * S, *vector)
     start = jnp.clip(pos, 0, S - T)  # (B,)
     head = jnp.arange(B)[:, None] * K + jnp.arange(K)  # (B, K): each row's heads
     index = head[:, :, None] * S + start[:, None, None] + jnp.arange(T)  # (B, K, T)
-    vectors = new.swapaxes(1, 2).reshape(B * K * T, D)
+    vectors = new.swapaxes(1, 2).reshape(B * K * T, *vector)
     table = table.at[index.reshape(-1)].set(vectors, unique_indices=True,
                                             mode="promise_in_bounds")
-    return table.reshape(B, K, S, D)
+    return table.reshape(cache.shape)
 
 
 def quantize(x):
-    """int8 values and one scale per vector of x (..., D), in x's dtype: (q, scale), x
-    close to q * scale (each value within half a scale)."""
-    scale = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True) / 127
-    q = jnp.round(x / jnp.maximum(scale, 1e-30)).astype(jnp.int8)
+    """int8 values and one scale per vector of x (..., D), in x's dtype: (q, scale (...)),
+    x close to q * scale[..., None] (each value within half a scale)."""
+    scale = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1) / 127
+    q = jnp.round(x / jnp.maximum(scale, 1e-30)[..., None]).astype(jnp.int8)
     return q, scale.astype(x.dtype)
 
 
@@ -336,13 +336,20 @@ def write_kv(entry, new, pos):
     return write_rows(entry, new, pos)
 
 
-def read_kv(entry, dtype):
+def read_kv(entry, dtype, attn=None):
     """One layer's k or v as attention reads it: an int8 cache's values times their
-    scales, in dtype."""
-    if isinstance(entry, tuple):
+    scales, in dtype; or, to an attn that reads a cache as it is stored
+    (`attn.reads_stored`: kernels.attend_cache), the (values, scales) themselves."""
+    if isinstance(entry, tuple) and not getattr(attn, "reads_stored", False):
         q, scale = entry
-        return q.astype(dtype) * scale
+        return q.astype(dtype) * scale[..., None]
     return entry
+
+
+def kv_shape(entry):
+    """(B, K, S, D) of one layer's k or v: an array, an int8 cache's (values, scales),
+    or a decode chunk's pages read in place (kernels.Pages)."""
+    return (entry[0] if isinstance(entry, tuple) else entry).shape
 
 
 def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0, ring=None):
@@ -384,11 +391,11 @@ def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0, ring=None):
         step, start, own = cache[2]
         at = jnp.broadcast_to(step, pos.shape)
         own = (write_kv(own[0], k, at), write_kv(own[1], v, at))
-        keys = [read_kv(cache[0], q.dtype), read_kv(own[0], q.dtype)]
-        values = [read_kv(cache[1], q.dtype), read_kv(own[1], q.dtype)]
+        keys = [read_kv(cache[0], q.dtype, attn), read_kv(own[0], q.dtype, attn)]
+        values = [read_kv(cache[1], q.dtype, attn), read_kv(own[1], q.dtype, attn)]
         # the positions each part holds: the cache as it stood at each row's start (a
         # ring's latest positions, or those before the start), then the chunk's own
-        S, kmax = keys[0].shape[2], keys[1].shape[2]
+        S, kmax = kv_shape(keys[0])[2], kv_shape(keys[1])[2]
         if ring is not None:
             held = ring_positions(start - 1, ring)
         else:
@@ -398,7 +405,7 @@ def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0, ring=None):
     else:
         at = pos if ring is None else pos % ring
         cache = (write_kv(cache[0], k, at), write_kv(cache[1], v, at))
-        keys, values = read_kv(cache[0], q.dtype), read_kv(cache[1], q.dtype)
+        keys, values = read_kv(cache[0], q.dtype, attn), read_kv(cache[1], q.dtype, attn)
         k_pos = None if ring is None else ring_positions(pos, ring)
         y = attn(q, keys, values, window, pos, k_pos)
     if heads_first:
@@ -708,7 +715,7 @@ def ring_positions(pos, ring):
 def init_cache(cfg, batch, max_len, kv_dtype=None, rings=False):
     """An empty KV cache: per layer k, v (B, K, S, D), heads first so that a decode step
     reads each head's keys as one block (kv_dtype "int8": each an int8 (B, K, S, D) and
-    its scales (B, K, S, 1), one per token and head); the smear's last embedding (B, C);
+    its scales (B, K, S), one per token and head); the smear's last embedding (B, C);
     each row's position (B,), the number of tokens it holds. Zeros, never uninitialized
     memory: a masked slot still enters the softmax's weighted sum, and 0 * NaN is NaN.
     rings: each sliding-window layer holds a ring of ring_size slots, not max_len (a
@@ -726,10 +733,10 @@ def init_cache(cfg, batch, max_len, kv_dtype=None, rings=False):
 
 def empty_kv(cfg, batch, length, kv_dtype=None):
     """One layer's k or v, zeros: (batch, K, length, D) in the compute dtype, or for an
-    int8 cache the values and their scales (batch, K, length, 1)."""
+    int8 cache the values and their scales (batch, K, length)."""
     shape = (batch, cfg.n_kv_head, length, cfg.head_dim)
     if kv_dtype == "int8":
-        return jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1] + (1,), cfg.compute_dtype)
+        return jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1], cfg.compute_dtype)
     return jnp.zeros(shape, cfg.compute_dtype)
 
 

@@ -3186,40 +3186,46 @@ def test_int8_kv_cache(window_model):
     within 0.05 of the exact cache's (6.5e-3 measured, logits up to 2.3); the engine's int8 slots
     hold a byte a value and a scale a head, and the first token of a reply (the prompt prefilled
     exactly, then stored quantized) is the exact engine's; an int8 cache in pages gives the int8
-    cache's reply in rows."""
+    cache's reply in rows. kernels' attention reads the int8 values as they are stored, the
+    scales on its scores and weights: the logits and replies of the values times their scales."""
     params, prompt = window_model
     cfg = WINDOW_CFG
     x = jax.random.normal(jax.random.key(0), (2, 5, 3, 16)) * jnp.arange(1, 17)
     q, scale = nc.quantize(x)
-    assert q.dtype == jnp.int8 and scale.shape == (2, 5, 3, 1)
-    assert bool(jnp.all(jnp.abs(q * scale - x) <= scale / 2 + 1e-6))
+    assert q.dtype == jnp.int8 and scale.shape == (2, 5, 3)
+    assert bool(jnp.all(jnp.abs(q * scale[..., None] - x) <= scale[..., None] / 2 + 1e-6))
     assert bool(jnp.all(jnp.abs(q).max(-1) == 127))  # each vector's largest value: 127 scales
     # a decode step's logits over each cache
     layered = engine.prepare(params, cfg)
     cached = jax.jit(nc.forward_cached, static_argnames=("cfg", "attn"))
+    stored = kernels.attention_fn()  # reads int8 values as stored, scales on scores and weights
     logits = {}
-    for kv in (None, "int8"):
+    for name, kv, attn in (("exact", None, nc.causal_attention),
+                           ("int8", "int8", nc.causal_attention), ("int8 stored", "int8", stored)):
         cache = nc.init_cache(cfg, 1, cfg.sequence_len, kv)
-        _, cache = cached(layered, prompt[None, :90], cache, cfg=cfg, attn=nc.causal_attention)
-        logits[kv], _ = cached(layered, prompt[None, 90:91], cache, cfg=cfg,
-                               attn=nc.causal_attention)
-    assert 0 < float(jnp.abs(logits["int8"] - logits[None]).max()) < 0.05
+        _, cache = cached(layered, prompt[None, :90], cache, cfg=cfg, attn=attn)
+        logits[name], _ = cached(layered, prompt[None, 90:91], cache, cfg=cfg, attn=attn)
+    assert 0 < float(jnp.abs(logits["int8"] - logits["exact"]).max()) < 0.05
+    np.testing.assert_allclose(logits["int8 stored"], logits["int8"], atol=2e-5, rtol=0)
     # the engine's slots: a byte a value, a scale a token and head; in pages, the same tokens
     replies = {}
-    for kv, pages in ((None, None), ("int8", 8), ("int8", None)):
-        eng = engine.Engine(params, cfg, slots=2, kmax=4, kv_cache=kv, pages=pages)
+    for name, kv, pages, attn in (("exact", None, None, nc.causal_attention),
+                                  ("int8 pages stored", "int8", 8, stored),
+                                  ("int8 pages", "int8", 8, nc.causal_attention),
+                                  ("int8", "int8", None, nc.causal_attention)):
+        eng = engine.Engine(params, cfg, slots=2, kmax=4, kv_cache=kv, pages=pages, attn=attn)
         request = eng.submit(prompt[:100].tolist(), greedy(20))
         eng.drain()
-        replies[kv, pages] = request.tokens[0]
-    assert replies["int8", 8] == replies["int8", None]
+        replies[name] = request.tokens[0]
+    assert replies["int8 pages stored"] == replies["int8 pages"] == replies["int8"]
     k, scales = eng.state["cache"]["layers"][0][0]
     B, K, S, D = k.shape
-    assert k.dtype == jnp.int8 and scales.shape == (B, K, S, 1)
+    assert k.dtype == jnp.int8 and scales.shape == (B, K, S)
     # the tokens each layer holds: a ring's slots, a pool's pages
     held = sum(k[0].shape[0] * k[0].shape[2] for k, _ in eng.state["cache"]["layers"])
     assert engine.state_bytes(cfg, 2, "int8") == engine.state_bytes(cfg, 2) - (
         2 * K * held * (4 * D - D - 4))
-    assert replies["int8", None][0] == replies[None, None][0]
+    assert replies["int8"][0] == replies["exact"][0]
     with pytest.raises(ValueError, match="^kv_cache is 'fp8'; it must be None"):
         engine.Engine(params, cfg, slots=2, kv_cache="fp8")
 
