@@ -3442,28 +3442,33 @@ def test_engine_pages_are_taken_returned_and_never_shared(window_model):
         engine.Engine(params, WINDOW_CFG, slots=4, pages=7)
 
 
-@pytest.mark.parametrize("pages", [None, 24])
-def test_engine_writes_windows_as_it_scatters(pages):
-    """A decode chunk's tokens written by the TPU's window kernel (interpreted here) leave the
-    engine's state and replies what the scatter of vectors leaves, bit for bit: heads of 128,
-    chunks of 16 tokens, rows across a ring's end (144 slots) and across pages of 32."""
-    run_alone(f"check_engine_windows({pages!r})")
+def test_engine_served_the_tpus_way_serves_as_the_cpus_way():
+    """A paged engine served the TPU's way (interpreted here): a decode chunk's tokens written by
+    whole windows (kernels.write_windows) and its pages read in place (kernels.attend_pages),
+    replies as one served the CPU's way (one scatter of vectors, the pages gathered) and leaves
+    the same state: heads of 128, chunks of 16 tokens, rows across a ring's end (144 slots) and
+    across pages of 32, two choices of one prompt. (Each kernel against its CPU twin, bit for bit
+    or to fp32's rounding: test_written_windows_equal_the_scatter_of_vectors,
+    test_attend_pages_sums_what_the_gathered_pages_sum.)"""
+    run_alone("check_engine_kernels()")
 
 
-def check_engine_windows(pages):
-    write = kernels.write_tokens
+def check_engine_kernels():
+    write, read = kernels.write_tokens, engine.read_pages
     runs = []
-    for windows in (False, True):
-        kernels.write_tokens = functools.partial(write, windows=windows)
+    for tpu in (False, True):
+        kernels.write_tokens = functools.partial(write, windows=tpu)
+        engine.read_pages = lambda *args, forced=tpu, **_: read(*args, in_place=forced)
         try:
             asks = [(5, 150), (100, 60), (37, 80), (130, 40)]  # past the ring, across pages
-            runs.append(served_by_kernels(nc.causal_attention, pages, 6, asks))
+            drawn = engine.Sampling(max_tokens=50, temperature=1.0, seed=3)
+            runs.append(served_by_kernels(kernels.attention_fn("plain"), 24, 6, asks, drawn))
         finally:
-            kernels.write_tokens = write
+            kernels.write_tokens, engine.read_pages = write, read
     assert runs[0][0] == runs[1][0]
-    assert sum(map(len, runs[0][0])) == 330
+    assert sum(map(len, runs[0][0])) == 330 + 2 * 50
     for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1])):
-        assert (np.asarray(a) == np.asarray(b)).all()
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def served_by_kernels(base, pages, seed, asks, drawn=None):
@@ -3484,30 +3489,6 @@ def served_by_kernels(base, pages, seed, asks, drawn=None):
             requests.append(eng.submit(prompt[:60], drawn, n=2))
         eng.drain()
     return [t for r in requests for t in r.tokens], jax.device_get(eng.state["cache"])
-
-
-def test_engine_reads_pages_in_place_as_it_gathers():
-    """A paged engine's decode chunks reading the pages in place (kernels.attend_pages, the TPU's
-    way; interpreted here) reply as the chunks that gather them do and leave the same state: heads
-    of 128, rows across pages of 32, two choices of one prompt."""
-    run_alone("check_engine_pages()")
-
-
-def check_engine_pages():
-    read = engine.read_pages
-    runs = []
-    for in_place in (False, True):
-        engine.read_pages = lambda *args, forced=in_place, **_: read(*args, in_place=forced)
-        try:
-            asks = [(40, 100), (50, 60), (33, 80)]  # one prompt bucket: fewer programs
-            drawn = engine.Sampling(max_tokens=50, temperature=1.0, seed=3)
-            runs.append(served_by_kernels(kernels.attention_fn("plain"), 24, 7, asks, drawn))
-        finally:
-            engine.read_pages = read
-    assert runs[0][0] == runs[1][0]
-    assert sum(map(len, runs[0][0])) == 340
-    for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def test_engine_never_recompiles_after_warm_up_and_donates(window_model, recwarn):
