@@ -336,13 +336,13 @@ def write_kv(entry, new, pos):
     return write_rows(entry, new, pos)
 
 
-def read_kv(entry, dtype, attn=None):
-    """One layer's k or v as attention reads it: an int8 cache's values times their
-    scales, in dtype; or, to an attn that reads a cache as it is stored
-    (`attn.reads_stored`: kernels.attend_cache), the (values, scales) themselves."""
+def read_kv(entry, attn):
+    """One layer's k or v as attn reads it: an int8 cache's values times their scales,
+    in the scales' dtype (the compute dtype); or, to an attn that reads a cache as it
+    is stored (`attn.reads_stored`: kernels.attend_cache), the (values, scales)."""
     if isinstance(entry, tuple) and not getattr(attn, "reads_stored", False):
         q, scale = entry
-        return q.astype(dtype) * scale[..., None]
+        return q.astype(scale.dtype) * scale[..., None]
     return entry
 
 
@@ -391,8 +391,8 @@ def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0, ring=None):
         step, start, own = cache[2]
         at = jnp.broadcast_to(step, pos.shape)
         own = (write_kv(own[0], k, at), write_kv(own[1], v, at))
-        keys = [read_kv(cache[0], q.dtype, attn), read_kv(own[0], q.dtype, attn)]
-        values = [read_kv(cache[1], q.dtype, attn), read_kv(own[1], q.dtype, attn)]
+        keys = [read_kv(cache[0], attn), read_kv(own[0], attn)]
+        values = [read_kv(cache[1], attn), read_kv(own[1], attn)]
         # the positions each part holds: the cache as it stood at each row's start (a
         # ring's latest positions, or those before the start), then the chunk's own
         S, kmax = kv_shape(keys[0])[2], kv_shape(keys[1])[2]
@@ -405,7 +405,7 @@ def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0, ring=None):
     else:
         at = pos if ring is None else pos % ring
         cache = (write_kv(cache[0], k, at), write_kv(cache[1], v, at))
-        keys, values = read_kv(cache[0], q.dtype, attn), read_kv(cache[1], q.dtype, attn)
+        keys, values = read_kv(cache[0], attn), read_kv(cache[1], attn)
         k_pos = None if ring is None else ring_positions(pos, ring)
         y = attn(q, keys, values, window, pos, k_pos)
     if heads_first:
