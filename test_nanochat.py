@@ -2878,6 +2878,7 @@ def window_model():
 
 
 @pytest.mark.slow  # a 256-token cache and programs of its own (the golden test checks decode)
+@pytest.mark.usefixtures("fp32_matmuls")
 def test_kv_decode_equals_full_forward_with_sliding_window(window_model):
     params, prompt = window_model
     assert nc.window_sizes(WINDOW_CFG) == [128, 256]
