@@ -3455,42 +3455,36 @@ def test_engine_served_the_tpus_way_serves_as_the_cpus_way():
 
 
 def check_engine_kernels():
+    cfg = config(sequence_len=256, n_layer=2, n_head=1, n_kv_head=1, n_embd=128)  # the lanes
+    params = random_params(cfg, 5)
+    prompt = np.random.default_rng(6).integers(0, cfg.vocab_size, 140).tolist()
     write, read = kernels.write_tokens, engine.read_pages
     runs = []
     for tpu in (False, True):
         kernels.write_tokens = functools.partial(write, windows=tpu)
         engine.read_pages = lambda *args, forced=tpu, **_: read(*args, in_place=forced)
+        base = kernels.attention_fn("plain")
+
+        @functools.wraps(base)  # its attributes, in a function of its own: programs traced anew
+        def attn(*args, **kwargs):
+            return base(*args, **kwargs)
         try:
-            # past the ring, across pages; every prompt in one bucket: fewer programs
-            asks = [(5, 150), (20, 120), (31, 80)]
-            drawn = engine.Sampling(max_tokens=50, temperature=1.0, seed=3)
-            runs.append(served_by_kernels(kernels.attention_fn("plain"), 24, 6, asks, drawn))
+            with jax.default_matmul_precision("highest"):
+                eng = engine.Engine(params, cfg, slots=4, kmax=16, attn=attn, pages=24)
+                # past the ring, across pages; every prompt in one bucket: fewer programs
+                requests = [eng.submit(prompt[:n], greedy(m))
+                            for n, m in ((5, 150), (20, 120), (31, 80))]
+                drawn = engine.Sampling(max_tokens=50, temperature=1.0, seed=3)
+                requests.append(eng.submit(prompt[:30], drawn, n=2))
+                eng.drain()
+            runs.append(([t for r in requests for t in r.tokens],
+                         jax.device_get(eng.state["cache"])))
         finally:
             kernels.write_tokens, engine.read_pages = write, read
     assert runs[0][0] == runs[1][0]
     assert sum(map(len, runs[0][0])) == 350 + 2 * 50
     for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-
-
-def served_by_kernels(base, pages, seed, asks, drawn=None):
-    """(every choice's tokens, the cache) of an engine of 2 layers, T 256 and heads of 128 (the
-    kernels' lanes) at the highest precision under `base` attention, after serving prompts of
-    `asks`' lengths their greedy tokens, and `drawn`'s two choices of a prompt of 30."""
-    cfg = config(sequence_len=256, n_layer=2, n_head=1, n_kv_head=1, n_embd=128)
-    params = random_params(cfg, 5)
-    prompt = np.random.default_rng(seed).integers(0, cfg.vocab_size, 140).tolist()
-
-    @functools.wraps(base)  # its attributes, in a function of its own: programs traced anew
-    def attn(*args, **kwargs):
-        return base(*args, **kwargs)
-    with jax.default_matmul_precision("highest"):
-        eng = engine.Engine(params, cfg, slots=4, kmax=16, attn=attn, pages=pages)
-        requests = [eng.submit(prompt[:n], greedy(m)) for n, m in asks]
-        if drawn:
-            requests.append(eng.submit(prompt[:30], drawn, n=2))
-        eng.drain()
-    return [t for r in requests for t in r.tokens], jax.device_get(eng.state["cache"])
 
 
 def test_engine_never_recompiles_after_warm_up_and_donates(window_model, recwarn):
