@@ -75,9 +75,7 @@ def attend_cache(q, keys, values, masks):
     place, where a transposed copy, or the parts joined, would cost more than the
     math. A part may be `Pages` (a decode step's, one query a row): attend_pages reads
     it; or an int8 cache's (values, scales (B, K, S_i)): the dots read the int8 values,
-    and the scales multiply the scores and the weights, S_i along their lanes. A decode
-    step's part of whole rows (a ring, or rows over the context) attend_rows reads on a
-    TPU, each row only as far as its mask reaches (where reads_rows_in_place says)."""
+    and the scales multiply the scores and the weights, S_i along their lanes."""
     B, Tq, H, D = q.shape
     K = nc.kv_shape(keys[0])[1]
     q = q.reshape(B, Tq, K, H // K, D)
@@ -86,10 +84,6 @@ def attend_cache(q, keys, values, masks):
     for k, v, mask in zip(keys, values, masks):
         if isinstance(k, Pages):
             num, den = attend_pages(q[:, 0], k, v)
-            num, den = num[:, None], den[:, None]
-        elif reads_rows_in_place(k, Tq):
-            mask = jnp.broadcast_to(mask, (B, 1, k.shape[2]))  # (a scalar pos's: every row's)
-            num, den = attend_rows(q[:, 0], k, v, mask[:, 0])
             num, den = num[:, None], den[:, None]
         else:
             k, k_scale = split_scales(k)
@@ -112,18 +106,6 @@ def split_scales(part):
         values, scales = part
         return values, scales[:, :, None, None, :]
     return part, 1
-
-
-def reads_rows_in_place(part, Tq, tpu=None):
-    """Whether attend_cache reads a cache part by attend_rows: a decode step's (one query a
-    row) over an exact cache's rows on a TPU (tpu None: the default backend's), heads of
-    whole lanes and whole tiles of tokens, not a chunk's own few."""
-    if tpu is None:
-        tpu = jax.default_backend() == "tpu"
-    if isinstance(part, tuple) or not tpu:
-        return False
-    _, _, S, D = part.shape
-    return Tq == 1 and D % 128 == 0 and S % 16 == 0 and S >= 128
 
 
 def blocked_attention(q, k, v, window, block=None):
@@ -368,115 +350,6 @@ def block_sums(q, k_buf, v_buf, slot, held, sums, exact):
             wv = jnp.where(held, w * values, 0.0)
             out.append((num + wv.reshape(span // 8, 8, D).sum(0),
                         den + w.reshape(span // 8, 8, D).sum(0)))
-    return out
-
-
-def attend_rows(q, keys, values, mask, span=128):
-    """Queries q (B, K, G, D), one a row, over a cache's rows keys and values (B, K, S,
-    D) under mask (B, S): (num (B, K, G, D), den (B, K, G)) in fp32, attend_pages' sums
-    over the unmasked slots. A Pallas kernel over the rows in turn copies each row only
-    as far as its last unmasked slot (a ring holds a short row's tokens in its first
-    slots), in pieces of 16 * 2^i tokens, the next row's in flight while it computes one;
-    then sums `span` tokens at a time, their scores along lanes, as the mask lies. Off a
-    TPU interpreted (tests)."""
-    B, K, G, D = q.shape
-    S = keys.shape[2]
-    width = -(-S // span) * span  # the buffer: whole spans
-    pieces = [16 * 2**i for i in range((S // 16).bit_length() - 1, -1, -1)]  # largest first
-    exact = jax.lax.Precision.HIGHEST if keys.dtype == jnp.float32 else None
-    # each row's slots to read: up to its last unmasked one
-    count = jnp.where(mask.any(-1), S - jnp.argmax(mask[:, ::-1], -1), 0).astype(jnp.int32)
-    mask = jnp.pad(mask, ((0, 0), (0, width - S)))[:, None].astype(jnp.int32)  # (B, 1, width)
-
-    def kernel(count, q, mask, k, v, num_out, den_out, k_buf, v_buf, sems, turn):
-        r = pl.program_id(0)
-
-        def copies(row, slot, start):  # the row's first count[row] slots, rounded up to 16
-            n = (count[row] + 15) // 16 * 16
-            for size in pieces:
-                at = pl.multiple_of(n // (2 * size) * (2 * size), 16)  # past the larger ones
-                for i, (src, buf) in enumerate(((k, k_buf), (v, v_buf))):
-                    copy = pltpu.make_async_copy(src.at[row, :, pl.ds(at, size)],
-                                                 buf.at[slot, :, pl.ds(at, size)], sems.at[i, slot])
-
-                    @pl.when(n // size % 2 == 1)
-                    def _():
-                        copy.start() if start else copy.wait()
-
-        @pl.when(r == 0)
-        def _():
-            turn[0] = 0
-            # VMEM never written may hold NaN, and a masked slot's weight 0 times NaN is NaN
-            k_buf[...] = jnp.zeros_like(k_buf)
-            v_buf[...] = jnp.zeros_like(v_buf)
-            copies(0, 0, True)
-        slot = turn[0]
-
-        @pl.when(r + 1 < B)
-        def _():
-            copies(r + 1, 1 - slot, True)
-        copies(r, slot, False)
-        turn[0] = 1 - slot
-
-        def body(b, sums):  # span slots' sums added to the row's
-            at = pl.multiple_of(b * span, span)
-            held = mask[0, :, pl.ds(at, span)] != 0  # (1, span)
-            return span_sums(q, k_buf.at[slot, :, pl.ds(at, span)],
-                             v_buf.at[slot, :, pl.ds(at, span)], held, sums, exact)
-        zero = (jnp.zeros((8, D), jnp.float32), jnp.zeros((8, span), jnp.float32))
-        sums = jax.lax.fori_loop(0, (count[r] + span - 1) // span, body, [zero] * (K * G))
-        for h in range(K):
-            for g in range(G):
-                num, den = sums[h * G + g]
-                num_out[0, h, pl.ds(g, 1)] = num[:1]
-                den_out[0, h, pl.ds(g, 1)] = jnp.broadcast_to(den[:1].sum(-1, keepdims=True),
-                                                              (1, D))
-
-    def per_row(r, *_):
-        return (r, 0, 0, 0)
-    buffers = 4 * K * width * D * keys.dtype.itemsize
-    num, den = pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((B, K, G, D), jnp.float32),) * 2,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(B,),
-            in_specs=[pl.BlockSpec((1, K, G, D), per_row),
-                      pl.BlockSpec((1, 1, width), lambda r, *_: (r, 0, 0)),
-                      pl.BlockSpec(memory_space=pl.ANY),
-                      pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=[pl.BlockSpec((1, K, G, D), per_row)] * 2,
-            scratch_shapes=[pltpu.VMEM((2, K, width, D), keys.dtype),
-                            pltpu.VMEM((2, K, width, D), values.dtype),
-                            pltpu.SemaphoreType.DMA((2, 2)),
-                            pltpu.SMEM((1,), jnp.int32)]),
-        # the rows in turn: a row's copies start in the one before
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
-                                             vmem_limit_bytes=buffers + 2**24),
-        interpret=jax.default_backend() != "tpu",
-    )(count, q, mask, keys, values)
-    return num, den[..., 0]
-
-
-def span_sums(q, keys, values, held, sums, exact):
-    """attend_rows' sums (a list of (num (8, D), den (8, span)) per head and query head,
-    row 0 of each the real one) with one span's: q (1, K, G, D), keys and values (K,
-    span, D) VMEM refs, held (1, span) the unmasked slots. A query fills 8 rows of the
-    MXU's left side, so its scores lie along lanes, as held does."""
-    _, K, G, D = q.shape
-    out = []
-    for h in range(K):
-        k = keys[h]  # (span, D)
-        v = values[h]
-        for g in range(G):
-            num, den = sums[h * G + g]
-            query = jnp.broadcast_to(q[0, h, pl.ds(g, 1)], (8, D))
-            scores = jax.lax.dot_general(query, k, (((1,), (1,)), ((), ())),
-                                         precision=exact, preferred_element_type=jnp.float32)
-            w = jnp.where(held, jnp.exp(scores / D**0.5), 0.0)  # (8, span)
-            num = num + jnp.dot(w.astype(v.dtype), v, precision=exact,
-                                preferred_element_type=jnp.float32)
-            out.append((num, den + w))
     return out
 
 

@@ -855,43 +855,6 @@ def check_attend_pages(dtype):
     assert (np.asarray(got[1][0]) == 0).all() and (np.asarray(got[1][1:]) > 0).all()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_attend_rows_sums_what_xla_sums_over_the_rows(dtype):
-    """kernels.attend_rows (the TPU's Pallas kernel, interpreted off a TPU) sums over each row of a
-    cache, only as far as its mask reaches, what XLA sums over the whole rows: rings before,
-    at and past their end under a window, rows holding 0, 1, a tile's end, a span's end, all of
-    them; two query heads a kv head; pieces of every size in one row."""
-    run_alone(f"check_attend_rows({dtype!r})")
-
-
-def check_attend_rows(dtype):
-    rng = np.random.default_rng(0)
-    B, K, G, D, window = 10, 2, 2, 128, 100
-    for S, starts in ((112, [0, 1, 15, 16, 17, 40, 111, 112, 113, 300]),  # a ring of 112
-                      (256, [0, 1, 16, 127, 128, 129, 200, 255, 256, 256])):  # rows
-        k, v = (jnp.asarray(rng.standard_normal((B, K, S, D)) * scale, dtype)
-                for scale in (0.3, 1.0))
-        q = jnp.asarray(rng.standard_normal((B, K, G, D)) * 0.3, dtype)
-        start = jnp.asarray(starts)
-        if S == 112:
-            held = nc.ring_positions(start - 1, S)  # a decode chunk's ring, 5 steps on
-            mask = nc.attention_mask(start[:, None] + 5, held, window)[:, 0]
-        else:
-            mask = jnp.arange(S) < start[:, None]
-        with jax.default_matmul_precision("highest"):
-            f32 = [a.astype(jnp.float32) for a in (q, k, v)]
-            scores = jnp.einsum("bkgd,bksd->bkgs", f32[0], f32[1]) / D**0.5
-            w = jnp.where(mask[:, None, None], jnp.exp(scores), 0.0)
-            if dtype == "bfloat16":  # the weights meet the values in bf16, as XLA's do
-                w = w.astype(jnp.bfloat16).astype(jnp.float32)
-            want = (jnp.einsum("bkgs,bksd->bkgd", w, f32[2]), w.sum(-1))
-        got = kernels.attend_rows(q, k, v, mask)
-        tol = 2e-5 if dtype == "float32" else 2e-3
-        for a, b in zip(got, want):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol * 10)
-        assert (np.asarray(got[1][np.asarray(~mask.any(-1))]) == 0).all()
-
-
 # --------------------------------------------------------------------------------------------------
 # runtime.py: the compile cache, malloc on huge pages
 # --------------------------------------------------------------------------------------------------
@@ -3495,12 +3458,11 @@ def check_engine_kernels():
     cfg = config(sequence_len=256, n_layer=2, n_head=1, n_kv_head=1, n_embd=128)  # the lanes
     params = random_params(cfg, 5)
     prompt = np.random.default_rng(6).integers(0, cfg.vocab_size, 140).tolist()
-    write, read, rows = kernels.write_tokens, engine.read_pages, kernels.reads_rows_in_place
+    write, read = kernels.write_tokens, engine.read_pages
     runs = []
     for tpu in (False, True):
         kernels.write_tokens = functools.partial(write, windows=tpu)
         engine.read_pages = lambda *args, forced=tpu, **_: read(*args, in_place=forced)
-        kernels.reads_rows_in_place = functools.partial(rows, tpu=tpu)
         base = kernels.attention_fn("plain")
 
         @functools.wraps(base)  # its attributes, in a function of its own: programs traced anew
@@ -3519,7 +3481,6 @@ def check_engine_kernels():
                          jax.device_get(eng.state["cache"])))
         finally:
             kernels.write_tokens, engine.read_pages = write, read
-            kernels.reads_rows_in_place = rows
     assert runs[0][0] == runs[1][0]
     assert sum(map(len, runs[0][0])) == 350 + 2 * 50
     for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1])):
