@@ -612,6 +612,51 @@ def bench_chat_traffic(name, requests, slots_most=128, kmax=16, reply=256, kv_ca
                       "compiles_after_warm_up": len(compiles)}), flush=True)
 
 
+def bench_decode_chunk(name, rows, positions=(100, 656), kmax=16, calls=5, kv_cache=None):
+    """One decode chunk program alone (engine.decode_chunk, compiled once, no warm-up): `rows`
+    live slots at positions drawn from `positions` (chat traffic's spread at d20: prompts of
+    100-400 tokens, 256-token replies), the layers over the whole context in pages, each row
+    its own, temperature 1; `calls` chunks of kmax steps after the one that compiles. One JSON
+    line: the view, the median time a step and tokens/s, the compile's seconds."""
+    cfg = serving_config(name)
+    S = cfg.sequence_len
+    params = engine.prepare(serving_params(cfg), cfg)
+    # 1. each row's position, room for every call's tokens; its pages
+    last = S - kmax * (calls + 1)
+    pos = np.random.default_rng(0).integers(min(positions[0], last), min(positions[1], last) + 1,
+                                            rows)
+    page = engine.page_size(S)
+    owned = -(-(pos + kmax * (calls + 1)) // page)
+    eng = engine.Engine(params, cfg, slots=rows, kmax=kmax, attn=kernels.attention_fn(),
+                        kv_cache=kv_cache, pages=int(owned.sum()))
+    table = np.zeros((rows, S // page), np.int32)
+    taken = np.cumsum(owned)
+    for r in range(rows):  # pages 1, 2, ...: page 0 is the null page
+        table[r, :owned[r]] = np.arange(taken[r] - owned[r], taken[r]) + 1
+    # 2. the slots live there, drawing at temperature 1
+    state = {**eng.state, "live": jnp.ones(rows, bool), "left": jnp.full(rows, S, jnp.int32),
+             "temperature": jnp.ones(rows, jnp.float32),
+             "cache": {**eng.state["cache"], "pos": jnp.asarray(pos, jnp.int32)}}
+    control = {**eng.idle_control(rows), "steps": np.int32(kmax), "pages": table}
+    view = min(v for v in eng.views if v >= pos.max() + kmax * (calls + 1))
+    # 3. the calls, each timed to its records on the host
+    times = []
+    for _ in range(calls + 1):
+        start = time.perf_counter()
+        state, records = engine.decode_chunk(eng.layered, state, control, cfg=cfg, attn=eng.attn,
+                                             rows=rows, view=view, kmax=kmax, paged=True)
+        np.asarray(records)
+        times.append(time.perf_counter() - start)
+    step = float(np.median(times[1:])) / kmax
+    device = jax.devices()[0].device_kind
+    print(json.dumps({"bench": "decode-chunk", "config": name, "device": device, "rows": rows,
+                      "positions": [int(pos.min()), int(pos.max())], "view": view,
+                      "kv_cache": kv_cache or "exact", "kmax": kmax,
+                      "step_ms": round(1e3 * step, 3), "tok_per_s": round(rows / step, 1),
+                      "tokens": int(np.asarray(state["cache"]["pos"]).sum() - pos.sum()),
+                      "compile_s": round(times[0] - step * kmax, 1)}), flush=True)
+
+
 def bench_agreement(path, max_tokens=64, slots=16):
     """How often a greedy reply through the slot engine, every question at once, equals the
     question's reply alone (engine.generate), at this machine's default matmul precision:
@@ -893,6 +938,9 @@ def parse_args(argv=None):
     s("--chat-traffic", type=int, metavar="N", help="N requests at once, prompts of 100-400 "
       "tokens, 256-token replies, through --model")
     s("--model", default="d20", help="--chat-traffic's: nano, d6, or a depth like d20")
+    s("--decode-chunk", metavar="MODEL", help="one decode chunk program alone, --rows live "
+      "slots at chat traffic's positions, the long layers paged: its time a step")
+    s("--rows", type=int, default=128, help="--decode-chunk's live slots")
     s("--kv-cache", choices=["int8"], help="--infer-bench's and --chat-traffic's engine: an "
       "int8 KV cache, a scale a token and head (none: the compute dtype's, exact)")
     s("--http", metavar="CHECKPOINT", help="through chat.py --serve on this checkpoint: 16 "
@@ -951,6 +999,8 @@ def main(argv=None):
     elif args.mode == "serve" and args.chat_traffic:
         bench_chat_traffic(args.model, args.chat_traffic, kmax=args.kmax,
                            kv_cache=args.kv_cache)
+    elif args.mode == "serve" and args.decode_chunk:
+        bench_decode_chunk(args.decode_chunk, args.rows, kmax=args.kmax, kv_cache=args.kv_cache)
     elif args.mode == "serve" and args.infer_bench:
         bench_infer(args.infer_bench, args.batch_sizes, kmax=args.kmax, kv_cache=args.kv_cache)
     elif args.mode == "serve":

@@ -6310,6 +6310,11 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys):
     # pages of 16 tokens (a quarter of 64): 4 a conversation, all held at once
     assert line["pages"] == line["pages_peak"] == 3 * 4
     assert line["cache_bytes"] == engine.state_bytes(TINY, 3, None, 12)
+    # --decode-chunk: one chunk program alone; every row decodes every step of 3 calls
+    bench.bench_decode_chunk("tiny", 3, positions=(10, 20), kmax=4, calls=2)
+    line = json.loads(capsys.readouterr().out)
+    assert line["tokens"] == 3 * 4 * 3 and 10 <= line["positions"][0] <= line["positions"][1] <= 20
+    assert line["view"] == 64 and line["tok_per_s"] == pytest.approx(3e3 / line["step_ms"], 1e-2)
 
 
 @pytest.mark.usefixtures("fp32_matmuls")
