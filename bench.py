@@ -623,12 +623,22 @@ def bench_decode_chunk(name, rows, positions=(100, 656), kmax=16, calls=5, kv_ca
     params = engine.prepare(serving_params(cfg), cfg)
     # 1. each row's position, room for every call's tokens; its pages
     last = S - kmax * (calls + 1)
+    if last < 1:
+        raise SystemExit(f"bench.py serve --decode-chunk: a context of {S} has no room for "
+                         f"{calls + 1} chunks of {kmax} tokens; pass a smaller --kmax")
     pos = np.random.default_rng(0).integers(min(positions[0], last), min(positions[1], last) + 1,
                                             rows)
     page = engine.page_size(S)
     owned = -(-(pos + kmax * (calls + 1)) // page)
-    eng = engine.Engine(params, cfg, slots=rows, kmax=kmax, attn=kernels.attention_fn(),
-                        kv_cache=kv_cache, pages=int(owned.sum()))
+    head = {"bench": "decode-chunk", "config": name, "device": jax.devices()[0].device_kind,
+            "rows": rows, "positions": [int(pos.min()), int(pos.max())],
+            "kv_cache": kv_cache or "exact", "kmax": kmax}
+    try:
+        eng = engine.Engine(params, cfg, slots=rows, kmax=kmax, attn=kernels.attention_fn(),
+                            kv_cache=kv_cache, pages=int(owned.sum()))
+    except ValueError as e:  # the slots' cache does not fit
+        print(json.dumps({**head, "skipped": str(e)}), flush=True)
+        return
     table = np.zeros((rows, S // page), np.int32)
     taken = np.cumsum(owned)
     for r in range(rows):  # pages 1, 2, ...: page 0 is the null page
@@ -648,10 +658,7 @@ def bench_decode_chunk(name, rows, positions=(100, 656), kmax=16, calls=5, kv_ca
         np.asarray(records)
         times.append(time.perf_counter() - start)
     step = float(np.median(times[1:])) / kmax
-    device = jax.devices()[0].device_kind
-    print(json.dumps({"bench": "decode-chunk", "config": name, "device": device, "rows": rows,
-                      "positions": [int(pos.min()), int(pos.max())], "view": view,
-                      "kv_cache": kv_cache or "exact", "kmax": kmax,
+    print(json.dumps({**head, "view": view,
                       "step_ms": round(1e3 * step, 3), "tok_per_s": round(rows / step, 1),
                       "tokens": int(np.asarray(state["cache"]["pos"]).sum() - pos.sum()),
                       "compile_s": round(times[0] - step * kmax, 1)}), flush=True)

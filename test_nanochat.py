@@ -3276,6 +3276,10 @@ def test_engine_slots_that_do_not_fit_are_one_line(chat_model, monkeypatch, caps
     line = json.loads(capsys.readouterr().out)
     assert line["slots"] == 4 and re.fullmatch(r"4 slots and \d+ pages need .*; at most 0 fit",
                                                line["skipped"])
+    bench.bench_decode_chunk("tiny", 4, positions=(10, 20), kmax=4, calls=2)
+    line = json.loads(capsys.readouterr().out)
+    assert line["rows"] == 4 and re.fullmatch(r"4 slots and \d+ pages need .*; at most 0 fit",
+                                              line["skipped"])
 
 
 def block_tool(start, end, result):
@@ -6315,6 +6319,8 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys):
     line = json.loads(capsys.readouterr().out)
     assert line["tokens"] == 3 * 4 * 3 and 10 <= line["positions"][0] <= line["positions"][1] <= 20
     assert line["view"] == 64 and line["tok_per_s"] == pytest.approx(3e3 / line["step_ms"], 1e-2)
+    with pytest.raises(SystemExit, match="no room for 6 chunks of 16 tokens; pass a smaller"):
+        bench.bench_decode_chunk("tiny", 3)
 
 
 @pytest.mark.usefixtures("fp32_matmuls")
