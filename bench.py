@@ -24,8 +24,10 @@ import time
 START = float(os.environ.get("BENCH_START", time.time()))
 
 import argparse
+import collections
 import dataclasses
 import functools
+import gzip
 import http.client
 import json
 import pathlib
@@ -612,24 +614,28 @@ def bench_chat_traffic(name, requests, slots_most=128, kmax=16, reply=256, kv_ca
                       "compiles_after_warm_up": len(compiles)}), flush=True)
 
 
-def bench_decode_chunk(name, rows, positions=(100, 656), kmax=16, calls=5, kv_cache=None):
+def bench_decode_chunk(name, rows, positions=(100, 656), kmax=16, calls=5, kv_cache=None,
+                       profile=None):
     """One decode chunk program alone (engine.decode_chunk, compiled once, no warm-up): `rows`
     live slots at positions drawn from `positions` (chat traffic's spread at d20: prompts of
     100-400 tokens, 256-token replies), the layers over the whole context in pages, each row
     its own, temperature 1; `calls` chunks of kmax steps after the one that compiles. One JSON
-    line: the view, the median time a step and tokens/s, the compile's seconds."""
+    line: the view, the median time a step and tokens/s, the compile's seconds. profile: a
+    directory for jax's trace of `calls` chunks more, and a second line: the ops that took the
+    most time a step (top_ops)."""
     cfg = serving_config(name)
     S = cfg.sequence_len
     params = engine.prepare(serving_params(cfg), cfg)
     # 1. each row's position, room for every call's tokens; its pages
-    last = S - kmax * (calls + 1)
+    chunks = 1 + calls * (2 if profile else 1)
+    last = S - kmax * chunks
     if last < 1:
         raise SystemExit(f"bench.py serve --decode-chunk: a context of {S} has no room for "
-                         f"{calls + 1} chunks of {kmax} tokens; pass a smaller --kmax")
+                         f"{chunks} chunks of {kmax} tokens; pass a smaller --kmax")
     pos = np.random.default_rng(0).integers(min(positions[0], last), min(positions[1], last) + 1,
                                             rows)
     page = engine.page_size(S)
-    owned = -(-(pos + kmax * (calls + 1)) // page)
+    owned = -(-(pos + kmax * chunks) // page)
     head = {"bench": "decode-chunk", "config": name, "device": jax.devices()[0].device_kind,
             "rows": rows, "positions": [int(pos.min()), int(pos.max())],
             "kv_cache": kv_cache or "exact", "kmax": kmax}
@@ -648,20 +654,57 @@ def bench_decode_chunk(name, rows, positions=(100, 656), kmax=16, calls=5, kv_ca
              "temperature": jnp.ones(rows, jnp.float32),
              "cache": {**eng.state["cache"], "pos": jnp.asarray(pos, jnp.int32)}}
     control = {**eng.idle_control(rows), "steps": np.int32(kmax), "pages": table}
-    view = min(v for v in eng.views if v >= pos.max() + kmax * (calls + 1))
-    # 3. the calls, each timed to its records on the host
-    times = []
-    for _ in range(calls + 1):
+    view = min(v for v in eng.views if v >= pos.max() + kmax * chunks)
+
+    def chunk(state):  # one call, timed to its records on the host
         start = time.perf_counter()
         state, records = engine.decode_chunk(eng.layered, state, control, cfg=cfg, attn=eng.attn,
                                              rows=rows, view=view, kmax=kmax, paged=True)
         np.asarray(records)
-        times.append(time.perf_counter() - start)
+        return state, time.perf_counter() - start
+    # 3. the calls
+    times = []
+    for _ in range(calls + 1):
+        state, seconds = chunk(state)
+        times.append(seconds)
     step = float(np.median(times[1:])) / kmax
     print(json.dumps({**head, "view": view,
                       "step_ms": round(1e3 * step, 3), "tok_per_s": round(rows / step, 1),
                       "tokens": int(np.asarray(state["cache"]["pos"]).sum() - pos.sum()),
                       "compile_s": round(times[0] - step * kmax, 1)}), flush=True)
+    # 4. as many calls again under jax's profiler
+    if profile:
+        with jax.profiler.trace(profile, create_perfetto_trace=True):
+            for _ in range(calls):
+                state, _ = chunk(state)
+        print(json.dumps({**head, "view": view, "profile": profile,
+                          "ops": top_ops(profile, calls * kmax)}), flush=True)
+
+
+def top_ops(directory, steps, most=20):
+    """What took the most time in the newest perfetto trace under `directory` (jax.profiler's),
+    per step of `steps`: for each process ("/host:CPU", "/device:TPU:0", ...) its `most` events
+    as [name, ms a step, runs a step], most first; jax's Python frames aside. Events nest: a
+    runtime's own (ThunkExecutor::Execute) hold the ops they ran."""
+    path = max(pathlib.Path(directory).glob("**/*.trace.json.gz"), key=os.path.getmtime)
+    with gzip.open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    processes = {e["pid"]: e["args"]["name"] for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+    micros = collections.Counter()
+    runs = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and not e["name"].startswith("$"):
+            key = (processes.get(e["pid"], "?"), e["name"])
+            micros[key] += e.get("dur", 0)
+            runs[key] += 1
+    ops = collections.defaultdict(list)
+    for (process, op), us in micros.most_common():
+        if len(ops[process]) < most:
+            per_step = runs[process, op] / steps
+            ops[process].append([op, round(us / 1e3 / steps, 4), round(per_step, 2)])
+    return dict(ops)
 
 
 def bench_agreement(path, max_tokens=64, slots=16):
@@ -948,6 +991,8 @@ def parse_args(argv=None):
     s("--decode-chunk", metavar="MODEL", help="one decode chunk program alone, --rows live "
       "slots at chat traffic's positions, the long layers paged: its time a step")
     s("--rows", type=int, default=128, help="--decode-chunk's live slots")
+    s("--profile", metavar="DIR", help="--decode-chunk: jax's trace into DIR, and the ops that "
+      "took the most time a step")
     s("--kv-cache", choices=["int8"], help="--infer-bench's and --chat-traffic's engine: an "
       "int8 KV cache, a scale a token and head (none: the compute dtype's, exact)")
     s("--http", metavar="CHECKPOINT", help="through chat.py --serve on this checkpoint: 16 "
@@ -1007,7 +1052,8 @@ def main(argv=None):
         bench_chat_traffic(args.model, args.chat_traffic, kmax=args.kmax,
                            kv_cache=args.kv_cache)
     elif args.mode == "serve" and args.decode_chunk:
-        bench_decode_chunk(args.decode_chunk, args.rows, kmax=args.kmax, kv_cache=args.kv_cache)
+        bench_decode_chunk(args.decode_chunk, args.rows, kmax=args.kmax, kv_cache=args.kv_cache,
+                           profile=args.profile)
     elif args.mode == "serve" and args.infer_bench:
         bench_infer(args.infer_bench, args.batch_sizes, kmax=args.kmax, kv_cache=args.kv_cache)
     elif args.mode == "serve":

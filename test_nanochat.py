@@ -6270,7 +6270,7 @@ INFER_BENCH_SWEEP_KEYS = {"batch_size", "ttft_sec", "tpot_sec", "tok_per_sec", "
 
 
 @pytest.mark.slow  # engines of their own for a tiny model
-def test_bench_serve_and_infer_bench(monkeypatch, capsys):
+def test_bench_serve_and_infer_bench(monkeypatch, capsys, tmp_path):
     """bench.py serve: streams through the engine report their tokens and latencies; its
     --infer-bench ends with one JSON document of nanochat's infer_bench schema, whose MBU and MFU
     follow nanochat's formulas from the document's own numbers."""
@@ -6321,6 +6321,13 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys):
     assert line["view"] == 64 and line["tok_per_s"] == pytest.approx(3e3 / line["step_ms"], 1e-2)
     with pytest.raises(SystemExit, match="no room for 6 chunks of 16 tokens; pass a smaller"):
         bench.bench_decode_chunk("tiny", 3)
+    # --profile: as many calls again traced; a step's ops run once a step (the while loop's body)
+    bench.bench_decode_chunk("tiny", 2, positions=(10, 20), kmax=4, calls=2, profile=str(tmp_path))
+    timed, traced = map(json.loads, capsys.readouterr().out.splitlines())
+    (ops,) = traced["ops"].values()  # one process on a CPU
+    assert traced["view"] == timed["view"] and len(ops) == 20
+    assert all(ms > 0 for _, ms, _ in ops) and any(runs == 1 for _, _, runs in ops)
+    assert [ms for _, ms, _ in ops] == sorted((ms for _, ms, _ in ops), reverse=True)
 
 
 @pytest.mark.usefixtures("fp32_matmuls")
