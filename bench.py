@@ -619,14 +619,15 @@ def bench_decode_chunk(name, rows, positions=(100, 656), kmax=16, calls=5, kv_ca
     """One decode chunk program alone (engine.decode_chunk, compiled once, no warm-up): `rows`
     live slots at positions drawn from `positions` (chat traffic's spread at d20: prompts of
     100-400 tokens, 256-token replies), the layers over the whole context in pages, each row
-    its own, temperature 1; `calls` chunks of kmax steps after the one that compiles. One JSON
-    line: the view, the median time a step and tokens/s, the compile's seconds. profile: a
-    directory for jax's trace of `calls` chunks more, and a second line: the ops that took the
-    most time a step (top_ops)."""
+    its own, temperature 1; `calls` chunks of kmax steps after the first. One JSON line: the
+    view, the median time a step and tokens/s, the first call's seconds beyond a step's (its
+    compile, unless the engine's memory check compiled it). profile: a directory for jax's
+    trace of `calls` chunks more, and a second line: the ops that took the most time a step
+    (top_ops)."""
     cfg = serving_config(name)
     S = cfg.sequence_len
-    params = engine.prepare(serving_params(cfg), cfg)
-    # 1. each row's position, room for every call's tokens; its pages
+    # 1. each row's position, room for every call's tokens, and the pages that reach; the
+    # slots live there (live_slots)
     chunks = 1 + calls * (2 if profile else 1)
     last = S - kmax * chunks
     if last < 1:
@@ -634,27 +635,20 @@ def bench_decode_chunk(name, rows, positions=(100, 656), kmax=16, calls=5, kv_ca
                          f"{chunks} chunks of {kmax} tokens; pass a smaller --kmax")
     pos = np.random.default_rng(0).integers(min(positions[0], last), min(positions[1], last) + 1,
                                             rows)
-    page = engine.page_size(S)
-    owned = -(-(pos + kmax * chunks) // page)
+    reach = pos + kmax * chunks
+    view = min(v for v in engine.chunk_views(S) if v >= reach.max())
     head = {"bench": "decode-chunk", "config": name, "device": jax.devices()[0].device_kind,
-            "rows": rows, "positions": [int(pos.min()), int(pos.max())],
+            "rows": rows, "positions": [int(pos.min()), int(pos.max())], "view": view,
             "kv_cache": kv_cache or "exact", "kmax": kmax}
+    page = engine.page_size(S)
+    owned = -(-reach // page)
     try:
-        eng = engine.Engine(params, cfg, slots=rows, kmax=kmax, attn=kernels.attention_fn(),
-                            kv_cache=kv_cache, pages=int(owned.sum()))
+        eng = engine.Engine(engine.prepare(serving_params(cfg), cfg), cfg, slots=rows, kmax=kmax,
+                            attn=kernels.attention_fn(), kv_cache=kv_cache, pages=int(owned.sum()))
     except ValueError as e:  # the slots' cache does not fit
         print(json.dumps({**head, "skipped": str(e)}), flush=True)
         return
-    table = np.zeros((rows, S // page), np.int32)
-    taken = np.cumsum(owned)
-    for r in range(rows):  # pages 1, 2, ...: page 0 is the null page
-        table[r, :owned[r]] = np.arange(taken[r] - owned[r], taken[r]) + 1
-    # 2. the slots live there, drawing at temperature 1
-    state = {**eng.state, "live": jnp.ones(rows, bool), "left": jnp.full(rows, S, jnp.int32),
-             "temperature": jnp.ones(rows, jnp.float32),
-             "cache": {**eng.state["cache"], "pos": jnp.asarray(pos, jnp.int32)}}
-    control = {**eng.idle_control(rows), "steps": np.int32(kmax), "pages": table}
-    view = min(v for v in eng.views if v >= pos.max() + kmax * chunks)
+    state, control = live_slots(eng, pos, owned)
 
     def chunk(state):  # one call, timed to its records on the host
         start = time.perf_counter()
@@ -662,23 +656,35 @@ def bench_decode_chunk(name, rows, positions=(100, 656), kmax=16, calls=5, kv_ca
                                              rows=rows, view=view, kmax=kmax, paged=True)
         np.asarray(records)
         return state, time.perf_counter() - start
-    # 3. the calls
+    # 2. the calls, then as many again under jax's profiler
     times = []
     for _ in range(calls + 1):
         state, seconds = chunk(state)
         times.append(seconds)
     step = float(np.median(times[1:])) / kmax
-    print(json.dumps({**head, "view": view,
-                      "step_ms": round(1e3 * step, 3), "tok_per_s": round(rows / step, 1),
+    print(json.dumps({**head, "step_ms": round(1e3 * step, 3), "tok_per_s": round(rows / step, 1),
                       "tokens": int(np.asarray(state["cache"]["pos"]).sum() - pos.sum()),
                       "compile_s": round(times[0] - step * kmax, 1)}), flush=True)
-    # 4. as many calls again under jax's profiler
     if profile:
         with jax.profiler.trace(profile, create_perfetto_trace=True):
             for _ in range(calls):
                 state, _ = chunk(state)
-        print(json.dumps({**head, "view": view, "profile": profile,
-                          "ops": top_ops(profile, calls * kmax)}), flush=True)
+        print(json.dumps({**head, "profile": profile, "ops": top_ops(profile, calls * kmax)}),
+              flush=True)
+
+
+def live_slots(eng, pos, owned):
+    """An engine's state and a decode call's control with every slot live at its position pos
+    (B,), drawing at temperature 1, slot b holding owned[b] pages of its own (1, 2, ...: page 0
+    is the null page)."""
+    rows, S = len(pos), eng.cfg.sequence_len
+    table = np.zeros((rows, S // eng.page), np.int32)
+    for r, held in enumerate(np.split(np.arange(1, owned.sum() + 1), np.cumsum(owned)[:-1])):
+        table[r, :len(held)] = held
+    state = {**eng.state, "live": jnp.ones(rows, bool), "left": jnp.full(rows, S, jnp.int32),
+             "temperature": jnp.ones(rows, jnp.float32),
+             "cache": {**eng.state["cache"], "pos": jnp.asarray(pos, jnp.int32)}}
+    return state, {**eng.idle_control(rows), "steps": np.int32(eng.kmax), "pages": table}
 
 
 def top_ops(directory, steps, most=20):
