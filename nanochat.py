@@ -304,10 +304,14 @@ def smear(x, gate_w, lam, prev=None):
 
 def write_rows(cache, new, pos):
     """cache (B, K, S, D) with each row's new (B, T, K, D) written at that row's pos
-    (B,), moved back to fit as dynamic_update_slice moves it; in place on a donated
-    cache. (An int8 cache's scales: (B, K, S) and (B, T, K), no D.)"""
+    (B,), or every row's at one pos (a scalar), moved back to fit as
+    dynamic_update_slice moves it; in place on a donated cache. (An int8 cache's scales:
+    (B, K, S) and (B, T, K), no D.)"""
     B, K, S, *vector = cache.shape
     T = new.shape[1]
+    if jnp.ndim(pos) == 0:  # every row at one place (a decode chunk's step): one slice
+        new = new.swapaxes(1, 2).astype(cache.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(cache, new, jnp.clip(pos, 0, S - T), axis=2)
     # the cache as a table of B * K * S vectors of D, written in one scatter of whole
     # vectors (a vmapped dynamic_update_slice would be a loop over the rows)
     table = cache.reshape(B * K * S, *vector)
@@ -389,8 +393,7 @@ def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0, ring=None):
         y = attn(q, k, v, window)
     elif len(cache) == 3:  # a decode chunk's: the token into the chunk's own k, v
         step, start, own = cache[2]
-        at = jnp.broadcast_to(step, pos.shape)
-        own = (write_kv(own[0], k, at), write_kv(own[1], v, at))
+        own = (write_kv(own[0], k, step), write_kv(own[1], v, step))
         keys = [read_kv(cache[0], attn), read_kv(own[0], attn)]
         values = [read_kv(cache[1], attn), read_kv(own[1], attn)]
         # the positions each part holds: the cache as it stood at each row's start (a

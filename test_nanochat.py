@@ -699,7 +699,8 @@ def test_the_model_heads_first_equals_its_plain_layout():
 def test_write_rows_is_dynamic_update_slice_a_row():
     """The KV cache's write, one scatter of whole vectors, equals a dynamic_update_slice
     into each row, moved back as it moves a write that would run past the end (where the
-    scatter's table would run into the next head)."""
+    scatter's table would run into the next head); and so does the slice it writes when
+    every row's place is one scalar (a decode chunk's step), an int8 cache's scales too."""
     cache = jax.random.normal(jax.random.key(0), (3, 2, 16, 4))
     pos = jnp.array([0, 7, 15])
 
@@ -709,6 +710,13 @@ def test_write_rows_is_dynamic_update_slice_a_row():
         new = jax.random.normal(jax.random.key(T), (3, T, 2, 4))
         want = jax.vmap(one_row)(cache, new, pos)
         np.testing.assert_array_equal(nc.write_rows(cache, new, pos), want)
+        for at in (3, 14):  # the second moved back
+            want = nc.write_rows(cache, new, jnp.full(3, at))
+            np.testing.assert_array_equal(nc.write_rows(cache, new, jnp.int32(at)), want)
+    scales = jnp.zeros((3, 2, 16), jnp.bfloat16)
+    new = jax.random.normal(jax.random.key(9), (3, 1, 2), jnp.bfloat16)
+    np.testing.assert_array_equal(nc.write_rows(scales, new, jnp.int32(4)),
+                                  nc.write_rows(scales, new, jnp.full(3, 4)))
 
 
 @pytest.mark.usefixtures("fp32_matmuls")
