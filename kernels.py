@@ -370,9 +370,9 @@ def write_tokens(whole, new, major, slot, valid, *, wraps, windows=None):
     width = token_window(n)
     if windows is None:
         windows = jax.default_backend() == "tpu"
-    # the windows where rows of D are whole lanes (an int8 cache's scales are not), and
-    # where a row's wrap cannot overlap its two
-    tiles = vector and vector[0] % 128 == 0
+    # the windows where rows of D are whole lanes of 16 or 32 bits (an int8 cache's
+    # values and scales are not), and where a row's wrap cannot overlap its two
+    tiles = vector and vector[0] % 128 == 0 and whole.dtype.itemsize > 1
     if windows and tiles and L >= (2 * width if wraps else width):
         return write_windows(whole, *windows_of(new, major, slot, valid, L))
     index = (major[:, None] * K + jnp.arange(K)[:, None]) * L + slot[:, None]  # (rows, K, n)

@@ -795,7 +795,7 @@ def run_alone(call):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_written_windows_equal_the_scatter_of_vectors(dtype):
     """kernels.write_tokens through write_windows (the TPU's Pallas kernel, interpreted off a TPU)
     writes what one scatter of vectors writes, bit for bit: into rows, rings across their end and
@@ -810,11 +810,7 @@ def check_written_windows(dtype):
     count = np.array([16, 3, 0, 16, 8, 16, 2, 1])  # the valid prefix of each row's tokens
     at = start[:, None] + np.arange(n)
     valid = jnp.asarray(np.arange(n) < count[:, None])
-    def values(*shape):  # an int8 cache's values span the int8 range
-        if dtype == "int8":
-            return jnp.asarray(rng.integers(-127, 128, shape), dtype)
-        return jnp.asarray(rng.standard_normal(shape), dtype)
-    new = values(rows, K, n, D)
+    new = jnp.asarray(rng.standard_normal((rows, K, n, D)), dtype)
     own = np.broadcast_to(np.arange(rows)[:, None], at.shape)
     table = rng.permutation(np.arange(1, 2 * rows + 1)).reshape(rows, 2)  # 2 pages of 32 a row
     cases = {"rows": (64, own, at, False),
@@ -822,7 +818,7 @@ def check_written_windows(dtype):
              "pages": (32, np.take_along_axis(table, np.minimum(at // 32, 1), 1), at % 32, False)}
     for layout, (L, major, slot, wraps) in cases.items():
         N = 2 * rows + 1 if layout == "pages" else rows
-        whole = values(N, K, L, D)
+        whole = jnp.asarray(rng.standard_normal((N, K, L, D)), dtype)
         args = (new, jnp.asarray(major), jnp.asarray(slot), valid)
         want = kernels.write_tokens(whole, *args, wraps=wraps, windows=False)
         got = kernels.write_tokens(whole, *args, wraps=wraps, windows=True)
