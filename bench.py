@@ -50,6 +50,7 @@ import checkpoint
 import data
 import engine
 import kernels
+import kvcache
 import lora
 import muon
 import nanochat as nc
@@ -592,7 +593,7 @@ def bench_chat_traffic(name, requests, slots_most=128, kmax=16, reply=256, kv_ca
                for _ in range(requests)]
     slots = min(requests, slots_most)
     # pages for the slots' longest conversations at once, each its prompt and reply
-    page = engine.page_size(cfg.sequence_len)
+    page = kvcache.page_size(cfg.sequence_len)
     needs = sorted(-(-(len(p) + reply) // page) for p in prompts)
     pages = max(sum(needs[-slots:]), cfg.sequence_len // page)
     head = {"bench": "chat-traffic", "config": name, "device": jax.devices()[0].device_kind,
@@ -636,11 +637,11 @@ def bench_decode_chunk(name, rows, positions=(100, 656), kmax=16, calls=5, kv_ca
     pos = np.random.default_rng(0).integers(min(positions[0], last), min(positions[1], last) + 1,
                                             rows)
     reach = pos + kmax * chunks
-    view = min(v for v in engine.chunk_views(S) if v >= reach.max())
+    view = min(v for v in kvcache.chunk_views(S) if v >= reach.max())
     head = {"bench": "decode-chunk", "config": name, "device": jax.devices()[0].device_kind,
             "rows": rows, "positions": [int(pos.min()), int(pos.max())], "view": view,
             "kv_cache": kv_cache or "exact", "kmax": kmax}
-    page = engine.page_size(S)
+    page = kvcache.page_size(S)
     owned = -(-reach // page)
     try:
         eng = engine.Engine(engine.prepare(serving_params(cfg), cfg), cfg, slots=rows, kmax=kmax,

@@ -3,19 +3,18 @@
 - `generate` is nanochat's Engine.generate token for token: the specification, which the
   golden test pins to nanochat's own Engine and against which the slot engine is tested.
 - `Engine` serves many requests at once (continuous batching): slots, rows of one KV
-  cache over the whole context (a sliding-window layer's over its window, a ring:
-  nanochat.init_cache's rings), each at its own position. The prompts waiting are
-  prefilled together into free slots (`admit`); one jitted call decodes up to K tokens
-  for every live slot (`decode_chunk`) with the sampling, stop ids, budgets and the
-  calculator's forced tokens on the device, and hands back early only when the
-  calculator must run (`resume`). A choice's samples depend on its own seed.
-  docs/serving.md tells the design. Dimensions: B slots, S sequence_len, V vocab, C
+  cache over the whole context (a sliding-window layer's over its window, a ring; or
+  pages from one pool: kvcache.py holds how the cache lies), each at its own position.
+  The prompts waiting are prefilled together into free slots (`admit`); one jitted call
+  decodes up to K tokens for every live slot (`decode_chunk`) with the sampling, stop
+  ids, budgets and the calculator's forced tokens on the device, and hands back early
+  only when the calculator must run (`resume`). A choice's samples depend on its own
+  seed. docs/serving.md tells the design. Dimensions: B slots, S sequence_len, V vocab, C
   choices, P prompts, N choices admitted at once.
 """
 import collections
 import dataclasses
 import functools
-import math
 import queue
 import threading
 import time
@@ -24,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kernels
+import kvcache
 import nanochat as nc
 import runtime
 
@@ -32,7 +31,6 @@ TOP_K_MAX = 256  # top_k is traced under this bound: a fixed-size lax.top_k is f
 MAX_STOPS = 4  # stop ids per request
 MAX_CHOICES = 16  # choices that share one prefill
 TOP_LOGPROBS = 20  # OpenAI's most
-PAGE = 32  # tokens a page of the paged layers' cache, at most (page_size)
 # an idle engine's first request may lead a burst: it waits for the line to stop growing
 BURST_QUIET = 0.002  # seconds without a new request
 BURST_MOST = 0.05  # seconds at most
@@ -254,63 +252,16 @@ def generate(params, cfg, prompt_ids, sampling, *, num_samples=1, tool=None,
 # ------------------------------------------------------------- the slot engine: device functions
 
 
-def layouts(cfg, paged):
-    """How each layer's cache lies in the engine: "ring", a sliding window's, a ring a
-    slot; a layer over the whole context "pages" from one pool when paged, else "rows",
-    the whole context a slot."""
-    whole = "pages" if paged else "rows"
-    return ["ring" if nc.ring_size(window, cfg.sequence_len) else whole
-            for window in nc.window_sizes(cfg)]
-
-
-def to_pages(a, page):
-    """(K, L, D) as its L / page pages, (L / page, K, page, D): a pool's layout (an int8
-    cache's scales (K, L) likewise, without D)."""
-    K, L, *vector = a.shape
-    return jnp.moveaxis(a.reshape(K, L // page, page, *vector), 1, 0)
-
-
-def from_pages(blocks):
-    """Each row's pages as one array: (B, n, K, page, D) as (B, K, n * page, D) (an
-    int8 cache's scales likewise, without D)."""
-    B, n, K, page, *vector = blocks.shape
-    return jnp.moveaxis(blocks, 1, 2).reshape(B, K, n * page, *vector)
-
-
-def read_pages(pool, table, count, *, in_place=None):
-    """A paged layer's k or v as a decode chunk reads it: each row's pages through table
-    (B, n) gathered, (B, K, n * page, D); or in place (in_place None: on a TPU, for an
-    exact cache with heads of whole lanes), kernels.Pages, which attend_cache reads by
-    kernels.attend_pages, only as far as each row's count (B,) of tokens."""
-    if in_place is None:
-        exact = not isinstance(pool, tuple)
-        in_place = jax.default_backend() == "tpu" and exact and pool.shape[-1] % 128 == 0
-    if in_place:
-        return kernels.Pages(pool, table, count)
-    return jax.tree.map(lambda a: from_pages(a[table]), pool)
-
-
 def new_state(cfg, slots, kv_dtype=None, pages=None, page=None):
-    """The engine's device state, every slot empty: the KV cache (layouts: a sliding
-    window's layer a ring a slot, nc.init_cache's rings; a layer over the whole context
-    the whole context a slot, or with `pages` a pool of that many pages of `page` tokens,
-    page 0 the null page that no slot holds: (pages + 1, K, page, D); page None:
-    page_size's), and per slot (a leading B on every array) what its request asked and
-    where it stands. Each array its own buffer: the state is donated whole."""
-    page = page or page_size(cfg.sequence_len)
-    paged = pages is not None
-    cache = nc.init_cache(cfg, slots, page if paged else cfg.sequence_len, kv_dtype,
-                          rings=True)
-    if paged:
-        cache["layers"] = [(nc.empty_kv(cfg, pages + 1, page, kv_dtype),
-                            nc.empty_kv(cfg, pages + 1, page, kv_dtype))
-                           if layout == "pages" else kv
-                           for kv, layout in zip(cache["layers"], layouts(cfg, paged))]
+    """The engine's device state, every slot empty: the KV cache (kvcache.new_cache: with
+    `pages`, the layers over the whole context a pool of that many pages of `page`
+    tokens), and per slot (a leading B on every array) what its request asked and where it
+    stands. Each array its own buffer: the state is donated whole."""
 
     def zeros(dtype=jnp.int32):
         return jnp.zeros((slots,), dtype)
     return {
-        "cache": cache,
+        "cache": kvcache.new_cache(cfg, slots, kv_dtype, pages, page),
         "token": zeros(),  # the last token emitted, fed next
         "live": zeros(bool),  # emitting: admitted, not ended, not waiting for the calculator
         "left": zeros(),  # tokens it may still emit
@@ -328,55 +279,12 @@ def new_state(cfg, slots, kv_dtype=None, pages=None, page=None):
 
 def state_bytes(cfg, slots, kv_dtype=None, pages=None, page=None):
     """The bytes of new_state's arrays."""
-    return tree_bytes(state_shapes(cfg, slots, kv_dtype, pages, page))
+    return kvcache.tree_bytes(state_shapes(cfg, slots, kv_dtype, pages, page))
 
 
 def state_shapes(cfg, slots, kv_dtype=None, pages=None, page=None):
     """new_state's arrays as shapes and dtypes, none allocated."""
     return jax.eval_shape(functools.partial(new_state, cfg, slots, kv_dtype, pages, page))
-
-
-def tree_bytes(tree):
-    """The bytes of a pytree's arrays (or their shapes)."""
-    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
-
-
-def free_device_bytes():
-    """The bytes free on this process's first device, or None where it has no fixed
-    limit (a CPU)."""
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
-        return None
-    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-
-
-def check_memory(cfg, slots, kv_dtype=None, pages=None, page=None, work=lambda slots: 0):
-    """One ValueError line, before any cache is allocated, when the state of `slots`
-    slots and `pages` pages (None: every slot the whole context) and the bytes of work
-    (work(slots): the largest decode call's beyond its arguments, asked only of a device
-    with a limit) do not fit the device's free memory (the weights already on it): what
-    they need, what is free and how many slots fit."""
-    free = free_device_bytes()
-    if free is None:
-        return
-
-    def need(n):
-        return state_bytes(cfg, n, kv_dtype, pages, page) + work(n)
-    cache = state_bytes(cfg, slots, kv_dtype, pages, page)
-    decoding = work(slots)
-    if cache + decoding <= free:
-        return
-    # fewer slots, each estimate from the bytes a slot took in the last, until one fits
-    null = state_bytes(cfg, 0, kv_dtype, pages, page)  # the null page; the pages given
-    fit, needs = slots, cache + decoding
-    while fit and needs > free:
-        fit = max(0, min(fit - 1, int((free - null) // ((needs - null) / fit))))
-        needs = need(fit) if fit else 0
-    decoding = f" and {decoding / 2**30:.2f} GiB to decode" if decoding else ""
-    what = f"{slots} slots" + (f" and {pages} pages" if pages is not None else "")
-    raise ValueError(f"{what} need {cache / 2**30:.2f} GiB of KV cache{decoding}, more than "
-                     f"the {free / 2**30:.2f} GiB the device has free beside the weights; "
-                     f"at most {fit} fit")
 
 
 def logprob_columns(logits, token):
@@ -431,15 +339,6 @@ def emit(slot, logits, pos, python, logprobs):
     return slot, jnp.concatenate([shown, flags, probs], axis=1)
 
 
-def ring_of(prompt, length, ring):
-    """A prompt's keys or values (1, K, T, D), its first `length` real, as a ring of
-    `ring` slots holds them after its last token (nc.ring_positions); zeros where no
-    position is yet."""
-    held = nc.ring_positions(jnp.reshape(length - 1, (1,)), ring)[0]  # (ring,)
-    taken = jnp.take(prompt, jnp.clip(held, 0, prompt.shape[2] - 1), axis=2)
-    return jnp.where((held >= 0)[:, None], taken, 0)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "attn", "paged"), donate_argnames="state")
 def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention, paged=False):
     """Start requests in their slots: prefill their prompts together, copy each prompt's
@@ -451,7 +350,7 @@ def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention, pag
     number within the request; slots, its slot (B past n); pages, its slot's page table
     (N, S / page), 0 past the pages it holds. python: the ids of <|python_start|> and
     <|python_end|> (-1: no calculator). paged: the state's layers over the whole context
-    are pages (layouts)."""
+    are pages (kvcache.layouts)."""
     slots = request["slots"]
     row = request["row"]
     length = request["length"]
@@ -460,35 +359,9 @@ def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention, pag
     empty = nc.init_cache(cfg, P, T)
     logits, prompts = nc.forward_cached(layered, request["prompt"], empty, cfg, attn, length)
 
-    # 2. a prompt's keys and values into its choice's slot or pages; a ring takes the
-    # positions it holds after the prompt's last token
+    # 2. a prompt's keys and values into each of its choices' slot or pages
     def copy(j, layers):
-        def into_slot(cache, new):  # (B, K, ring or S, D) at the slot (scales: no D)
-            at = (slots[j],) + (0,) * (new.ndim - 1)
-            return jax.lax.dynamic_update_slice(cache, new, at)
-
-        def into_pages(pool, new):  # (pages + 1, K, page, D), the prompt's T / page pages
-            page = pool.shape[2]
-            return pool.at[request["pages"][j, :T // page]].set(to_pages(new[0], page))
-
-        def store(put, entry, new):  # an int8 cache takes it quantized per token and head
-            if isinstance(entry, tuple):
-                return tuple(put(a, b) for a, b in zip(entry, nc.quantize(new)))
-            return put(entry, new)
-
-        def prompt_of(a):  # (1, K, T, D)
-            return jax.lax.dynamic_slice_in_dim(a, row[j], 1)
-        stored = []
-        for (k, v), (k_prompt, v_prompt), window, layout in zip(
-                layers, prompts["layers"], nc.window_sizes(cfg), layouts(cfg, paged)):
-            k_prompt, v_prompt = prompt_of(k_prompt), prompt_of(v_prompt)
-            if layout == "ring":
-                ring = nc.ring_size(window, cfg.sequence_len)
-                k_prompt, v_prompt = (ring_of(a, length[row[j]], ring)
-                                      for a in (k_prompt, v_prompt))
-            put = into_pages if layout == "pages" else into_slot
-            stored.append((store(put, k, k_prompt), store(put, v, v_prompt)))
-        return stored
+        return kvcache.store_prompt(layers, prompts, j, request, cfg=cfg, paged=paged)
     cache = dict(state["cache"])
     cache["layers"] = jax.lax.fori_loop(0, request["n"], copy, cache["layers"])
     cache["pos"] = cache["pos"].at[slots].set(length[row], mode="drop")
@@ -537,13 +410,12 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
     block."""
     # 1. stop the cancelled slots, then take the first `rows`, their cache over the whole
     # context up to `view` (pages gathered, a copy once a chunk, or read in place:
-    # read_pages). The steps only read it: each writes its token's k, v into the chunk's
-    # own (rows, K, kmax, D)
+    # kvcache.read_chunk). The steps only read it: each writes its token's k, v into the
+    # chunk's own (rows, K, kmax, D)
     live = state["live"] & ~control["cancel"]
     state = {**state, "live": live}
-    page = cfg.sequence_len // control["pages"].shape[1]
     table = control["pages"][:rows]  # (rows, S / page)
-    kinds = layouts(cfg, paged)
+    kinds = kvcache.layouts(cfg, paged)
 
     def first(a):
         return a[:rows]
@@ -551,22 +423,10 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
     cache = state["cache"]
     start = cache["pos"][:rows]
     in_place = None if getattr(attn, "reads_stored", False) else False
-
-    def viewed(a):
-        return a[:rows, :, :view]
-
-    def part(layer, layout):
-        if layout == "pages":  # (pages + 1, K, page, D) -> (rows, K, view, D)
-            return tuple(read_pages(a, table[:, :view // page], start, in_place=in_place)
-                         for a in layer)
-        return jax.tree.map(first if layout == "ring" else viewed, layer)
-
-    def own(a):  # the chunk's k or v of a layer: empty
-        return jnp.zeros((rows, a.shape[1], kmax, *a.shape[3:]), a.dtype)
-
-    read = [part(layer, k) for layer, k in zip(cache["layers"], kinds)]
+    read = kvcache.read_chunk(cache["layers"], kinds, start, view, table=table, cfg=cfg,
+                              in_place=in_place)
     active = jax.tree.map(first, per_slot(state))
-    fresh = [jax.tree.map(own, layer) for layer in cache["layers"]]
+    fresh = kvcache.chunk_buffers(cache["layers"], rows, kmax)
     records = jnp.full((kmax, rows, 3 + 2 * TOP_LOGPROBS), -1, jnp.int32)
 
     def step(carry):
@@ -601,41 +461,12 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
     _, active, fresh, records, _ = jax.lax.while_loop(more, step, carry)
 
     # 5. each slot's new tokens into the cache, and the slots' values back in place
-    layers = store_chunk(cache["layers"], fresh, kinds, start, active["cache"]["pos"],
-                         table=table, cfg=cfg)
+    layers = kvcache.store_chunk(cache["layers"], fresh, kinds, start, active["cache"]["pos"],
+                                 table=table, cfg=cfg)
     state = jax.tree.map(lambda whole, done: whole.at[:rows].set(done),
                          per_slot(state), per_slot(active))
     state["cache"]["layers"] = layers
     return state, records
-
-
-def store_chunk(layers, fresh, kinds, start, end, *, table, cfg):
-    """A decode chunk's own k, v (per layer, (rows, K, kmax, D) entries) into the first
-    rows' cache `layers` (layouts `kinds`): each row's tokens from its position at the
-    chunk's start up to its position `end`, the rest dropped; a ring at their positions
-    modulo its size, a row at their positions, pages through the slot's page `table`
-    (rows, S / page). kernels.write_tokens writes each k or v."""
-    rows, kmax = table.shape[0], jax.tree.leaves(fresh[0])[0].shape[2]
-    page = cfg.sequence_len // table.shape[1]
-    at = start[:, None] + jnp.arange(kmax)  # (rows, kmax)
-    new = at < end[:, None]
-
-    def destination(layout, length):  # (rows, kmax) each: each token's ring, row or page; its place
-        if layout == "pages":  # the page each token falls in, through the slot's table
-            major = jnp.take_along_axis(table, jnp.minimum(at // page, table.shape[1] - 1),
-                                        axis=1)
-        else:  # the slot's own ring or row
-            major = jnp.broadcast_to(jnp.arange(rows)[:, None], at.shape)
-        return major, at % length
-
-    stored = []
-    for layer, done, layout in zip(layers, fresh, kinds):
-        major, slot = destination(layout, jax.tree.leaves(layer)[0].shape[2])
-
-        def write(whole, d):
-            return kernels.write_tokens(whole, d, major, slot, new, wraps=layout == "ring")
-        stored.append(jax.tree.map(write, layer, done))
-    return stored
 
 
 @functools.partial(jax.jit, donate_argnames="state")
@@ -649,29 +480,6 @@ def resume(state, slot, forced, n):
             "live": state["live"].at[slot].set(True, mode="drop")}
 
 # ---------------------------------------------------------------- the slot engine: the host loop
-
-
-def prompt_bucket(context, n):
-    """The padded length of a prompt of n tokens, an admit program each: the context, a
-    quarter of it, a sixteenth, ... down to 32 tokens (a prefill costs little next to a
-    compile: 512 gives 32, 128, 512; 256 gives 64, 256)."""
-    padded = context
-    while padded // 4 >= max(n, 32):
-        padded //= 4
-    return padded
-
-
-def chunk_views(context):
-    """How far into the cache a chunk may read, a program each (each costs seconds of
-    start-up): a quarter of the context, or all of it."""
-    return sorted({max(1, context // 4), context})
-
-
-def page_size(context):
-    """The tokens of a page: PAGE, or fewer so that pages tile every view and prompt
-    bucket."""
-    buckets = {prompt_bucket(context, n) for n in range(1, context)}
-    return math.gcd(PAGE, *chunk_views(context), *buckets)
 
 
 class Busy(RuntimeError):
@@ -764,7 +572,7 @@ class Request:
 class Engine:
     """Continuous batching over `slots` rows of one KV cache: submit() from any thread,
     step() (or the thread that start() runs) from one. Slots whose cache does not fit the
-    device are a one-line ValueError (check_memory).
+    device are a one-line ValueError (kvcache.check_memory).
     - kmax: the most tokens one device call decodes;
     - python_ids: the ids of <|python_start|> and <|python_end|>, for the calculator;
     - waiting: how many requests may wait for a slot before submit raises Busy (None:
@@ -795,15 +603,17 @@ class Engine:
         self.row_buckets = sorted(powers)
         # and it reads the cache only as far as its slots reach
         S = cfg.sequence_len
-        self.views = chunk_views(S)
-        self.page = page_size(S)
+        self.views = kvcache.chunk_views(S)
+        self.page = kvcache.page_size(S)
         self.paged = pages is not None
         self.pages = pages or slots * (S // self.page)
         if self.pages < S // self.page:
             raise ValueError(f"pages is {pages}; the engine needs at least {S // self.page} "
                              f"(one context of {S} tokens in pages of {self.page})")
-        # (pages None: they grow with the slots)
-        check_memory(cfg, slots, kv_cache, pages, self.page, work=self.decode_work)
+        # the state and the largest decode call must fit (pages None: they grow with the slots)
+        counted = functools.partial(state_bytes, cfg, kv_dtype=kv_cache, pages=pages,
+                                    page=self.page)
+        kvcache.check_memory(slots, pages, counted, work=self.decode_work)
         self.inbox = collections.deque()
         self.wake = threading.Condition()  # guards the inbox; notified on each submit
         self.stats = collections.Counter()  # device calls (admits, chunks, hops), tokens
@@ -818,11 +628,8 @@ class Engine:
         self.owner = [None] * self.slots  # (request, choice) of each busy slot
         self.stopping = set()  # slots of cancelled requests, stopped by the next chunk
         self.in_flight = None  # the records of the chunk started last, not handed out
-        # the pages: the free ones (lowest last, taken first), each slot's, and the page
-        # tables the device reads (0, the null page, past a slot's pages)
-        self.free_pages = list(range(self.pages, 0, -1))
-        self.held = [[] for _ in range(self.slots)]
-        self.table = np.zeros((self.slots, self.cfg.sequence_len // self.page), np.int32)
+        # the pages: the free ones, each slot's, and the page tables the device reads
+        self.pool = kvcache.PagePool(self.pages, self.slots, self.cfg.sequence_len, self.page)
 
     def submit(self, prompt, sampling, *, n=1, tool=None, stream=False):
         """Queue a prompt's n choices: the Request. One-line ValueErrors for what a
@@ -833,12 +640,7 @@ class Engine:
             raise ValueError(f"max_tokens and n must be 1 or more, the stop ids at most "
                              f"{MAX_STOPS} (got {counts[0]}, {counts[1]}, {counts[2]})")
         request = Request(prompt, sampling, n, tool, stream)
-        need = min(n, self.choices) * self.pages_for(request)
-        if need > self.pages:
-            raise ValueError(f"{min(n, self.choices)} choices of up to "
-                             f"{len(prompt) + sampling.max_tokens} tokens need {need} pages of "
-                             f"{self.page} tokens, more than the engine's {self.pages}; ask "
-                             "for fewer choices or tokens")
+        self.pool.check(min(n, self.choices), len(prompt) + sampling.max_tokens)
         with self.wake:
             if self.waiting is not None and len(self.inbox) >= self.waiting:
                 raise Busy(f"{len(self.inbox)} requests are waiting for the model; try "
@@ -940,7 +742,7 @@ class Engine:
         control = {"steps": np.int32(self.kmax),
                    "exit_on_done": np.bool_(len(self.inbox) > 0),
                    "cancel": cancel,
-                   "pages": self.table.copy(),  # the host's own changes after the call
+                   "pages": self.pool.table.copy(),  # the host's own changes after the call
                    "python": self.python,
                    "logprobs": np.bool_(logprobs)}
         self.state, records = decode_chunk(self.layered, self.state, control, cfg=self.cfg,
@@ -987,9 +789,9 @@ class Engine:
                     break
                 request = self.inbox[0]
                 count = min(request.n - request.started, self.choices)
-                need = self.pages_for(request)
+                need = self.pool.pages_for(len(request.prompt) + request.sampling.max_tokens)
                 if not request.cancelled and (len(free) < count
-                                              or len(self.free_pages) < count * need):
+                                              or len(self.pool.free) < count * need):
                     break
                 if request.cancelled or request.started + count == request.n:
                     self.inbox.popleft()
@@ -1001,11 +803,9 @@ class Engine:
             request.started += count
             for choice, slot in enumerate(slots, first):
                 self.owner[slot] = (request, choice)
-                self.held[slot] = [self.free_pages.pop() for _ in range(need)]
-                self.table[slot, :need] = self.held[slot]
-            in_use = self.pages - len(self.free_pages)
-            self.stats["pages_peak"] = max(self.stats["pages_peak"], in_use)
-            taken[prompt_bucket(S, len(request.prompt))].append((request, slots, first))
+                self.pool.take(slot, need)
+            self.stats["pages_peak"] = max(self.stats["pages_peak"], self.pool.in_use())
+            taken[kvcache.prompt_bucket(S, len(request.prompt))].append((request, slots, first))
         # 3. one call for each bucket's prompts, as many as its largest row count holds
         started = []
         for T, entries in taken.items():
@@ -1063,23 +863,15 @@ class Engine:
                 choices["row"][j] = p
                 choices["choice"][j] = choice
                 choices["slots"][j] = slot
-                choices["pages"][j] = self.table[slot]
+                choices["pages"][j] = self.pool.table[slot]
                 j += 1
         return {**prompts, **choices, "n": np.int32(j)}
-
-    def pages_for(self, request):
-        """The pages each of a request's choices holds: as many as its prompt and
-        max_tokens can reach."""
-        tokens = min(len(request.prompt) + request.sampling.max_tokens, self.cfg.sequence_len)
-        return -(-tokens // self.page)
 
     def release(self, slot):
         """A slot's request is done with it: the slot and its pages are free (its page
         table points at the null page)."""
         self.owner[slot] = None
-        self.free_pages.extend(reversed(self.held[slot]))
-        self.held[slot] = []
-        self.table[slot] = 0
+        self.pool.release(slot)
 
     def prompt_rows(self, T):
         """The prompt counts one admit call prefills at bucket T, an admit program each:
@@ -1147,7 +939,7 @@ class Engine:
         lowered = decode_chunk.lower(self.layered, state, control, cfg=self.cfg, attn=self.attn,
                                      rows=slots, view=self.views[-1], kmax=self.kmax,
                                      paged=self.paged)
-        arguments = tree_bytes((self.layered, state, control))
+        arguments = kvcache.tree_bytes((self.layered, state, control))
         return runtime.needed_bytes(lowered, arguments) - arguments
 
     def warm_up(self):
@@ -1158,7 +950,7 @@ class Engine:
         of range)."""
         S = self.cfg.sequence_len
         # 1. admit for each bucket and prompt count
-        for T in sorted({prompt_bucket(S, n) for n in range(1, S)}):
+        for T in sorted({kvcache.prompt_bucket(S, n) for n in range(1, S)}):
             for P in self.prompt_rows(T):
                 empty = Request([0] * T, Sampling(max_tokens=1), 1, None, False)
                 arrays = self.request_arrays(T, [(empty, [], 0)] * P)

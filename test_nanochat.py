@@ -60,6 +60,7 @@ import engine
 import evaluate
 import execution
 import kernels
+import kvcache
 import lora
 import muon
 import nanochat as nc
@@ -239,7 +240,8 @@ IMPORTS = {
     "tasks": {"data", "execution"},
     "torch_files": set(),
     "checkpoint": {"data", "lora", "nanochat", "torch_files"},
-    "engine": {"kernels", "nanochat", "runtime"},
+    "kvcache": {"kernels", "nanochat"},
+    "engine": {"kvcache", "nanochat", "runtime"},
     "sharding": set(),
     "evaluate": {"checkpoint", "data", "engine", "kernels", "nanochat", "sharding", "tasks"},
     "report": {"data", "evaluate", "nanochat", "sharding"},
@@ -250,8 +252,8 @@ IMPORTS = {
     "scaling_fits": set(),
     "scaling": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "runtime",
                 "scaling_fits", "sharding", "train"},
-    "bench": {"checkpoint", "data", "engine", "kernels", "lora", "muon", "nanochat", "report",
-              "runtime", "sharding", "tasks", "train"},
+    "bench": {"checkpoint", "data", "engine", "kernels", "kvcache", "lora", "muon", "nanochat",
+              "report", "runtime", "sharding", "tasks", "train"},
 }
 
 
@@ -851,7 +853,7 @@ def check_attend_pages(dtype):
         table[b, :held[b]] = [next(free) for _ in range(held[b])]
     table, count = jnp.asarray(table), jnp.asarray(count, jnp.int32)
     # XLA over the pages gathered, in fp32 (the kernel keeps its weights in fp32)
-    k, v = (engine.from_pages(a[table]).astype(jnp.float32) for a in (k_pool, v_pool))
+    k, v = (kvcache.from_pages(a[table]).astype(jnp.float32) for a in (k_pool, v_pool))
     with jax.default_matmul_precision("highest"):
         scores = jnp.einsum("bkgd,bksd->bkgs", q.astype(jnp.float32), k) / D**0.5
         w = jnp.where(jnp.arange(n * page) < count[:, None, None, None], jnp.exp(scores), 0.0)
@@ -2828,7 +2830,7 @@ def test_export_cli(tmp_path):
 
 # --------------------------------------------------------------------------------------------------
 # engine.py: the reference generate (a KV cache, sampling, tools) against nanochat's Engine
-# and the full forward
+# and the full forward; the slot engine, its KV cache (kvcache.py) among it
 
 # windows [128, 256]: a 160-token generation crosses the short one
 WINDOW_CFG = config(sequence_len=256, n_layer=2, n_head=2, n_kv_head=1)
@@ -3252,7 +3254,7 @@ def test_engine_slots_that_do_not_fit_are_one_line(chat_model, monkeypatch, caps
     # the largest decode call's work, by the compiler's count: more with more slots
     work = engine.Engine(params, cfg, slots=3).decode_work
     assert 0 < work(3) < work(4) < work(8)
-    monkeypatch.setattr(engine, "free_device_bytes", lambda: null + 3 * one + work(3) + one // 2)
+    monkeypatch.setattr(kvcache, "free_device_bytes", lambda: null + 3 * one + work(3) + one // 2)
     with pytest.raises(ValueError, match=r"^8 slots need \d+\.\d\d GiB of KV cache and "
                                          r"\d+\.\d\d GiB to decode, more than the \d+\.\d\d "
                                          r"GiB the device has free beside the weights; at most 3 "
@@ -3272,14 +3274,14 @@ def test_engine_slots_that_do_not_fit_are_one_line(chat_model, monkeypatch, caps
     tiny_work = engine.Engine(random_params(TINY, 48), TINY, slots=1, kmax=4,
                               attn=kernels.attention_fn()).decode_work(1)
     two = 2 * (engine.state_bytes(TINY, 1) + tiny_work)
-    monkeypatch.setattr(engine, "free_device_bytes", lambda: two)
+    monkeypatch.setattr(kvcache, "free_device_bytes", lambda: two)
     capsys.readouterr()
     bench.bench_infer("tiny", batch_sizes=(4, 1), decode_tokens=8, kmax=4)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert lines[0]["batch_size"] == 4 and re.fullmatch(r"4 slots need .* to decode, .*; at most "
                                                          r"[123] fit", lines[0]["skipped"])
     assert [row["batch_size"] for row in lines[-1]["sweep"]] == [1]
-    monkeypatch.setattr(engine, "free_device_bytes", lambda: 2 * engine.state_bytes(TINY, 1))
+    monkeypatch.setattr(kvcache, "free_device_bytes", lambda: 2 * engine.state_bytes(TINY, 1))
     bench.bench_chat_traffic("tiny", 4)
     line = json.loads(capsys.readouterr().out)
     assert line["slots"] == 4 and re.fullmatch(r"4 slots and \d+ pages need .*; at most 0 fit",
@@ -3419,12 +3421,12 @@ def test_engine_pages_are_taken_returned_and_never_shared(window_model):
     eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8, pages=10)  # 8 pages a context
 
     def check_pages():
-        held = [page for pages in eng.held for page in pages]
+        held = [page for pages in eng.pool.held for page in pages]
         assert len(held) == len(set(held)) and 0 not in held  # none shared, none the null page
-        assert sorted(held + eng.free_pages) == list(range(1, 11))
-        for slot, pages in enumerate(eng.held):
-            assert eng.table[slot, :len(pages)].tolist() == pages
-            assert not eng.table[slot, len(pages):].any()
+        assert sorted(held + eng.pool.free) == list(range(1, 11))
+        for slot, pages in enumerate(eng.pool.held):
+            assert eng.pool.table[slot, :len(pages)].tolist() == pages
+            assert not eng.pool.table[slot, len(pages):].any()
     asks = [(100, 100), (20, 20), (60, 100)]  # 7, 2 and 5 pages
     requests = [eng.submit(prompt[:n].tolist(), greedy(m)) for n, m in asks]
     eng.step()
@@ -3434,18 +3436,18 @@ def test_engine_pages_are_taken_returned_and_never_shared(window_model):
         check_pages()
     for (n, m), request in zip(asks, requests):
         assert request.tokens[0] == solo(params, WINDOW_CFG, prompt[:n], max_tokens=m)[0]
-    assert len(eng.free_pages) == 10 and not eng.table.any()
+    assert len(eng.pool.free) == 10 and not eng.pool.table.any()
     # cancelled, and failed: the pages come back
     cancelled = eng.submit(prompt[:50].tolist(), greedy(150))
     failed = eng.submit(prompt[:30].tolist(), greedy(60))
     eng.step()
-    assert not eng.free_pages  # 7 and 3 pages
+    assert not eng.pool.free  # 7 and 3 pages
     cancelled.cancel()
     eng.step()
     check_pages()
-    assert len(eng.free_pages) == 7
+    assert len(eng.pool.free) == 7
     eng.fail(RuntimeError("injected"))
-    assert failed.error is not None and len(eng.free_pages) == 10 and not eng.table.any()
+    assert failed.error is not None and len(eng.pool.free) == 10 and not eng.pool.table.any()
     with pytest.raises(ValueError, match="^2 choices of up to 256 tokens need 16 pages of 32 "
                                          "tokens, more than the engine's 10; ask for fewer "
                                          "choices or tokens$"):
@@ -3470,11 +3472,11 @@ def check_engine_kernels():
     cfg = config(sequence_len=256, n_layer=2, n_head=1, n_kv_head=1, n_embd=128)  # the lanes
     params = random_params(cfg, 5)
     prompt = np.random.default_rng(6).integers(0, cfg.vocab_size, 140).tolist()
-    write, read = kernels.write_tokens, engine.read_pages
+    write, read = kernels.write_tokens, kvcache.read_pages
     runs = []
     for tpu in (False, True):
         kernels.write_tokens = functools.partial(write, windows=tpu)
-        engine.read_pages = lambda *args, forced=tpu, **_: read(*args, in_place=forced)
+        kvcache.read_pages = lambda *args, forced=tpu, **_: read(*args, in_place=forced)
         base = kernels.attention_fn("plain")
 
         @functools.wraps(base)  # its attributes, in a function of its own: programs traced anew
@@ -3492,7 +3494,7 @@ def check_engine_kernels():
             runs.append(([t for r in requests for t in r.tokens],
                          jax.device_get(eng.state["cache"])))
         finally:
-            kernels.write_tokens, engine.read_pages = write, read
+            kernels.write_tokens, kvcache.read_pages = write, read
     assert runs[0][0] == runs[1][0]
     assert sum(map(len, runs[0][0])) == 350 + 2 * 50
     for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1])):
