@@ -643,9 +643,10 @@ def bench_decode_chunk(name, rows, positions=(100, 656), kmax=16, calls=5, kv_ca
             "kv_cache": kv_cache or "exact", "kmax": kmax}
     page = kvcache.page_size(S)
     owned = -(-reach // page)
+    pool = max(int(owned.sum()), S // page)  # an engine holds a context's pages at least
     try:
         eng = engine.Engine(engine.prepare(serving_params(cfg), cfg), cfg, slots=rows, kmax=kmax,
-                            attn=kernels.attention_fn(), kv_cache=kv_cache, pages=int(owned.sum()))
+                            attn=kernels.attention_fn(), kv_cache=kv_cache, pages=pool)
     except ValueError as e:  # the slots' cache does not fit
         print(json.dumps({**head, "skipped": str(e)}), flush=True)
         return

@@ -6331,6 +6331,9 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys, tmp_path):
     assert line["view"] == 64 and line["tok_per_s"] == pytest.approx(3e3 / line["step_ms"], 1e-2)
     with pytest.raises(SystemExit, match="no room for 6 chunks of 16 tokens; pass a smaller"):
         bench.bench_decode_chunk("tiny", 3)
+    # one row owns fewer pages than a context's, the fewest an engine holds
+    bench.bench_decode_chunk("tiny", 1, positions=(10, 20), kmax=4, calls=2)
+    assert json.loads(capsys.readouterr().out)["tokens"] == 1 * 4 * 3
     # --profile: as many calls again traced; a step's ops run once a step (the while loop's body)
     bench.bench_decode_chunk("tiny", 2, positions=(10, 20), kmax=4, calls=2, profile=str(tmp_path))
     timed, traced = map(json.loads, capsys.readouterr().out.splitlines())
