@@ -416,57 +416,61 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
     state = {**state, "live": live}
     table = control["pages"][:rows]  # (rows, S / page)
     kinds = kvcache.layouts(cfg, paged)
-
-    def first(a):
-        return a[:rows]
-
     cache = state["cache"]
     start = cache["pos"][:rows]
     in_place = None if getattr(attn, "reads_stored", False) else False
     read = kvcache.read_chunk(cache["layers"], kinds, start, view, table=table, cfg=cfg,
                               in_place=in_place)
-    active = jax.tree.map(first, per_slot(state))
+    active = jax.tree.map(lambda a: a[:rows], per_slot(state))
     fresh = kvcache.chunk_buffers(cache["layers"], rows, kmax)
     records = jnp.full((kmax, rows, 3 + 2 * TOP_LOGPROBS), -1, jnp.int32)
 
-    def step(carry):
-        i, active, fresh, records, _ = carry
-        # 2. feed each live slot its last token; an idle slot's position and smear stay put
-        old = active["cache"]
-        chunk = {"step": i, "start": start, "layers": fresh}
-        logits, cache = nc.forward_cached(layered, active["token"][:, None],
-                                          {**old, "layers": read, "chunk": chunk}, cfg, attn,
-                                          rings=True)
-        live = active["live"]
-        moved = {"layers": None,
-                 "pos": jnp.where(live, cache["pos"], old["pos"]),
-                 "prev": jnp.where(live[:, None], cache["prev"], old["prev"])}
-        # 3. each live slot's next token
-        slot_values = {k: v for k, v in active.items() if k != "cache"}
-        slot_values, record = emit(slot_values, logits, moved["pos"], control["python"],
-                                   control["logprobs"])
-        active = {**slot_values, "cache": moved}
-        records = records.at[i].set(record)
-        # 4. back to the host early: a calculator to run, or a freed slot for a waiting request
-        flags = record[:, 1]
-        waits = jnp.any((flags & CLOSES) > 0)
-        ended = control["exit_on_done"] & jnp.any((flags & DONE) > 0)
-        return i + 1, active, cache["chunk"]["layers"], records, waits | ended
-
+    # 2. the steps (chunk_step), until kmax or control's steps, no slot live, or one hands back
     def more(carry):
         i, active, _, _, back = carry
         return (i < control["steps"]) & jnp.any(active["live"]) & ~back
 
+    step = functools.partial(chunk_step, layered, read, start, control, cfg=cfg, attn=attn)
     carry = (0, active, fresh, records, False)
     _, active, fresh, records, _ = jax.lax.while_loop(more, step, carry)
 
-    # 5. each slot's new tokens into the cache, and the slots' values back in place
+    # 3. each slot's new tokens into the cache, and the slots' values back in place
     layers = kvcache.store_chunk(cache["layers"], fresh, kinds, start, active["cache"]["pos"],
                                  table=table, cfg=cfg)
     state = jax.tree.map(lambda whole, done: whole.at[:rows].set(done),
                          per_slot(state), per_slot(active))
     state["cache"]["layers"] = layers
     return state, records
+
+
+def chunk_step(layered, read, start, control, carry, *, cfg, attn):
+    """One step of decode_chunk's loop, carry (i, active, fresh, records, back): each
+    live slot of `active` (per-slot values) fed its last token over the cache `read` as
+    it stood at each row's `start` and the chunk's own k, v `fresh`, its next token
+    emitted into records[i]; back when a slot closes a python block or (control's
+    exit_on_done) a choice ends."""
+    i, active, fresh, records, _ = carry
+    # 1. feed each live slot its last token; an idle slot's position and smear stay put
+    old = active["cache"]
+    chunk = {"step": i, "start": start, "layers": fresh}
+    logits, cache = nc.forward_cached(layered, active["token"][:, None],
+                                      {**old, "layers": read, "chunk": chunk}, cfg, attn,
+                                      rings=True)
+    live = active["live"]
+    moved = {"layers": None,
+             "pos": jnp.where(live, cache["pos"], old["pos"]),
+             "prev": jnp.where(live[:, None], cache["prev"], old["prev"])}
+    # 2. each live slot's next token
+    slot_values = {k: v for k, v in active.items() if k != "cache"}
+    slot_values, record = emit(slot_values, logits, moved["pos"], control["python"],
+                               control["logprobs"])
+    active = {**slot_values, "cache": moved}
+    records = records.at[i].set(record)
+    # 3. back to the host early: a calculator to run, or a freed slot for a waiting request
+    flags = record[:, 1]
+    waits = jnp.any((flags & CLOSES) > 0)
+    ended = control["exit_on_done"] & jnp.any((flags & DONE) > 0)
+    return i + 1, active, cache["chunk"]["layers"], records, waits | ended
 
 
 @functools.partial(jax.jit, donate_argnames="state")
