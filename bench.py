@@ -762,47 +762,17 @@ def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most
     decode_tokens = min(decode_tokens, cfg.sequence_len // 2)  # room for a prompt
     prompt_len = cfg.sequence_len - decode_tokens
     prompt = infer_bench_prompt(cfg, prompt_len)
-    context_mid = prompt_len + decode_tokens // 2
-    w_bytes, kv_store, kv_read, flops = decode_costs(cfg, context_mid, kv_cache)
+    payload = infer_payload(cfg, device, prompt_len, decode_tokens, kv_cache)
+    w_bytes, kv_read = payload["weight_bytes"], payload["kv_read_bytes_per_step"]
+    flops, peak = payload["decode_flops_per_token"], payload["peak_flops_per_sec"]
+    peak_bw = payload["peak_bandwidth_bytes_per_sec"]
     # what a step must read: nanochat's MBU counts every stored weight; wte and the value
     # embeddings are looked up, a row a token, so the matmuls' weights are the floor
     floor_bytes = matmul_weights(cfg) * jnp.dtype(cfg.compute_dtype).itemsize
-    peak_bw = peak_bandwidth()
-    peak = report.peak_flops()[0]
-    stats = device.memory_stats() or {}
-    total_memory = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf(
-        "SC_PHYS_PAGES")
-    payload = {"source": "random init", "step": 0, "model_config": dataclasses.asdict(cfg),
-               "gpu": device.device_kind, "peak_bandwidth_bytes_per_sec": peak_bw,
-               "total_vram_bytes": total_memory,
-               "num_params": nc.num_scaling_params(cfg)["total"],
-               "param_dtypes": {cfg.compute_dtype: nc.num_scaling_params(cfg)["total"]},
-               "weight_bytes": w_bytes, "kv_bytes_per_token": kv_store,
-               "kv_read_bytes_per_step": kv_read, "context_mid": context_mid,
-               "peak_flops_per_sec": peak, "decode_flops_per_token": flops,
-               "ceiling_bs1_tok_per_sec": round(peak_bw / (w_bytes + kv_read), 1),
-               "max_full_context_rows": int((total_memory - w_bytes)
-                                            / (kv_store * cfg.sequence_len)),
-               "prompt_tokens": prompt_len, "decode_tokens": decode_tokens, "temperature": 0.0,
-               "sweep": []}
-
-    def run(eng, batch, tokens):
-        """One request of `batch` choices: (TTFT, each decode step's time)."""
-        sampling = engine.Sampling(max_tokens=tokens, temperature=0.0)
-        start = time.perf_counter()
-        request = eng.submit(prompt, sampling, n=batch)
-        stamps = timed(eng, request)
-        eng.drain()
-        steps = []  # a chunk of k steps: k steps of its time over k
-        out = hand_outs(stamps)
-        for (before, _), (t, count) in zip(out, out[1:]):
-            steps += [(t - before) * batch / count] * (count // batch)
-        return stamps[0][0] - start, steps
-
     # prefill: batch 1, a single token (TTFT is the prefill)
     eng = engine.Engine(params, cfg, slots=1, kmax=kmax, attn=attn, kv_cache=kv_cache)
-    run(eng, 1, 2)
-    prefill_s = run(eng, 1, 2)[0]
+    infer_request(eng, prompt, 1, 2)
+    prefill_s = infer_request(eng, prompt, 1, 2)[0]
     mfu = 100 * prefill_flops(cfg, prompt_len) / prefill_s / peak if peak else None
     payload["prefill"] = {"tok_per_sec": round(prompt_len / prefill_s, 1),
                           "mfu_percent": None if mfu is None else round(mfu, 2),
@@ -816,8 +786,8 @@ def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most
             print(json.dumps({"bench": "infer", "config": name, "batch_size": batch,
                               "skipped": str(e)}), flush=True)
             continue
-        run(eng, batch, 8)  # warm-up: compiles
-        ttft, steps = run(eng, batch, decode_tokens)
+        infer_request(eng, prompt, batch, 8)  # warm-up: compiles
+        ttft, steps = infer_request(eng, prompt, batch, decode_tokens)
         tpot = sorted(steps)[len(steps) // 2]
         row = {"batch_size": batch, "ttft_sec": round(ttft, 6), "tpot_sec": round(tpot, 6),
                "tok_per_sec": round(batch * len(steps) / sum(steps), 1),
@@ -831,6 +801,45 @@ def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most
                           "kv_cache": kv_cache or "exact"}), flush=True)
         payload["sweep"].append(row)
     print(json.dumps(payload))
+
+
+def infer_payload(cfg, device, prompt_len, decode_tokens, kv_cache):
+    """bench_infer's JSON document before its runs, in nanochat's schema: the model, the
+    device's peaks, what a decode step costs at the middle of the decode (decode_costs)."""
+    context_mid = prompt_len + decode_tokens // 2
+    w_bytes, kv_store, kv_read, flops = decode_costs(cfg, context_mid, kv_cache)
+    peak_bw = peak_bandwidth()
+    stats = device.memory_stats() or {}
+    total_memory = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+        "SC_PHYS_PAGES")
+    params = nc.num_scaling_params(cfg)["total"]
+    return {"source": "random init", "step": 0, "model_config": dataclasses.asdict(cfg),
+            "gpu": device.device_kind, "peak_bandwidth_bytes_per_sec": peak_bw,
+            "total_vram_bytes": total_memory, "num_params": params,
+            "param_dtypes": {cfg.compute_dtype: params},
+            "weight_bytes": w_bytes, "kv_bytes_per_token": kv_store,
+            "kv_read_bytes_per_step": kv_read, "context_mid": context_mid,
+            "peak_flops_per_sec": report.peak_flops()[0], "decode_flops_per_token": flops,
+            "ceiling_bs1_tok_per_sec": round(peak_bw / (w_bytes + kv_read), 1),
+            "max_full_context_rows": int((total_memory - w_bytes)
+                                         / (kv_store * cfg.sequence_len)),
+            "prompt_tokens": prompt_len, "decode_tokens": decode_tokens, "temperature": 0.0,
+            "sweep": []}
+
+
+def infer_request(eng, prompt, batch, tokens):
+    """One request of `batch` greedy choices of `tokens` tokens through the engine: (TTFT,
+    each decode step's time; a chunk of k steps gives k steps of its time over k)."""
+    sampling = engine.Sampling(max_tokens=tokens, temperature=0.0)
+    start = time.perf_counter()
+    request = eng.submit(prompt, sampling, n=batch)
+    stamps = timed(eng, request)
+    eng.drain()
+    steps = []
+    out = hand_outs(stamps)
+    for (before, _), (t, count) in zip(out, out[1:]):
+        steps += [(t - before) * batch / count] * (count // batch)
+    return stamps[0][0] - start, steps
 
 
 def prefill_flops(cfg, n):
@@ -866,15 +875,8 @@ def step_memory(cfg, devices, device_batch_size, shard="optimizer", remat=False,
     the base's bytes per device. real: compiled for the default backend's first device (a
     chip's own compiler and plan; devices must be 1), as train.py's memory plan does."""
     mesh = Mesh(np.array((jax.devices() if real else jax.devices("cpu"))[:devices]), ("data",))
-    params = nc.param_shapes(cfg)
-    groups = nc.param_groups
-    base, frozen = None, None
-    if lora_rank:  # the step's params: the adapters; the base is a frozen argument
-        base = params
-        params = jax.eval_shape(lambda p: lora.init(p, lora_rank, lora.TARGETS,
-                                                    jax.random.key(0)), base)
-        groups = lora.param_groups
-    opt_state = jax.eval_shape(lambda p: muon.init(p, *groups(p)), params)
+    params, opt_state, base = trained_shapes(cfg, lora_rank)
+    frozen = None
     shard = sharding.choose_mode(shard, devices, log=lambda line: None)
 
     def abstract(tree, specs):
@@ -918,6 +920,19 @@ def step_memory(cfg, devices, device_batch_size, shard="optimizer", remat=False,
     total += m.temp_size_in_bytes
     return {"shard": shard, **state, **step, "total_bytes": total,
             "total_gb": round(total / 1e9, 3), "compile_s": round(time.perf_counter() - t0, 1)}
+
+
+def trained_shapes(cfg, lora_rank=0):
+    """What a training step of cfg trains, as shapes: (params, optimizer state, base), base
+    None; with lora_rank the params are the adapters of every block matrix and base the
+    model's, frozen."""
+    params, groups, base = nc.param_shapes(cfg), nc.param_groups, None
+    if lora_rank:
+        base = params
+        params = jax.eval_shape(lambda p: lora.init(p, lora_rank, lora.TARGETS,
+                                                    jax.random.key(0)), base)
+        groups = lora.param_groups
+    return params, jax.eval_shape(lambda p: muon.init(p, *groups(p)), params), base
 
 
 def bench_memory(cfg, devices, device_batch_size, shard, remat, attention, fit=(),
