@@ -712,6 +712,8 @@ def main(argv=None):
                      temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     except KeyboardInterrupt:  # Ctrl+C ends the chat or the server: no traceback
         print()
+    finally:
+        eng.stop()  # its thread out of the device before the process exits
 
 
 if __name__ == "__main__":

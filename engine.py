@@ -623,6 +623,8 @@ class Engine:
         self.stats = collections.Counter()  # device calls (admits, chunks, hops), tokens
         self.warmed = threading.Event()
         self.threaded = False  # served from a thread of its own (start): others submit
+        self.thread = None
+        self.running = False  # start() runs the thread until stop()
         self.reset()
 
     def reset(self):
@@ -663,26 +665,39 @@ class Engine:
         state. With warm_up it first compiles every program (then sets `warmed`);
         requests wait."""
         self.threaded = True
+        self.running = True
 
         def run():
             if warm_up:
                 self.warm_up()
                 self.warmed.set()
             self.serve_forever()
-        threading.Thread(target=run, daemon=True, name="engine").start()
+        self.thread = threading.Thread(target=run, daemon=True, name="engine")
+        self.thread.start()
+
+    def stop(self, timeout=2.0):
+        """End start()'s thread after its round, the device calls it started done, waiting
+        `timeout` seconds at most (a warm-up is not cut short). A process exiting while that
+        thread waits for the device aborts ("FATAL: exception not rethrown")."""
+        with self.wake:
+            self.running = False
+            self.wake.notify()
+        if self.thread is not None:
+            self.thread.join(timeout)
 
     def serve_forever(self):
-        while True:
+        while self.running:
             try:
                 busy = self.step()
             except Exception as e:  # fail what it was serving, start afresh, serve on
                 self.fail(e)
                 continue
-            # nothing to do: sleep until a request comes
+            # nothing to do: sleep until a request comes or stop() is called
             with self.wake:
-                while not busy and not self.inbox:
+                while not busy and not self.inbox and self.running:
                     self.wake.wait()
                     busy = bool(self.inbox)
+        jax.block_until_ready(self.state)  # the chunk still in flight
 
     def fail(self, error):
         """Every request in a slot fails with `error`; the engine starts afresh."""

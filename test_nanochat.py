@@ -3090,7 +3090,7 @@ def test_engine_golden_prompt_among_others(golden_generate):
 def test_an_idle_engine_starts_a_burst_in_one_admission(window_model, monkeypatch):
     """Requests that reach an idle engine one shortly after another (within BURST_QUIET of the
     last) start together: one admission, one prefill call, and their greedy replies as when
-    submitted before the engine ran."""
+    submitted before the engine ran. stop() then ends the engine's thread."""
     params, prompt = window_model
     monkeypatch.setattr(engine, "BURST_QUIET", 0.5)  # a wide window: the sleeps below lie in it
     monkeypatch.setattr(engine, "BURST_MOST", 30.0)
@@ -3103,6 +3103,9 @@ def test_an_idle_engine_starts_a_burst_in_one_admission(window_model, monkeypatc
         time.sleep(0.05)
     replies = [[event.token for event in r if event.token is not None] for r in requests]
     assert eng.stats["admits"] == 1
+    # stop(): its thread ends after its round, out of the device (a process may exit)
+    eng.stop()
+    assert not eng.thread.is_alive() and not eng.running
     alone = engine.Engine(params, WINDOW_CFG, slots=4, kmax=4)
     before = [alone.submit(prompt[:n].tolist(), greedy(m)) for n, m in asks]
     alone.drain()
