@@ -1016,8 +1016,9 @@ def parse_args(argv=None):
     s("--rows", type=int, default=128, help="--decode-chunk's live slots")
     s("--profile", metavar="DIR", help="--decode-chunk: jax's trace into DIR, and the ops that "
       "took the most time a step")
-    s("--kv-cache", choices=["int8"], help="--infer-bench's and --chat-traffic's engine: an "
-      "int8 KV cache, a scale a token and head (none: the compute dtype's, exact)")
+    s("--kv-cache", choices=["int8"], help="--infer-bench's, --chat-traffic's and "
+      "--decode-chunk's engine: an int8 KV cache, a scale a token and head (none: the compute "
+      "dtype's, exact)")
     s("--http", metavar="CHECKPOINT", help="through chat.py --serve on this checkpoint: 16 "
       "clients one after another, then at once")
     s("--agreement", metavar="CHECKPOINT", help="how many greedy replies through the engine, "

@@ -622,8 +622,7 @@ class Engine:
         self.wake = threading.Condition()  # guards the inbox; notified on each submit
         self.stats = collections.Counter()  # device calls (admits, chunks, hops), tokens
         self.warmed = threading.Event()
-        self.threaded = False  # served from a thread of its own (start): others submit
-        self.thread = None
+        self.thread = None  # start()'s: the engine served from it, others submit
         self.running = False  # start() runs the thread until stop()
         self.reset()
 
@@ -664,7 +663,6 @@ class Engine:
         """Serve from a thread of its own (a server): from now on only it touches the
         state. With warm_up it first compiles every program (then sets `warmed`);
         requests wait."""
-        self.threaded = True
         self.running = True
 
         def run():
@@ -722,7 +720,7 @@ class Engine:
         # 2. waiting requests into free slots, their first tokens handed out (an idle
         # engine that other threads submit to waits for a burst's last)
         idle = self.in_flight is None and all(owner is None for owner in self.owner)
-        if idle and self.threaded:
+        if idle and self.thread is not None:
             self.settle()
         admitted = self.admit_waiting()
         busy = [slot for slot, owner in enumerate(self.owner) if owner is not None]
