@@ -13,8 +13,10 @@
   choices, P prompts, N choices admitted at once.
 """
 import collections
+import concurrent.futures
 import dataclasses
 import functools
+import os
 import queue
 import threading
 import time
@@ -34,6 +36,9 @@ TOP_LOGPROBS = 20  # OpenAI's most
 # an idle engine's first request may lead a burst: it waits for the line to stop growing
 BURST_QUIET = 0.002  # seconds without a new request
 BURST_MOST = 0.05  # seconds at most
+# warm_up compiles its programs in this many threads first where the host has 8 cores or
+# more (one: as it runs them; on a CPU of 2 cores threads took 13% longer)
+WARM_UP_THREADS = (os.cpu_count() or 1) // 2 if (os.cpu_count() or 1) >= 8 else 1
 # a record's flags: the token was forced (mask 0), it closed a python block, the choice ended
 FORCED = 1
 CLOSES = 2
@@ -964,31 +969,45 @@ class Engine:
         admit for each prompt count, each chunk of a row count and a view, resume; each
         called so that it changes nothing a request reads (an admit that starts no
         choice, a chunk's step whose slots' values are put back, a resume of slot B, out
-        of range)."""
+        of range). A host of many cores compiles them in WARM_UP_THREADS threads first."""
         S = self.cfg.sequence_len
-        # 1. admit for each bucket and prompt count
+        # the programs: admit for each bucket and prompt count, a chunk of each row count
+        # and view (one step of live slots: a program's first run costs more than the next,
+        # 0.17 s at 16 rows of d6 on a CPU), resume
+        admits = []
         for T in sorted({kvcache.prompt_bucket(S, n) for n in range(1, S)}):
             for P in self.prompt_rows(T):
                 empty = Request([0] * T, Sampling(max_tokens=1), 1, None, False)
-                arrays = self.request_arrays(T, [(empty, [], 0)] * P)
-                self.state, _ = admit(self.layered, self.state, arrays, self.python,
-                                      cfg=self.cfg, attn=self.attn, paged=self.paged)
-        # 2. a chunk of each row count and view, one step of live slots: a program's
-        # first run costs more than the next (0.17 s at 16 rows of d6 on a CPU). The
-        # slots' values are put back after; the token each wrote lies where no request
-        # reads (position 0 of an empty slot, the null page), as a finished request's
+                admits.append(self.request_arrays(T, [(empty, [], 0)] * P))
+        chunks = [(rows, view) for rows in self.row_buckets for view in self.views]
         control = {**self.idle_control(self.slots), "steps": np.int32(1)}
-        for rows in self.row_buckets:
-            for view in self.views:
-                before = jax.tree.map(jnp.copy, per_slot(self.state))
-                self.state = {**self.state, "live": jnp.ones(self.slots, bool),
-                              "left": jnp.ones(self.slots, jnp.int32)}
-                self.state, _ = decode_chunk(self.layered, self.state, control, cfg=self.cfg,
-                                             attn=self.attn, rows=rows, view=view,
-                                             kmax=self.kmax, paged=self.paged)
-                layers = self.state["cache"]["layers"]
-                self.state = {**before, "cache": {**before["cache"], "layers": layers}}
-        # 3. resume
         nothing = np.zeros(S, np.int32)
+        # 1. compiled in threads, where the host has cores to spare: jax keeps each program
+        # by its lowering, and the runs below find it
+        calls = ([functools.partial(admit.lower, self.layered, self.state, arrays,
+                                    self.python, cfg=self.cfg, attn=self.attn,
+                                    paged=self.paged) for arrays in admits]
+                 + [functools.partial(decode_chunk.lower, self.layered, self.state, control,
+                                      cfg=self.cfg, attn=self.attn, rows=rows, view=view,
+                                      kmax=self.kmax, paged=self.paged)
+                    for rows, view in chunks])
+        if WARM_UP_THREADS > 1:
+            with concurrent.futures.ThreadPoolExecutor(WARM_UP_THREADS) as pool:
+                list(pool.map(lambda lower: lower().compile(), calls))
+        # 2. each run once, in turn
+        for arrays in admits:
+            self.state, _ = admit(self.layered, self.state, arrays, self.python,
+                                  cfg=self.cfg, attn=self.attn, paged=self.paged)
+        # (a chunk's slots' values are put back after; the token each wrote lies where no
+        # request reads: position 0 of an empty slot, the null page, as a finished request's)
+        for rows, view in chunks:
+            before = jax.tree.map(jnp.copy, per_slot(self.state))
+            self.state = {**self.state, "live": jnp.ones(self.slots, bool),
+                          "left": jnp.ones(self.slots, jnp.int32)}
+            self.state, _ = decode_chunk(self.layered, self.state, control, cfg=self.cfg,
+                                         attn=self.attn, rows=rows, view=view,
+                                         kmax=self.kmax, paged=self.paged)
+            layers = self.state["cache"]["layers"]
+            self.state = {**before, "cache": {**before["cache"], "layers": layers}}
         self.state = resume(self.state, np.int32(self.slots), nothing, np.int32(0))
         jax.block_until_ready(self.state)

@@ -3504,11 +3504,13 @@ def check_engine_kernels():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-def test_engine_never_recompiles_after_warm_up_and_donates(window_model, recwarn):
-    """After warm_up (every slot's values as a fresh engine's), prompts of every bucket, any number
-    of concurrent requests, chunks of any row count, calculator hops, logprobs and cancellations
-    compile nothing; each call donates the state (no second cache)."""
+def test_engine_never_recompiles_after_warm_up_and_donates(window_model, recwarn, monkeypatch):
+    """After warm_up (every slot's values as a fresh engine's; its programs compiled in 2 threads,
+    a many-core host's way), prompts of every bucket, any number of concurrent requests, chunks of
+    any row count, calculator hops, logprobs and cancellations compile nothing; each call donates
+    the state (no second cache)."""
     params, prompt = window_model
+    monkeypatch.setattr(engine, "WARM_UP_THREADS", 2)
     plain, _ = solo(params, WINDOW_CFG, prompt[:20], max_tokens=8)
     eng = engine.Engine(params, WINDOW_CFG, slots=4, kmax=8, python_ids=(plain[2], plain[5]))
     eng.warm_up()
