@@ -358,6 +358,13 @@ def block_sums(q, k_buf, v_buf, slot, held, sums, exact):
 TILE_ROWS = 8  # a TPU array's tile rows: a copy into one starts at a multiple of them
 
 
+def tile_rows(dtype, L):
+    """The rows of a TPU tile of a (..., L, 128) array of dtype as XLA lays it out: TILE_ROWS,
+    or an int8 array's 32 where L is a multiple of 32 (seen on a v5e: a pool of 32-token pages
+    and rows of 64 in tiles of 32, a ring of 528 in tiles of 8)."""
+    return 32 if jnp.dtype(dtype).itemsize == 1 and L % 32 == 0 else TILE_ROWS
+
+
 def write_tokens(whole, new, major, slot, valid, *, wraps, windows=None):
     """Each row's tokens new (rows, K, n, D) into whole (N, K, L, D): token j of row r
     at whole[major[r, j], :, slot[r, j]] where valid[r, j] (a prefix of the row). A
@@ -367,14 +374,16 @@ def write_tokens(whole, new, major, slot, valid, *, wraps, windows=None):
     else that scatter."""
     rows, K, n, *vector = new.shape  # (D,), or () for an int8 cache's scales
     N, _, L = whole.shape[:3]
-    width = token_window(n)
+    tile = tile_rows(whole.dtype, L)
+    width = min(token_window(n, tile), L)  # at most a page: a page whole
     if windows is None:
         windows = jax.default_backend() == "tpu"
-    # the windows where rows of D are whole lanes of 16 or 32 bits (an int8 cache's
-    # values and scales are not), and where a row's wrap cannot overlap its two
-    tiles = vector and vector[0] % 128 == 0 and whole.dtype.itemsize > 1
+    # the windows where rows of D are whole lanes (an int8 cache's scales are not), and
+    # where a row's tokens cross one boundary at most and a wrap cannot overlap its two
+    tiles = vector and vector[0] % 128 == 0 and n <= L
     if windows and tiles and L >= (2 * width if wraps else width):
-        return write_windows(whole, *windows_of(new, major, slot, valid, L))
+        return write_windows(whole, *windows_of(new, major, slot, valid, L, width, tile),
+                             tile=tile)
     index = (major[:, None] * K + jnp.arange(K)[:, None]) * L + slot[:, None]  # (rows, K, n)
     index = jnp.where(valid[:, None], index, N * K * L)  # past the end: dropped
     flat = whole.reshape(-1, *vector).at[index.reshape(-1)].set(new.reshape(-1, *vector),
@@ -382,22 +391,21 @@ def write_tokens(whole, new, major, slot, valid, *, wraps, windows=None):
     return flat.reshape(whole.shape)
 
 
-def token_window(n):
+def token_window(n, tile=TILE_ROWS):
     """The rows of a window that holds n consecutive slots from any start: from the
-    tile row at or before the first, n + TILE_ROWS - 1 rounded up to whole tiles."""
-    return -(-(n + TILE_ROWS - 1) // TILE_ROWS) * TILE_ROWS
+    tile row at or before the first, n + tile - 1 rounded up to whole tiles."""
+    return -(-(n + tile - 1) // tile) * tile
 
 
-def windows_of(new, major, slot, valid, L):
-    """write_tokens' tokens as two windows a row, whole tiles of one major each: the
-    first from the tile of the row's first token (no further than L - width), the
-    second from slot 0 of the major its tokens cross into, or the first again where
+def windows_of(new, major, slot, valid, L, width, tile=TILE_ROWS):
+    """write_tokens' tokens as two windows a row of `width` rows, whole tiles of one major
+    each: the first from the tile of the row's first token (no further than L - width),
+    the second from slot 0 of the major its tokens cross into, or the first again where
     they cross nothing (the same bytes written twice). (majors, offsets, lo, hi: (2 *
     rows,); blocks (2 * rows, K, width, D)): window w takes its rows lo[w]..hi[w] - 1
     from blocks[w], the row's tokens moved to their rows."""
     rows, K, n, D = new.shape
-    width = token_window(n)
-    first = jnp.minimum(slot[:, 0] // TILE_ROWS * TILE_ROWS, L - width)  # (rows,)
+    first = jnp.minimum(slot[:, 0] // tile * tile, L - width)  # (rows,)
     inside = (major == major[:, :1]) & (slot >= first[:, None]) & (slot < first[:, None] + width)
     beyond = valid & ~inside  # (rows, n)
     crosses = beyond.any(1)
@@ -420,11 +428,11 @@ def windows_of(new, major, slot, valid, L):
             blocks.reshape(2 * rows, K, width, D))
 
 
-def write_windows(whole, majors, offsets, lo, hi, blocks, group=16):
+def write_windows(whole, majors, offsets, lo, hi, blocks, group=16, tile=TILE_ROWS):
     """whole (N, K, L, D) with window w, its rows lo[w]..hi[w] - 1 of whole[majors[w],
     :, offsets[w] + (0..width-1)] from blocks (windows, K, width, D), in place: a Pallas
     kernel that copies each window in, takes the block's rows and copies it back,
-    `group` windows at a time (offsets at whole tiles: TILE_ROWS). Windows of one group
+    `group` windows at a time (offsets at whole tiles of `tile` rows). Windows of one group
     overlap only where they are equal or take no rows (idle rows on a null page); off a
     TPU interpreted (tests)."""
     count, K, width, D = blocks.shape
@@ -434,7 +442,7 @@ def write_windows(whole, majors, offsets, lo, hi, blocks, group=16):
         first = pl.program_id(0) * group
 
         def copy(i, inward):
-            at = pl.multiple_of(offsets[first + i], TILE_ROWS)
+            at = pl.multiple_of(offsets[first + i], tile)
             window = whole.at[majors[first + i], :, pl.ds(at, width)]
             ends = (window, buffer.at[i]) if inward else (buffer.at[i], window)
             return pltpu.make_async_copy(*ends, done.at[i])

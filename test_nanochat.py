@@ -797,7 +797,7 @@ def run_alone(call):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_written_windows_equal_the_scatter_of_vectors(dtype):
     """kernels.write_tokens through write_windows (the TPU's Pallas kernel, interpreted off a TPU)
     writes what one scatter of vectors writes, bit for bit: into rows, rings across their end and
@@ -812,7 +812,11 @@ def check_written_windows(dtype):
     count = np.array([16, 3, 0, 16, 8, 16, 2, 1])  # the valid prefix of each row's tokens
     at = start[:, None] + np.arange(n)
     valid = jnp.asarray(np.arange(n) < count[:, None])
-    new = jnp.asarray(rng.standard_normal((rows, K, n, D)), dtype)
+    def values(*shape):  # an int8 cache's values span the int8 range
+        if dtype == "int8":
+            return jnp.asarray(rng.integers(-127, 128, shape), dtype)
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+    new = values(rows, K, n, D)
     own = np.broadcast_to(np.arange(rows)[:, None], at.shape)
     table = rng.permutation(np.arange(1, 2 * rows + 1)).reshape(rows, 2)  # 2 pages of 32 a row
     cases = {"rows": (64, own, at, False),
@@ -820,7 +824,7 @@ def check_written_windows(dtype):
              "pages": (32, np.take_along_axis(table, np.minimum(at // 32, 1), 1), at % 32, False)}
     for layout, (L, major, slot, wraps) in cases.items():
         N = 2 * rows + 1 if layout == "pages" else rows
-        whole = jnp.asarray(rng.standard_normal((N, K, L, D)), dtype)
+        whole = values(N, K, L, D)
         args = (new, jnp.asarray(major), jnp.asarray(slot), valid)
         want = kernels.write_tokens(whole, *args, wraps=wraps, windows=False)
         got = kernels.write_tokens(whole, *args, wraps=wraps, windows=True)
@@ -828,6 +832,9 @@ def check_written_windows(dtype):
         assert not (np.asarray(want) == np.asarray(whole)).all()
     # a window: the tokens from any row of a tile, in whole tiles
     assert kernels.token_window(16) == 24 and kernels.token_window(8) == 16
+    # int8 in tiles of 32 rows where they divide the array (pages of 32: a page whole)
+    assert kernels.tile_rows(dtype, 32) == (32 if dtype == "int8" else 8)
+    assert kernels.tile_rows(dtype, 48) == 8 and kernels.token_window(16, 32) == 64
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -3465,13 +3472,15 @@ def test_engine_served_the_tpus_way_serves_as_the_cpus_way():
     whole windows (kernels.write_windows) and its pages read in place (kernels.attend_pages),
     replies as one served the CPU's way (one scatter of vectors, the pages gathered) and leaves
     the same state: heads of 128, chunks of 16 tokens, rows across a ring's end (144 slots) and
-    across pages of 32, two choices of one prompt. (Each kernel against its CPU twin, bit for bit
+    across pages of 32, two choices of one prompt; an int8 cache's too (its values by windows of
+    32-row tiles in pages, its scales scattered). (Each kernel against its CPU twin, bit for bit
     or to fp32's rounding: test_written_windows_equal_the_scatter_of_vectors,
     test_attend_pages_sums_what_the_gathered_pages_sum.)"""
     run_alone("check_engine_kernels()")
+    run_alone("check_engine_kernels('int8')")  # its values by windows too, its scales scattered
 
 
-def check_engine_kernels():
+def check_engine_kernels(kv_cache=None):
     cfg = config(sequence_len=256, n_layer=2, n_head=1, n_kv_head=1, n_embd=128)  # the lanes
     params = random_params(cfg, 5)
     prompt = np.random.default_rng(6).integers(0, cfg.vocab_size, 140).tolist()
@@ -3479,7 +3488,9 @@ def check_engine_kernels():
     runs = []
     for tpu in (False, True):
         kernels.write_tokens = functools.partial(write, windows=tpu)
-        kvcache.read_pages = lambda *args, forced=tpu, **_: read(*args, in_place=forced)
+        # (an int8 cache's pages are gathered on a TPU too)
+        kvcache.read_pages = lambda *args, forced=tpu and not kv_cache, **_: read(
+            *args, in_place=forced)
         base = kernels.attention_fn("plain")
 
         @functools.wraps(base)  # its attributes, in a function of its own: programs traced anew
@@ -3487,7 +3498,8 @@ def check_engine_kernels():
             return base(*args, **kwargs)
         try:
             with jax.default_matmul_precision("highest"):
-                eng = engine.Engine(params, cfg, slots=4, kmax=16, attn=attn, pages=24)
+                eng = engine.Engine(params, cfg, slots=4, kmax=16, attn=attn, pages=24,
+                                    kv_cache=kv_cache)
                 # past the ring, across pages; every prompt in one bucket: fewer programs
                 requests = [eng.submit(prompt[:n], greedy(m))
                             for n, m in ((5, 150), (20, 120), (31, 80))]
