@@ -2,9 +2,10 @@
 and read out of it, its bytes against the device's memory, and the host's page allocator.
 
 - Three layouts, one a layer (`layouts`). A sliding-window layer never reads further back
-  than its window, so a slot holds only a ring of nc.ring_size positions, the token at
+  than its window, so a slot holds only a ring of `window` positions, the token at
   position p in slot p modulo the ring: a window of 512 tokens at a context of 2048 holds
-  528, not 2048. A layer over the whole context holds rows, the whole context a slot; or
+  512, not 2048 (a decode chunk reads the ring as it stood at its start, and its own
+  tokens apart: the window before the start is all a step reads there). A layer over the whole context holds rows, the whole context a slot; or
   pages of `page_size` tokens from one pool (`new_cache` with pages), so that the cache is
   not slots × context: a request holds the pages its prompt and max_tokens can reach, from
   its admission to its end (`PagePool`). Page 0 is the null page, which no slot holds: a
@@ -69,23 +70,25 @@ def layouts(cfg, paged):
 
 
 def new_cache(cfg, slots, kv_dtype=None, pages=None, page=None):
-    """The engine's KV cache, every slot empty (layouts: a sliding window's layer a ring a
-    slot, nc.init_cache's rings; a layer over the whole context the whole context a slot,
+    """The engine's KV cache, every slot empty (layouts: a sliding window's layer a ring of
+    the window a slot; a layer over the whole context the whole context a slot,
     or with `pages` a pool of that many pages of `page` tokens, page 0 the null page that
     no slot holds: (pages + 1, K, page, D); page None: page_size's). Each array its own
     buffer: the engine donates its state whole."""
     page = page or page_size(cfg.sequence_len)
-    paged = pages is not None
-    # the rings, and the layers over the whole context a context a slot (paged: a page)
-    cache = nc.init_cache(cfg, slots, page if paged else cfg.sequence_len, kv_dtype,
-                          rings=True)
-    # paged: those layers a pool each instead, page 0 the null page
-    if paged:
-        cache["layers"] = [(nc.empty_kv(cfg, pages + 1, page, kv_dtype),
-                            nc.empty_kv(cfg, pages + 1, page, kv_dtype))
-                           if layout == "pages" else kv
-                           for kv, layout in zip(cache["layers"], layouts(cfg, paged))]
-    return cache
+
+    # each layer's k or v: a ring of its window a slot, the whole context a slot, or a
+    # pool of pages + 1
+    def empty(window, layout):
+        if layout == "pages":
+            return nc.empty_kv(cfg, pages + 1, page, kv_dtype)
+        length = window if layout == "ring" else cfg.sequence_len
+        return nc.empty_kv(cfg, slots, length, kv_dtype)
+    kinds = layouts(cfg, pages is not None)
+    layers = [(empty(window, layout), empty(window, layout))
+              for window, layout in zip(nc.window_sizes(cfg), kinds)]
+    # (the smear's last embeddings and the positions, as nc.init_cache's)
+    return {**nc.init_cache(cfg, slots, 0), "layers": layers}
 
 # ------------------------------------------------------------------------------------ the bytes
 
@@ -186,8 +189,7 @@ def store_prompt(layers, prompts, j, request, *, cfg, paged):
             layers, prompts["layers"], nc.window_sizes(cfg), layouts(cfg, paged)):
         k_prompt, v_prompt = prompt_of(k_prompt), prompt_of(v_prompt)
         if layout == "ring":
-            ring = nc.ring_size(window, cfg.sequence_len)
-            k_prompt, v_prompt = (ring_of(a, length[row[j]], ring)
+            k_prompt, v_prompt = (ring_of(a, length[row[j]], window)
                                   for a in (k_prompt, v_prompt))
         put = into_pages if layout == "pages" else into_slot
         stored.append((store(put, k, k_prompt), store(put, v, v_prompt)))

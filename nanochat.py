@@ -366,8 +366,8 @@ def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0, ring=None):
     yet. ring: the cache is a sliding window's ring of that many slots (ring_size), one
     token written a call, at its position modulo the ring. A decode chunk's cache (k,
     v, (step, start, chunk's k, v)) (`forward_cached`) is only read, as it stood at each
-    row's start; the token's k and v go into the chunk's own (B, K, kmax, D) at the
-    step, returned in the cache's place."""
+    row's start (a ring of its own length, the window at least); the token's k and v go
+    into the chunk's own (B, K, kmax, D) at the step, returned in the cache's place."""
     B, T, C = x.shape
     D = rope[0].shape[-1] * 2
     # heads first where attn takes them so (attn.heads_first: a kernel's layout), projected
@@ -399,8 +399,8 @@ def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0, ring=None):
         # the positions each part holds: the cache as it stood at each row's start (a
         # ring's latest positions, or those before the start), then the chunk's own
         S, kmax = kv_shape(keys[0])[2], kv_shape(keys[1])[2]
-        if ring is not None:
-            held = ring_positions(start - 1, ring)
+        if ring is not None:  # (a chunk's ring may hold the window only: S slots)
+            held = ring_positions(start - 1, S)
         else:
             held = jnp.where(jnp.arange(S) < start[:, None], jnp.arange(S), -1)
         y = attn(q, keys, values, window, pos, [held, start[:, None] + jnp.arange(kmax)])

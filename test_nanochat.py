@@ -3167,11 +3167,12 @@ def test_engine_staggered_requests_equal_each_alone(window_model):
 
 @pytest.mark.usefixtures("fp32_matmuls")
 def test_engine_sliding_window_layers_hold_rings(window_model):
-    """The engine's cache holds a sliding-window layer's window only: a ring of ring_size slots
-    (the window and the token written, rounded up to 16), each position in its slot modulo the
-    ring. A 200-token prompt's last 144 positions go into the ring at admission, decoding wraps
-    it, and the greedy reply equals solo generate's over whole-context caches. A ring takes one
-    token a call."""
+    """The engine's cache holds a sliding-window layer's window only: a ring of the window's
+    slots (a decode chunk's own tokens lie apart), each position in its slot modulo the ring;
+    generate's rings hold ring_size (the window and the token written, rounded up to 16). A
+    200-token prompt's last 128 positions go into the ring at admission, decoding wraps it, and
+    the greedy reply equals solo generate's over whole-context caches. A ring takes one token a
+    call."""
     params, prompt = window_model
     cfg = WINDOW_CFG  # windows 128 and 256 at context 256
     assert (nc.ring_size(128, 256), nc.ring_size(255, 256)) == (144, None)
@@ -3181,10 +3182,10 @@ def test_engine_sliding_window_layers_hold_rings(window_model):
     assert (held <= pos[:, None]).all() and (held > pos[:, None] - 144).all()  # the latest 144
     eng = engine.Engine(params, cfg, slots=2, kmax=8)
     shapes = [k.shape for k, _ in eng.state["cache"]["layers"]]
-    assert shapes == [(2, 1, 144, 16), (2, 1, 256, 16)]
+    assert shapes == [(2, 1, 128, 16), (2, 1, 256, 16)]
     # with pages, layer 1 is a pool of pages of 32 tokens and the null page
     pooled = engine.new_state(cfg, 2, pages=10)["cache"]["layers"]
-    assert [k.shape for k, _ in pooled] == [(2, 1, 144, 16), (11, 1, 32, 16)]
+    assert [k.shape for k, _ in pooled] == [(2, 1, 128, 16), (11, 1, 32, 16)]
     whole = jax.eval_shape(lambda: nc.init_cache(cfg, 2, 256))
     ringed = jax.eval_shape(lambda: nc.init_cache(cfg, 2, 256, rings=True))
     # k and v of 2 slots: layer 0's 112 positions fewer
@@ -3465,16 +3466,22 @@ def test_engine_pages_are_taken_returned_and_never_shared(window_model):
     with pytest.raises(ValueError, match=r"^pages is 7; the engine needs at least 8 \(one "
                                          r"context of 256 tokens in pages of 32\)$"):
         engine.Engine(params, WINDOW_CFG, slots=4, pages=7)
+    # a chunk's tokens cross one page's end at most, and one ring's (of 128 here)
+    too_many = "^kmax is {}; a chunk's tokens must fit a page and a ring: 1 to {}$"
+    with pytest.raises(ValueError, match=too_many.format(33, 32)):
+        engine.Engine(params, WINDOW_CFG, slots=4, pages=8, kmax=33)
+    with pytest.raises(ValueError, match=too_many.format(129, 128)):
+        engine.Engine(params, WINDOW_CFG, slots=4, kmax=129)
 
 
 def test_engine_served_the_tpus_way_serves_as_the_cpus_way():
     """A paged engine served the TPU's way (interpreted here): a decode chunk's tokens written by
     whole windows (kernels.write_windows) and its pages read in place (kernels.attend_pages),
     replies as one served the CPU's way (one scatter of vectors, the pages gathered) and leaves
-    the same state: heads of 128, chunks of 16 tokens, rows across a ring's end (144 slots) and
+    the same state: heads of 128, chunks of 16 tokens, rows across a ring's end (128 slots) and
     across pages of 32, two choices of one prompt; an int8 cache's too (its values by windows of
-    32-row tiles in pages, its scales scattered). (Each kernel against its CPU twin, bit for bit
-    or to fp32's rounding: test_written_windows_equal_the_scatter_of_vectors,
+    32-row tiles in pages and rings, its scales scattered). (Each kernel against its CPU twin,
+    bit for bit or to fp32's rounding: test_written_windows_equal_the_scatter_of_vectors,
     test_attend_pages_sums_what_the_gathered_pages_sum.)"""
     run_alone("check_engine_kernels()")
     run_alone("check_engine_kernels('int8')")  # its values by windows too, its scales scattered
