@@ -299,15 +299,20 @@ def attend_pages(q, keys, values, block=8):
 
         zero = jnp.zeros((8, D), jnp.float32)
         sums = jax.lax.fori_loop(0, blocks(r), body, [(zero, zero)] * (K * G))
-        for h in range(K):
-            for g in range(G):
-                num, den = sums[h * G + g]
-                num_out[0, h, pl.ds(g, 1)] = num.sum(0, keepdims=True)
-                den_out[0, h, pl.ds(g, 1)] = den.sum(0, keepdims=True)
+        store_sums(sums, num_out, den_out)
+    num, den = pages_call(kernel, q, keys, values, span)
+    return num, den[..., 0]
+
+
+def pages_call(kernel, q, keys, values, span):
+    """attend_pages' kernel over the rows in turn, a grid step a row: the rows' page tables
+    and counts prefetched into SMEM, the row's q in, its num and den (1, K, G, D) out, the
+    pools left in HBM for the kernel's copies into two buffers of `span` tokens."""
+    B, K, G, D = q.shape
 
     def per_row(r, *_):
         return (r, 0, 0, 0)
-    num, den = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((B, K, G, D), jnp.float32),) * 2,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -325,7 +330,17 @@ def attend_pages(q, keys, values, block=8):
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=jax.default_backend() != "tpu",
     )(keys.table, keys.count, q, keys.pool, values.pool)
-    return num, den[..., 0]
+
+
+def store_sums(sums, num_out, den_out):
+    """attend_pages' sums for a row (block_sums'), each summed over its 8 rows, into the
+    row's outputs num_out and den_out (1, K, G, D)."""
+    _, K, G, _ = num_out.shape
+    for h in range(K):
+        for g in range(G):
+            num, den = sums[h * G + g]
+            num_out[0, h, pl.ds(g, 1)] = num.sum(0, keepdims=True)
+            den_out[0, h, pl.ds(g, 1)] = den.sum(0, keepdims=True)
 
 
 def block_sums(q, k_buf, v_buf, slot, held, sums, exact):
