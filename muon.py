@@ -123,6 +123,17 @@ def adamw_step(p, g, m, v, t, *, lr, beta1, beta2, weight_decay, eps=1e-10):
     return p.astype(dtype), m.astype(dtype), v.astype(dtype)
 
 
+def stacked(leaves, shards=1, constrain_stack=None):
+    """The matrices of leaves (each (..., rows, cols)) as one stack (N, rows, cols); with
+    shards > 1 padded with zero matrices at its end to a multiple of shards and laid out by
+    constrain_stack(stack)."""
+    x = jnp.concatenate([leaf.reshape(-1, *leaf.shape[-2:]) for leaf in leaves])
+    if shards > 1:
+        zero_matrices = ((0, -len(x) % shards), (0, 0), (0, 0))
+        x = constrain_stack(jnp.pad(x, zero_matrices))
+    return x
+
+
 def update(grads, state, params, labels, groups, shards=1, constrain_stack=None):
     """One MuonAdamW step: each leaf by the group its label names. Returns (params, state).
 
@@ -156,16 +167,8 @@ def update(grads, state, params, labels, groups, shards=1, constrain_stack=None)
     for (name, _), idx in stacks.items():
         hp = groups[name]
         sizes = [math.prod(p[i].shape[:-2]) for i in idx]  # matrices in each leaf
-
-        def concat(leaves):
-            matrices = [leaves[i].reshape(-1, *leaves[i].shape[-2:]) for i in idx]
-            x = jnp.concatenate(matrices)
-            if shards > 1:
-                extra = -len(x) % shards
-                zero_matrices = ((0, extra), (0, 0), (0, 0))  # at the end of the stack
-                x = constrain_stack(jnp.pad(x, zero_matrices))
-            return x
-        stack = muon_step(concat(p), concat(g), concat(m), concat(v),
+        stack = muon_step(*(stacked([leaves[i] for i in idx], shards, constrain_stack)
+                            for leaves in (p, g, m, v)),
                           lr=hp["lr"],
                           momentum=hp["momentum"],
                           weight_decay=hp["weight_decay"],
