@@ -523,9 +523,9 @@ def resume_or_init(stage, out_dir, resume, sched, lrs):
     return 0, params, muon.init(params, *groups(params)), sched, lrs, None
 
 
-def print_startup(stage, sched, shape, attention, lr_scale, layout_words):
+def print_startup(stage, sched, shape, attention, lr_scale, layout_words, plan_line=""):
     """The startup line: the model, its size, the steps, the devices, the kernel, the
-    layout."""
+    layout; then the memory plan's line, if any."""
     cfg = stage.cfg
     dtype = jnp.dtype(cfg.compute_dtype)
     route = kernels.resolve_route(attention, jax.default_backend(), dtype,
@@ -534,6 +534,20 @@ def print_startup(stage, sched, shape, attention, lr_scale, layout_words):
           f"{sched['num_iterations']} steps of {shape}, {jax.device_count()} devices, attention "
           f"{route}, lr scale {lr_scale:.3f}, Muon wd {sched['weight_decay']:.3g}\n"
           f"{layout_words}")
+    if plan_line:
+        print(plan_line)
+
+
+def stage_meta(stage, sched, lrs, record, run):
+    """What each of a stage's checkpoints records beside its params: the stage, config,
+    tokenizer, schedule, learning rates, the run's flags (record; its device batch as
+    settled, where planned) and LoRA's settings."""
+    meta = {"stage": stage.name, "config": dataclasses.asdict(stage.cfg),
+            "tokenizer": "tokenizer.json", "schedule": sched, "lrs": lrs, "args": record or {},
+            "lora": stage.lora}
+    if "device_batch_size" in meta["args"]:  # the flag's value as settled (None: planned)
+        meta["args"] = {**meta["args"], "device_batch_size": run.device_batch_size}
+    return meta
 
 
 def stage_batches(tok, stage, run, batch, mesh, states=None):
@@ -650,10 +664,9 @@ def refused_compiles():
 
 
 def run_stage(stage, tok, run=Run(), optim=Optim(), evals=None, record=None):
-    """Run a stage to its horizon, or on from its newest checkpoint under
-    run.out/<name>: (params, cfg, this run's losses, info). evals:
-    evaluate.during_training's; record: more to save in each checkpoint's meta
-    (train.py: its flags)."""
+    """Run a stage to its horizon, or on from its newest checkpoint under run.out/<name>:
+    (params, cfg, this run's losses, info). evals: evaluate.during_training's; record: more
+    to save in each checkpoint's meta (train.py: its flags)."""
     cfg = stage.cfg
     out_dir = os.path.join(run.out, stage.name)
     planned = memory_limit() is not None and stage.sample is None and not run.debug
@@ -672,8 +685,7 @@ def run_stage(stage, tok, run=Run(), optim=Optim(), evals=None, record=None):
     step_fn = functools.partial(train_step if run.debug else jit_train_step, sched=sched, lrs=lrs,
                                 cfg=cfg, attn=kernels.attention_fn(run.attention), layout=layout,
                                 frozen=frozen)
-    # 3. on an accelerator, the device batch checked against its memory, or the largest
-    # that fits
+    # 3. on an accelerator, the device batch checked against its memory, or the largest that fits
     plan_line = ""
     if planned:
         run, plan_line, _ = plan_memory(stage, run, batch, step_fn,
@@ -681,15 +693,10 @@ def run_stage(stage, tok, run=Run(), optim=Optim(), evals=None, record=None):
         sched, lrs, batch, lr_scale, shape = stage_plan(stage, optim, run.device_batch_size)
     next_batch, states = stage_batches(tok, stage, run, batch, mesh, states)
     words = sharding.describe(params, opt_state, jax.device_count(), shard)
-    print_startup(stage, sched, shape, run.attention, lr_scale, words)
-    if plan_line:
-        print(plan_line)
+    print_startup(stage, sched, shape, run.attention, lr_scale, words, plan_line)
     # 4. the checkpoints and the metrics
     os.makedirs(out_dir, exist_ok=True)
-    meta = {"stage": stage.name, "config": dataclasses.asdict(cfg), "tokenizer": "tokenizer.json",
-            "schedule": sched, "lrs": lrs, "args": record or {}, "lora": stage.lora}
-    if "device_batch_size" in meta["args"]:  # the flag's value as settled (None: planned)
-        meta["args"] = {**meta["args"], "device_batch_size": run.device_batch_size}
+    meta = stage_meta(stage, sched, lrs, record, run)
     results = {"val_bpb": None, "tokens": 0, "train_time": 0.0}
     t = time.perf_counter()
     metrics = os.path.join(out_dir, "metrics.jsonl") if jax.process_index() == 0 else os.devnull
