@@ -616,10 +616,7 @@ class Engine:
         self.page = kvcache.page_size(S)
         self.paged = pages is not None
         self.pages = pages or slots * (S // self.page)
-        # a chunk's tokens cross one page's end, or a ring's, at most (kvcache.store_chunk)
-        rings = [w for w, kind in zip(nc.window_sizes(cfg), kvcache.layouts(cfg, self.paged))
-                 if kind == "ring"]
-        most = min([self.page] * self.paged + rings + [S])
+        most = kvcache.chunk_most(cfg, self.page, self.paged)
         if not 1 <= kmax <= most:
             raise ValueError(f"kmax is {kmax}; a chunk's tokens must fit a page and a ring: "
                              f"1 to {most}")

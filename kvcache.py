@@ -250,6 +250,15 @@ def chunk_buffers(layers, rows, kmax):
     return [jax.tree.map(own, layer) for layer in layers]
 
 
+def chunk_most(cfg, page, paged):
+    """The most tokens a decode chunk may write (its kmax): store_chunk takes a row's
+    tokens across one page's end or one ring's at most, so a page's tokens (paged) and the
+    shortest ring's."""
+    rings = [window for window, layout in zip(nc.window_sizes(cfg), layouts(cfg, paged))
+             if layout == "ring"]
+    return min([page] * paged + rings + [cfg.sequence_len])
+
+
 def store_chunk(layers, fresh, kinds, start, end, *, table, cfg):
     """A decode chunk's own k, v (per layer, (rows, K, kmax, D) entries) into the first
     rows' cache `layers` (layouts `kinds`): each row's tokens from its position at the

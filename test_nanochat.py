@@ -3281,23 +3281,24 @@ def test_engine_slots_that_do_not_fit_are_one_line(chat_model, monkeypatch, caps
     # bench.py serve --infer-bench and --chat-traffic: the batch of 4 skipped with that line, the
     # sweep goes on
     import bench
+    import bench_serving
     monkeypatch.setitem(bench.CONFIGS, "tiny", TINY)
     tiny_work = engine.Engine(random_params(TINY, 48), TINY, slots=1, kmax=4,
                               attn=kernels.attention_fn()).decode_work(1)
     two = 2 * (engine.state_bytes(TINY, 1) + tiny_work)
     monkeypatch.setattr(kvcache, "free_device_bytes", lambda: two)
     capsys.readouterr()
-    bench.bench_infer("tiny", batch_sizes=(4, 1), decode_tokens=8, kmax=4)
+    bench_serving.bench_infer("tiny", batch_sizes=(4, 1), decode_tokens=8, kmax=4)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert lines[0]["batch_size"] == 4 and re.fullmatch(r"4 slots need .* to decode, .*; at most "
                                                          r"[123] fit", lines[0]["skipped"])
     assert [row["batch_size"] for row in lines[-1]["sweep"]] == [1]
     monkeypatch.setattr(kvcache, "free_device_bytes", lambda: 2 * engine.state_bytes(TINY, 1))
-    bench.bench_chat_traffic("tiny", 4)
+    bench_serving.bench_chat_traffic("tiny", 4)
     line = json.loads(capsys.readouterr().out)
     assert line["slots"] == 4 and re.fullmatch(r"4 slots and \d+ pages need .*; at most 0 fit",
                                                line["skipped"])
-    bench.bench_decode_chunk("tiny", 4, positions=(10, 20), kmax=4, calls=2)
+    bench_serving.bench_decode_chunk("tiny", 4, positions=(10, 20), kmax=4, calls=2)
     line = json.loads(capsys.readouterr().out)
     assert line["rows"] == 4 and re.fullmatch(r"4 slots and \d+ pages need .*; at most 0 fit",
                                               line["skipped"])
@@ -6309,12 +6310,13 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys, tmp_path):
     --infer-bench ends with one JSON document of nanochat's infer_bench schema, whose MBU and MFU
     follow nanochat's formulas from the document's own numbers."""
     import bench
+    import bench_serving
     eng = engine.Engine(random_params(TINY, 0), TINY, slots=4, kmax=4)
-    r = bench.serve_streams(eng, [[1, 2, 3], [4, 5]], 10)
+    r = bench_serving.serve_streams(eng, [[1, 2, 3], [4, 5]], 10)
     assert r["streams"] == 2 and r["tokens"] == 20 and 0 < r["ttft_ms_p50"] <= r["ttft_ms_p95"]
     assert r["device_calls_per_token"] < 0.5 and r["host_hops_per_token"] == 0
     monkeypatch.setitem(bench.CONFIGS, "tiny", TINY)
-    bench.bench_infer("tiny", batch_sizes=(1, 2), decode_tokens=8, kmax=4)
+    bench_serving.bench_infer("tiny", batch_sizes=(1, 2), decode_tokens=8, kmax=4)
     *lines, doc = map(json.loads, capsys.readouterr().out.splitlines())
     assert set(doc) == INFER_BENCH_KEYS and doc["prompt_tokens"] == 56
     assert [set(row) for row in doc["sweep"]] == [INFER_BENCH_SWEEP_KEYS] * 2
@@ -6322,7 +6324,7 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys, tmp_path):
     # TINY: 3 layers, K*D = 16 channels of k and of v, fp32; every window past context 60
     assert doc["kv_bytes_per_token"] == 3 * 2 * 16 * 4
     # an int8 cache: a byte a value, a 4-byte scale each of the 2 heads
-    assert bench.decode_costs(TINY, 60, "int8")[1] == 3 * 2 * (16 + 2 * 4)
+    assert bench_serving.decode_costs(TINY, 60, "int8")[1] == 3 * 2 * (16 + 2 * 4)
     assert doc["kv_read_bytes_per_step"] == 2 * 16 * 4 * (60 + 60 + 60)
     # the physical floor: the matmuls' weights (TINY's blocks, smear gate and lm_head), fp32
     shapes = nc.param_shapes(TINY)
@@ -6339,7 +6341,7 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys, tmp_path):
         assert line["mbu_percent"] == row["mbu_percent"] and row["decode_steps"] == 7
     # --chat-traffic: requests at once through an engine after its warm-up (TINY's context 64:
     # replies of 32 tokens, prompts of 31)
-    bench.bench_chat_traffic("tiny", 3, kmax=4)
+    bench_serving.bench_chat_traffic("tiny", 3, kmax=4)
     line = json.loads(capsys.readouterr().out)
     assert line["streams"] == line["slots"] == 3 and line["tokens"] == 3 * 32
     assert line["compiles_after_warm_up"] == 0 and line["reply_tokens"] == 32
@@ -6349,17 +6351,18 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys, tmp_path):
     assert line["pages"] == line["pages_peak"] == 3 * 4
     assert line["cache_bytes"] == engine.state_bytes(TINY, 3, None, 12)
     # --decode-chunk: one chunk program alone; every row decodes every step of 3 calls
-    bench.bench_decode_chunk("tiny", 3, positions=(10, 20), kmax=4, calls=2)
+    bench_serving.bench_decode_chunk("tiny", 3, positions=(10, 20), kmax=4, calls=2)
     line = json.loads(capsys.readouterr().out)
     assert line["tokens"] == 3 * 4 * 3 and 10 <= line["positions"][0] <= line["positions"][1] <= 20
     assert line["view"] == 64 and line["tok_per_s"] == pytest.approx(3e3 / line["step_ms"], 1e-2)
     with pytest.raises(SystemExit, match="no room for 6 chunks of 16 tokens; pass a smaller"):
-        bench.bench_decode_chunk("tiny", 3)
+        bench_serving.bench_decode_chunk("tiny", 3)
     # one row owns fewer pages than a context's, the fewest an engine holds
-    bench.bench_decode_chunk("tiny", 1, positions=(10, 20), kmax=4, calls=2)
+    bench_serving.bench_decode_chunk("tiny", 1, positions=(10, 20), kmax=4, calls=2)
     assert json.loads(capsys.readouterr().out)["tokens"] == 1 * 4 * 3
     # --profile: as many calls again traced; a step's ops run once a step (the while loop's body)
-    bench.bench_decode_chunk("tiny", 2, positions=(10, 20), kmax=4, calls=2, profile=str(tmp_path))
+    bench_serving.bench_decode_chunk("tiny", 2, positions=(10, 20), kmax=4, calls=2,
+                                     profile=str(tmp_path))
     timed, traced = map(json.loads, capsys.readouterr().out.splitlines())
     (ops,) = traced["ops"].values()  # one process on a CPU
     assert traced["view"] == timed["view"] and len(ops) == 20
@@ -6373,7 +6376,7 @@ def test_bench_agreement_counts_the_replies_that_differ(tmp_path, nanochat_d2, m
     """bench.py serve --agreement: held-out questions (3 here) greedy through the engine
     at once against each one's reply alone; in fp32 all equal but the one whose reply alone is
     made to differ at its third token, which it names."""
-    import bench
+    import bench_serving
     params, cfg, tok = nanochat_d2
     meta = {"stage": "sft", "step": 1, "config": dataclasses.asdict(cfg),
             "tokenizer": "tokenizer.json"}
@@ -6389,7 +6392,7 @@ def test_bench_agreement_counts_the_replies_that_differ(tmp_path, nanochat_d2, m
     monkeypatch.setattr(engine, "generate", one_altered)
     questions = tasks.load_questions
     monkeypatch.setattr(tasks, "load_questions", lambda path: questions(path)[:3])
-    bench.bench_agreement(str(tmp_path / "sft"), max_tokens=4, slots=2)
+    bench_serving.bench_agreement(str(tmp_path / "sft"), max_tokens=4, slots=2)
     line = json.loads(capsys.readouterr().out)
     assert len(calls) == line["replies"] == 3
     assert line["equal"] == 2 and line["first_differences"] == [2]
