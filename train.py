@@ -693,7 +693,7 @@ def run_stage(stage, tok, run=Run(), optim=Optim(), evals=None, record=None):
         sched, lrs, batch, lr_scale, shape = stage_plan(stage, optim, run.device_batch_size)
     next_batch, states = stage_batches(tok, stage, run, batch, mesh, states)
     words = sharding.describe(params, opt_state, jax.device_count(), shard)
-    print_startup(stage, sched, shape, run.attention, lr_scale, words, plan_line)
+    print_startup(stage, sched, shape, run.attention, lr_scale, words, plan_line=plan_line)
     # 4. the checkpoints and the metrics
     os.makedirs(out_dir, exist_ok=True)
     meta = stage_meta(stage, sched, lrs, record, run)
