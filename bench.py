@@ -28,7 +28,6 @@ import argparse
 import functools
 import json
 import pathlib
-import resource
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ import numpy as np
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import bench_serving
 import data
 import engine
 import kernels
@@ -52,20 +52,10 @@ import runtime
 import sharding
 import train
 
-# The models PyTorch nanochat was measured on beside us (docs/performance.md), and their batches.
+# The models PyTorch nanochat was measured on beside us (docs/performance.md; bench_serving's
+# CONFIGS), and their batches.
 BATCH = {"nano-char": (32, 256), "nano": (32, 256), "d6": (8, 512)}
-CONFIGS = {
-    "nano-char": nc.Config(sequence_len=256, vocab_size=65, n_layer=4, n_head=4, n_kv_head=4,
-                           n_embd=128, window_pattern="L"),
-    "nano": nc.Config(sequence_len=256, vocab_size=4096, n_layer=4, n_head=4, n_kv_head=4,
-                      n_embd=128, window_pattern="L"),
-    "d6": nc.Config(sequence_len=512, vocab_size=8192, n_layer=6, n_head=6, n_kv_head=6,
-                    n_embd=384, window_pattern="L"),
-}
-
-
-def peak_rss_gb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+CONFIGS = bench_serving.CONFIGS
 
 
 def bench_tokenizer(mb=5.0, vocab_size=4096, repeats=3):
@@ -145,7 +135,7 @@ def bench_decode(configs=("nano", "d6"), repeats=3):
             print(json.dumps({"bench": "decode", "config": name,
                               "params": nc.num_scaling_params(cfg)["total"], **r,
                               "gflop_per_s": round(gflops, 2), "mfu": round(gflops * 1e9 / peak, 4),
-                              "peak_rss_gb": round(peak_rss_gb(), 2)}), flush=True)
+                              "peak_rss_gb": round(bench_serving.peak_rss_gb(), 2)}), flush=True)
 
 
 def train_step_timing(cfg, B, steps, warmup=3):
@@ -169,7 +159,7 @@ def train_step_timing(cfg, B, steps, warmup=3):
             first = time.time() - START
     return {"first_step_s": first, "first_call_s": times[0],
             "step_s": statistics.median(times[warmup:]), "loss": float(m["loss"]),
-            "peak_rss_gb": peak_rss_gb()}
+            "peak_rss_gb": bench_serving.peak_rss_gb()}
 
 
 def bench_train(configs=tuple(CONFIGS), steps=10):
@@ -499,7 +489,6 @@ def main(argv=None):
     elif args.mode == "train-child":
         bench_train_child(args.configs[0], args.steps)
     elif args.mode == "serve":
-        import bench_serving  # (which imports this module's CONFIGS)
         bench_serving.serve(args)
     elif args.mode == "accel-child":
         bench_accel_child(args.depths[0], args.remat, args.steps)

@@ -37,7 +37,22 @@ import nanochat as nc
 import report
 import tasks
 import train
-from bench import CONFIGS, peak_rss_gb  # (bench.py imports this module in its main only)
+
+# The small models PyTorch nanochat was measured on beside us (docs/performance.md): serve's,
+# and bench.py's training benchmarks'
+CONFIGS = {
+    "nano-char": nc.Config(sequence_len=256, vocab_size=65, n_layer=4, n_head=4, n_kv_head=4,
+                           n_embd=128, window_pattern="L"),
+    "nano": nc.Config(sequence_len=256, vocab_size=4096, n_layer=4, n_head=4, n_kv_head=4,
+                      n_embd=128, window_pattern="L"),
+    "d6": nc.Config(sequence_len=512, vocab_size=8192, n_layer=6, n_head=6, n_kv_head=6,
+                    n_embd=384, window_pattern="L"),
+}
+
+
+def peak_rss_gb():
+    """The process's peak resident memory, GiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def serve(args):

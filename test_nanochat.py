@@ -252,8 +252,10 @@ IMPORTS = {
     "scaling_fits": set(),
     "scaling": {"checkpoint", "data", "evaluate", "kernels", "muon", "nanochat", "runtime",
                 "scaling_fits", "sharding", "train"},
-    "bench": {"checkpoint", "data", "engine", "kernels", "kvcache", "lora", "muon", "nanochat",
-              "report", "runtime", "sharding", "tasks", "train"},
+    "bench_serving": {"checkpoint", "data", "engine", "kernels", "kvcache", "nanochat", "report",
+                      "tasks", "train"},
+    "bench": {"bench_serving", "data", "engine", "kernels", "lora", "muon", "nanochat", "report",
+              "runtime", "sharding", "train"},
 }
 
 
@@ -3280,9 +3282,8 @@ def test_engine_slots_that_do_not_fit_are_one_line(chat_model, monkeypatch, caps
         "at most 3 fit (--slots)")
     # bench.py serve --infer-bench and --chat-traffic: the batch of 4 skipped with that line, the
     # sweep goes on
-    import bench
     import bench_serving
-    monkeypatch.setitem(bench.CONFIGS, "tiny", TINY)
+    monkeypatch.setitem(bench_serving.CONFIGS, "tiny", TINY)
     tiny_work = engine.Engine(random_params(TINY, 48), TINY, slots=1, kmax=4,
                               attn=kernels.attention_fn()).decode_work(1)
     two = 2 * (engine.state_bytes(TINY, 1) + tiny_work)
@@ -6309,13 +6310,12 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys, tmp_path):
     """bench.py serve: streams through the engine report their tokens and latencies; its
     --infer-bench ends with one JSON document of nanochat's infer_bench schema, whose MBU and MFU
     follow nanochat's formulas from the document's own numbers."""
-    import bench
     import bench_serving
     eng = engine.Engine(random_params(TINY, 0), TINY, slots=4, kmax=4)
     r = bench_serving.serve_streams(eng, [[1, 2, 3], [4, 5]], 10)
     assert r["streams"] == 2 and r["tokens"] == 20 and 0 < r["ttft_ms_p50"] <= r["ttft_ms_p95"]
     assert r["device_calls_per_token"] < 0.5 and r["host_hops_per_token"] == 0
-    monkeypatch.setitem(bench.CONFIGS, "tiny", TINY)
+    monkeypatch.setitem(bench_serving.CONFIGS, "tiny", TINY)
     bench_serving.bench_infer("tiny", batch_sizes=(1, 2), decode_tokens=8, kmax=4)
     *lines, doc = map(json.loads, capsys.readouterr().out.splitlines())
     assert set(doc) == INFER_BENCH_KEYS and doc["prompt_tokens"] == 56
