@@ -5,7 +5,8 @@ and read out of it, its bytes against the device's memory, and the host's page a
   than its window, so a slot holds only a ring of `window` positions, the token at
   position p in slot p modulo the ring: a window of 512 tokens at a context of 2048 holds
   512, not 2048 (a decode chunk reads the ring as it stood at its start, and its own
-  tokens apart: the window before the start is all a step reads there). A layer over the whole context holds rows, the whole context a slot; or
+  tokens apart: the window before the start is all a step reads there). A layer over the
+  whole context holds rows, the whole context a slot; or
   pages of `page_size` tokens from one pool (`new_cache` with pages), so that the cache is
   not slots × context: a request holds the pages its prompt and max_tokens can reach, from
   its admission to its end (`PagePool`). Page 0 is the null page, which no slot holds: a
