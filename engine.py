@@ -348,14 +348,14 @@ def emit(slot, logits, pos, python, logprobs):
 def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention, paged=False):
     """Start requests in their slots: prefill their prompts together, copy each prompt's
     cache into each of its choices' slots (nanochat's prefill once, replicate), and emit
-    each choice's first token: (state, records (N, W), with logprobs). request, every
-    value traced: per prompt (P rows): prompt (P, T), its first `length` tokens real;
-    seed; temperature, top_k, top_p; budget (tokens it may emit); stops (P, MAX_STOPS),
-    -1 padded. Per choice (N rows, the first n real): row, its prompt; choice, its
-    number within the request; slots, its slot (B past n); pages, its slot's page table
-    (N, S / page), 0 past the pages it holds. python: the ids of <|python_start|> and
-    <|python_end|> (-1: no calculator). paged: the state's layers over the whole context
-    are pages (kvcache.layouts)."""
+    each choice's first token: (state, records (N, W), emit's). request, every value
+    traced: per prompt (P rows): prompt (P, T), its first `length` tokens real; seed;
+    temperature, top_k, top_p; budget (tokens it may emit); stops (P, MAX_STOPS), -1
+    padded. Per choice (N rows, the first n real): row, its prompt; choice, its number
+    within the request; slots, its slot (B past n); pages, its slot's page table (N, S /
+    page), 0 past the pages it holds. logprobs: emit's, whether any prompt asks for them.
+    python: the ids of <|python_start|> and <|python_end|> (-1: no calculator). paged:
+    the state's layers over the whole context are pages (kvcache.layouts)."""
     slots = request["slots"]
     row = request["row"]
     length = request["length"]
@@ -389,7 +389,7 @@ def admit(layered, state, request, python, *, cfg, attn=nc.causal_attention, pag
         "top_p": request["top_p"][row],
         "stops": request["stops"][row],
     }
-    fresh, records = emit(fresh, logits[row], length[row], python, logprobs=True)
+    fresh, records = emit(fresh, logits[row], length[row], python, request["logprobs"])
     # 4. into the slots (an index of B, past the n choices, writes nothing)
     state = {**state, "cache": cache}
     del fresh["queue"]
@@ -857,7 +857,8 @@ class Engine:
     def request_arrays(self, T, group):
         """admit's request for a group of (request, its slots, its first choice there),
         prompts of bucket T: numpy values of fixed dtypes (a new value never
-        recompiles), the prompts padded to a row count of prompt_rows(T)."""
+        recompiles), the prompts padded to a row count P of prompt_rows(T), the choices
+        to as many as P prompts can start."""
         S = self.cfg.sequence_len
         P = min(rows for rows in self.prompt_rows(T) if rows >= len(group))
         prompts = {"prompt": np.zeros((P, T), np.int32),  # each padded at the end
@@ -868,11 +869,13 @@ class Engine:
                    "top_p": np.ones(P, np.float32),
                    "budget": np.zeros(P, np.int32),
                    "stops": np.full((P, MAX_STOPS), -1, np.int32)}
-        # slot B, out of range, for the rows past the choices: writes nothing
-        choices = {"row": np.zeros(self.slots, np.int32),
-                   "choice": np.zeros(self.slots, np.int32),
-                   "slots": np.full(self.slots, self.slots, np.int32),
-                   "pages": np.zeros((self.slots, S // self.page), np.int32)}
+        # as many choices as P prompts can start; slot B, out of range, for the rows past
+        # the choices: writes nothing
+        N = min(self.slots, P * self.choices)
+        choices = {"row": np.zeros(N, np.int32),
+                   "choice": np.zeros(N, np.int32),
+                   "slots": np.full(N, self.slots, np.int32),
+                   "pages": np.zeros((N, S // self.page), np.int32)}
         j = 0
         for p, (request, slots, first) in enumerate(group):
             n = len(request.prompt)
@@ -891,7 +894,8 @@ class Engine:
                 choices["slots"][j] = slot
                 choices["pages"][j] = self.pool.table[slot]
                 j += 1
-        return {**prompts, **choices, "n": np.int32(j)}
+        logprobs = any(request.sampling.logprobs for request, _, _ in group)
+        return {**prompts, **choices, "n": np.int32(j), "logprobs": np.bool_(logprobs)}
 
     def release(self, slot):
         """A slot's request is done with it: the slot and its pages are free (its page

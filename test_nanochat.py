@@ -3406,7 +3406,8 @@ def test_engine_prefills_a_burst_together(window_model):
     """Prompts waiting at one call are prefilled together, one admit call for each prompt
     bucket and as many prompts as its largest count holds: a burst of eight takes four calls,
     and each reply equals its request's alone (greedy: generate's; seeded, with three choices:
-    the engine's with the request alone)."""
+    the engine's with the request alone). A call's choices and logprobs are what its prompts
+    need."""
     params, prompt = window_model
     eng = engine.Engine(params, WINDOW_CFG, slots=16, kmax=8)
     assert [eng.prompt_rows(T) for T in (64, 256)] == [[1, 4], [1]]
@@ -3422,6 +3423,16 @@ def test_engine_prefills_a_burst_together(window_model):
     alone = eng.submit(prompt[:lengths[-1]].tolist(), seeded, n=3)
     eng.drain()
     assert alone.tokens == burst[-1].tokens and len({tuple(t) for t in alone.tokens}) == 3
+    # a call's choices are as many as its prompts can start (16 each), its logprobs drawn only
+    # where a request asks
+    wide = engine.Engine(params, WINDOW_CFG, slots=32, kmax=8)
+    plain = engine.Request(prompt[:3].tolist(), greedy(4), 1, None, False)
+    asks = engine.Request(prompt[:9].tolist(), engine.Sampling(max_tokens=4, logprobs=True), 1,
+                          None, False)
+    one = wide.request_arrays(64, [(plain, [0], 0)])
+    two = wide.request_arrays(64, [(plain, [0], 0), (asks, [1], 0)])
+    assert one["slots"].shape == (16,) and not one["logprobs"]
+    assert two["prompt"].shape == (4, 64) and two["slots"].shape == (32,) and two["logprobs"]
 
 
 @pytest.mark.usefixtures("fp32_matmuls")
