@@ -429,8 +429,7 @@ def bench_decode_chunk(name, rows, positions=(100, 656), kmax=16, calls=5, kv_ca
 
     def chunk(state):  # one call, timed to its records on the host
         start = time.perf_counter()
-        state, records = engine.decode_chunk(eng.layered, state, control, cfg=cfg, attn=eng.attn,
-                                             rows=rows, view=view, kmax=kmax, paged=True)
+        state, records = eng.chunk_call(engine.decode_chunk, state, control, rows, view)
         np.asarray(records)
         return state, time.perf_counter() - start
     # 2. the calls, then as many again under jax's profiler

@@ -38,7 +38,8 @@ BURST_QUIET = 0.002  # seconds without a new request
 BURST_MOST = 0.05  # seconds at most
 # warm_up compiles its programs in this many threads first where the host has 8 cores or
 # more (a v5e's host of 13: over 3× faster); one elsewhere (2 cores: threads took 13% longer)
-WARM_UP_THREADS = (os.cpu_count() or 1) // 2 if (os.cpu_count() or 1) >= 8 else 1
+CORES = os.cpu_count() or 1
+WARM_UP_THREADS = CORES // 2 if CORES >= 8 else 1
 # a record's flags: the token was forced (mask 0), it closed a python block, the choice ended
 FORCED = 1
 CLOSES = 2
@@ -771,9 +772,7 @@ class Engine:
                    "pages": self.pool.table.copy(),  # the host's own changes after the call
                    "python": self.python,
                    "logprobs": np.bool_(logprobs)}
-        self.state, records = decode_chunk(self.layered, self.state, control, cfg=self.cfg,
-                                           attn=self.attn, rows=rows, view=view,
-                                           kmax=self.kmax, paged=self.paged)
+        self.state, records = self.chunk_call(decode_chunk, self.state, control, rows, view)
         self.stopping.clear()
         self.stats["calls"] += 1
         self.stats["chunks"] += 1
@@ -839,8 +838,7 @@ class Engine:
             for i in range(0, len(entries), most):
                 group = entries[i:i + most]
                 arrays = self.request_arrays(T, group)
-                self.state, records = admit(self.layered, self.state, arrays, self.python,
-                                            cfg=self.cfg, attn=self.attn, paged=self.paged)
+                self.state, records = self.admit_call(admit, self.state, arrays)
                 self.stats["calls"] += 1
                 self.stats["admits"] += 1
                 started.append((group, records))
@@ -959,6 +957,17 @@ class Engine:
                 "python": self.python,
                 "logprobs": np.bool_(False)}
 
+    def admit_call(self, program, state, arrays):
+        """admit (or its .lower) on `state` with this engine's weights and settings."""
+        return program(self.layered, state, arrays, self.python, cfg=self.cfg, attn=self.attn,
+                       paged=self.paged)
+
+    def chunk_call(self, program, state, control, rows, view):
+        """decode_chunk (or its .lower) on `state` with this engine's weights and
+        settings, its first `rows` slots read up to `view`."""
+        return program(self.layered, state, control, cfg=self.cfg, attn=self.attn, rows=rows,
+                       view=view, kmax=self.kmax, paged=self.paged)
+
     def decode_work(self, slots):
         """The bytes the largest decode call of an engine of `slots` slots (every slot,
         the whole context) needs beyond its arguments, by the device compiler's count
@@ -966,9 +975,7 @@ class Engine:
         state = state_shapes(self.cfg, slots, self.kv_cache,
                              self.pages if self.paged else None, self.page)
         control = self.idle_control(slots)
-        lowered = decode_chunk.lower(self.layered, state, control, cfg=self.cfg, attn=self.attn,
-                                     rows=slots, view=self.views[-1], kmax=self.kmax,
-                                     paged=self.paged)
+        lowered = self.chunk_call(decode_chunk.lower, state, control, slots, self.views[-1])
         arguments = kvcache.tree_bytes((self.layered, state, control))
         return runtime.needed_bytes(lowered, arguments) - arguments
 
@@ -992,29 +999,23 @@ class Engine:
         nothing = np.zeros(S, np.int32)
         # 1. compiled in threads, where the host has cores to spare: jax keeps each program
         # by its lowering, and the runs below find it
-        calls = ([functools.partial(admit.lower, self.layered, self.state, arrays,
-                                    self.python, cfg=self.cfg, attn=self.attn,
-                                    paged=self.paged) for arrays in admits]
-                 + [functools.partial(decode_chunk.lower, self.layered, self.state, control,
-                                      cfg=self.cfg, attn=self.attn, rows=rows, view=view,
-                                      kmax=self.kmax, paged=self.paged)
-                    for rows, view in chunks])
+        calls = ([functools.partial(self.admit_call, admit.lower, self.state, arrays)
+                  for arrays in admits]
+                 + [functools.partial(self.chunk_call, decode_chunk.lower, self.state, control,
+                                      rows, view) for rows, view in chunks])
         if WARM_UP_THREADS > 1:
             with concurrent.futures.ThreadPoolExecutor(WARM_UP_THREADS) as pool:
                 list(pool.map(lambda lower: lower().compile(), calls))
         # 2. each run once, in turn
         for arrays in admits:
-            self.state, _ = admit(self.layered, self.state, arrays, self.python,
-                                  cfg=self.cfg, attn=self.attn, paged=self.paged)
+            self.state, _ = self.admit_call(admit, self.state, arrays)
         # (a chunk's slots' values are put back after; the token each wrote lies where no
         # request reads: position 0 of an empty slot, the null page, as a finished request's)
         for rows, view in chunks:
             before = jax.tree.map(jnp.copy, per_slot(self.state))
             self.state = {**self.state, "live": jnp.ones(self.slots, bool),
                           "left": jnp.ones(self.slots, jnp.int32)}
-            self.state, _ = decode_chunk(self.layered, self.state, control, cfg=self.cfg,
-                                         attn=self.attn, rows=rows, view=view,
-                                         kmax=self.kmax, paged=self.paged)
+            self.state, _ = self.chunk_call(decode_chunk, self.state, control, rows, view)
             layers = self.state["cache"]["layers"]
             self.state = {**before, "cache": {**before["cache"], "layers": layers}}
         self.state = resume(self.state, np.int32(self.slots), nothing, np.int32(0))
