@@ -13,10 +13,10 @@ picking at trace time by backend, dtype, shapes:
 - "xla", "plain": dot_product_attention's XLA path, nanochat.causal_attention itself.
 A query chunk over a KV cache takes `attend_cache` on every backend. Every route is tested
 against the plain attention; docs/performance.md says why each exists and what it saves.
-On a TPU a decode step reads a paged layer's pages in place, each row's only as far as it
-holds tokens (`attend_pages`, a Pallas kernel), and a decode chunk's tokens go into the cache
-by whole tiles (`write_windows`); elsewhere the pages are gathered and the tokens scattered
-(`write_tokens`). `init_params` compiles the init cheaply.
+On a TPU a decode step reads a paged layer's pages in place, and an int8 cache's rings, each
+row's only as far as it holds tokens (`attend_pages`, a Pallas kernel), and a decode chunk's
+tokens go into the cache by whole tiles (`write_windows`); elsewhere the pages are gathered and
+the tokens scattered (`write_tokens`). `init_params` compiles the init cheaply.
 """
 
 import dataclasses
@@ -67,15 +67,16 @@ def attend_cpu(q, k, v, mask):
     return y.reshape(B, Tq, H, D)
 
 
-def attend_cache(q, keys, values, masks):
+def attend_cache(q, keys, values, masks, first=None):
     """Queries q (B, Tq, H, D) over a KV cache's parts, keys and values lists of (B, K,
     S_i, D) under masks (B, Tq, S_i), as one softmax over every part's keys (a decode
     chunk's: the cache and the chunk's own tokens), without a max pass (see the
     header). The cache is read as it lies: XLA's dots then read each head's keys in
     place, where a transposed copy, or the parts joined, would cost more than the
-    math. A part may be `Pages` (a decode step's, one query a row): attend_pages reads
-    it; or an int8 cache's (values, scales (B, K, S_i)): the dots read the int8 values,
-    and the scales multiply the scores and the weights, S_i along their lanes."""
+    math. A part may be `Pages` (a decode step's, one query a row, the earliest
+    position each sees first (B,)): attend_pages reads it; or an int8 cache's (values,
+    scales (B, K, S_i)): the dots read the int8 values, and the scales multiply the
+    scores and the weights, S_i along their lanes."""
     B, Tq, H, D = q.shape
     K = nc.kv_shape(keys[0])[1]
     q = q.reshape(B, Tq, K, H // K, D)
@@ -83,7 +84,7 @@ def attend_cache(q, keys, values, masks):
     y = sums = 0
     for k, v, mask in zip(keys, values, masks):
         if isinstance(k, Pages):
-            num, den = attend_pages(q[:, 0], k, v)
+            num, den = attend_pages(q[:, 0], k, v, first)
             num, den = num[:, None], den[:, None]
         else:
             k, k_scale = split_scales(k)
@@ -186,7 +187,7 @@ def _route_attention(name):
             masks = [nc.attention_mask(q_pos, p if p is not None else
                                        jnp.arange(nc.kv_shape(a)[2]), window)
                      for a, p in zip(k, k_pos)]
-            return attend_cache(q, k, v, masks)
+            return attend_cache(q, k, v, masks, first=q_pos[..., 0] - window)
         # a whole sequence: the route's attention. Heads first where attn.heads_first says
         # so (the model then projects q, k, v into it): splash's layout; the others take
         # (B, T, H, D)
@@ -224,15 +225,22 @@ def sequence_attention(route, q, k, v, window):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Pages:
-    """A paged layer's k or v as a decode chunk reads it in place (`attend_pages`): the
-    pool (pages, K, page, D), the rows' page tables (B, n) and the tokens each row holds
-    from position 0, count (B,). Its shape is the gathered array's, (B, K, n * page, D)."""
+    """A layer's k or v as a decode step reads it in place (`attend_pages`): a pool of pages
+    (pages, K, page, D) through the rows' page tables (B, n), or with table None the rows'
+    rings (at least B, K, S, D), position p at slot p modulo S; count (B,), the tokens each
+    row holds from position 0 (a ring the last S of them); an int8 cache's scales as the
+    kernel reads them (`block_scales`), else None. Its shape is the gathered array's, (B, K, n * page or
+    S, D)."""
     pool: jax.Array
-    table: jax.Array
+    table: jax.Array | None
     count: jax.Array
+    scales: jax.Array | None = None
 
     @property
     def shape(self):
+        if self.table is None:  # (a chunk's first rows of the rings)
+            _, K, S, D = self.pool.shape
+            return (self.count.shape[0], K, S, D)
         B, n = self.table.shape
         _, K, page, D = self.pool.shape
         return (B, K, n * page, D)
@@ -242,39 +250,67 @@ class Pages:
         return self.pool.dtype
 
 
-def attend_pages(q, keys, values, block=8):
-    """Queries q (B, K, G, D), one a row, over each row's first keys.count[b] tokens,
-    Pages of the same table: (num (B, K, G, D), den (B, K, G)) in fp32, the sums over
-    those tokens of w v and of w, w = exp(q.k / sqrt D) (no max: see the header). A
-    Pallas kernel over the rows in turn reads `block` pages at a time of a row's pages
-    (only those it holds), the next block's copies in flight while it computes one, a
-    row's first block while the last row finishes; off a TPU interpreted (tests)."""
-    B, K, G, D = q.shape
-    _, _, page, _ = keys.pool.shape
-    n = keys.table.shape[1]
-    span = block * page  # a block's tokens
-    # an fp32 cache's scores in fp32 (Mosaic's default rounds them to bf16), as XLA's at
-    # the highest precision
-    exact = jax.lax.Precision.HIGHEST if keys.pool.dtype == jnp.float32 else None
+BLOCK = 8  # pages a block of attend_pages reads (of 32 tokens: 256)
 
-    def kernel(table, count, q, k_pool, v_pool, num_out, den_out, k_buf, v_buf, sems, turn):
+
+def copy_unit(S, table):
+    """The tokens attend_pages copies at once: a page (S / n, table (B, n)), or of a ring of S
+    slots (table None) 32 where they divide it (an int8 tile's rows)."""
+    return S // table.shape[1] if table is not None else math.gcd(S, 32)
+
+
+def block_scales(scales, span):
+    """An int8 cache's scales (B, K, L), a row's tokens along lanes, as attend_pages reads
+    them: a block's (B, blocks, K, span), the tokens padded with zeros to whole blocks."""
+    B, K, L = scales.shape
+    scales = jnp.pad(scales, ((0, 0), (0, 0), (0, -L % span)))
+    return scales.reshape(B, K, -1, span).swapaxes(1, 2)
+
+
+def attend_pages(q, keys, values, first=None, block=BLOCK):
+    """Queries q (B, K, G, D), one a row, over the tokens of Pages keys and values (one
+    table and count) that each row's query sees: positions first[b] (None: 0) up to
+    count[b] - 1. (num (B, K, G, D), den (B, K, G)) in fp32, the sums over them of w v and
+    of w, w = exp(q.k / sqrt D) (no max: see the header). A Pallas kernel over the rows in
+    turn reads `block` pages at a time of a row's pages or ring (those it holds), the next
+    block's copies in flight while it computes one, a row's first block while the last row
+    finishes; an int8 block widened in VMEM (`int8_block_sums`). Off a TPU interpreted
+    (tests)."""
+    B, K, G, D = q.shape
+    S = keys.shape[2]  # a row's slots
+    page = copy_unit(S, keys.table)
+    span = block * page  # a block's tokens
+    # each row's slots that hold a token its query sees: of the first `held` (a ring's S
+    # once full), those at most `reach` tokens older than the newest, at slot `newest`
+    held = jnp.minimum(keys.count, S)
+    reach = keys.count - 1 - (0 if first is None else first)
+    newest = jnp.maximum(keys.count - 1, 0) % S
+    table = jnp.zeros((B, 1), jnp.int32) if keys.table is None else keys.table
+    scales = () if keys.scales is None else (keys.scales, values.scales)
+
+    def kernel(table, held, reach, newest, q, *refs):
+        scales, (k_pool, v_pool, num_out, den_out, k_buf, v_buf, sems, turn) = (
+            refs[:-8], refs[-8:])
         r = pl.program_id(0)
 
-        def copies(row, b, slot, start):  # block b of a row's pages into buffer slot
-            owned = (count[row] + page - 1) // page  # the pages the row holds
+        def copies(row, b, slot, start):  # block b of a row's slots into buffer slot
             for j in range(block):
-                at = jnp.minimum(b * block + j, n - 1)
+                at = jnp.minimum(b * block + j, S // page - 1)  # a page of the row's
                 for pool, buf, sem in ((k_pool, k_buf, sems.at[0, slot]),
                                        (v_pool, v_buf, sems.at[1, slot])):
-                    copy = pltpu.make_async_copy(pool.at[table[row, at]],
-                                                 buf.at[slot, :, pl.ds(j * page, page)], sem)
+                    if keys.table is None:  # the row's ring, a page's slots of it
+                        source = pool.at[row, :, pl.ds(at * page, page)]
+                    else:
+                        source = pool.at[table[row, at]]
+                    copy = pltpu.make_async_copy(source, buf.at[slot, :, pl.ds(j * page, page)],
+                                                 sem)
 
-                    @pl.when(b * block + j < owned)
+                    @pl.when((b * block + j) * page < held[row])
                     def _():
                         copy.start() if start else copy.wait()
 
         def blocks(row):  # at least one: a row holding nothing takes its zeros from one
-            return jnp.maximum(1, (count[row] + span - 1) // span)
+            return jnp.maximum(1, (held[row] + span - 1) // span)
 
         @pl.when(r == 0)
         def _():
@@ -291,23 +327,37 @@ def attend_pages(q, keys, values, block=8):
             def _():
                 copies(after, jnp.where(last, 0, b + 1), 1 - slot, True)
             copies(r, b, slot, False)
-            # 2. the block's sums, added to the row's
-            token = b * span + jax.lax.broadcasted_iota(jnp.int32, (span, D), 0)
-            sums = block_sums(q, k_buf, v_buf, slot, token < count[r], sums, exact)
+            # 2. the block's sums, added to the row's: over the slots that hold a token the
+            # query sees (not an earlier block's left in the buffer), of a ring by their age
+            # (an int8 block's tokens along lanes, an exact one's along sublanes)
+            shape = (8, span) if scales else (span, D)
+            token = b * span + jax.lax.broadcasted_iota(jnp.int32, shape, 1 if scales else 0)
+            seen = token < held[r]
+            if keys.table is None:
+                age = newest[r] - token
+                age = jnp.where(age < 0, age + S, age)  # across the ring's end
+                seen &= age <= reach[r]
+            if scales:
+                sums = int8_block_sums(q, k_buf, v_buf, slot, seen, sums,
+                                       [s.at[0, b] for s in scales])
+            else:
+                sums = block_sums(q, k_buf, v_buf, slot, seen, sums)
             turn[0] = 1 - slot
             return sums
 
         zero = jnp.zeros((8, D), jnp.float32)
         sums = jax.lax.fori_loop(0, blocks(r), body, [(zero, zero)] * (K * G))
         store_sums(sums, num_out, den_out)
-    num, den = pages_call(kernel, q, keys, values, span)
+    num, den = pages_call(kernel, (table, held, reach, newest), q, scales,
+                          keys.pool, values.pool, span)
     return num, den[..., 0]
 
 
-def pages_call(kernel, q, keys, values, span):
-    """attend_pages' kernel over the rows in turn, a grid step a row: the rows' page tables
-    and counts prefetched into SMEM, the row's q in, its num and den (1, K, G, D) out, the
-    pools left in HBM for the kernel's copies into two buffers of `span` tokens."""
+def pages_call(kernel, scalars, q, scales, k_pool, v_pool, span):
+    """attend_pages' kernel over the rows in turn, a grid step a row: the scalars (page
+    tables, held, reach, newest) prefetched into SMEM, the row's q and an int8 cache's
+    scales (block_scales) in, its num and den (1, K, G, D) out, the pools or rings left in HBM for the
+    kernel's copies into two buffers of `span` tokens."""
     B, K, G, D = q.shape
 
     def per_row(r, *_):
@@ -316,20 +366,21 @@ def pages_call(kernel, q, keys, values, span):
         kernel,
         out_shape=(jax.ShapeDtypeStruct((B, K, G, D), jnp.float32),) * 2,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=len(scalars),
             grid=(B,),
             in_specs=[pl.BlockSpec((1, K, G, D), per_row),
+                      *(pl.BlockSpec((1, *s.shape[1:]), per_row) for s in scales),
                       pl.BlockSpec(memory_space=pl.ANY),
                       pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=[pl.BlockSpec((1, K, G, D), per_row)] * 2,
-            scratch_shapes=[pltpu.VMEM((2, K, span, D), keys.pool.dtype),
-                            pltpu.VMEM((2, K, span, D), values.pool.dtype),
+            scratch_shapes=[pltpu.VMEM((2, K, span, D), k_pool.dtype),
+                            pltpu.VMEM((2, K, span, D), v_pool.dtype),
                             pltpu.SemaphoreType.DMA((2, 2)),
                             pltpu.SMEM((1,), jnp.int32)]),
         # the rows in turn: a row's copies start in the one before
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=jax.default_backend() != "tpu",
-    )(keys.table, keys.count, q, keys.pool, values.pool)
+    )(*scalars, q, *scales, k_pool, v_pool)
 
 
 def store_sums(sums, num_out, den_out):
@@ -343,14 +394,17 @@ def store_sums(sums, num_out, den_out):
             den_out[0, h, pl.ds(g, 1)] = den.sum(0, keepdims=True)
 
 
-def block_sums(q, k_buf, v_buf, slot, held, sums, exact):
+def block_sums(q, k_buf, v_buf, slot, seen, sums):
     """attend_pages' sums (a list of (num, den), (8, D) each, per head and query head)
     with one block's: q (1, K, G, D), the block in buffer `slot` of k_buf and v_buf (2,
-    K, span, D), held (span, D) the tokens the row holds. Each head's weights come out
+    K, span, D), seen (span, D) the tokens the query sees. Each head's weights come out
     broadcast over lanes: every column of the scores' product is the same (the query in
     every row of its right side)."""
     _, K, G, D = q.shape
     span = k_buf.shape[2]
+    # an fp32 cache's scores in fp32 (Mosaic's default rounds them to bf16), as XLA's at
+    # the highest precision
+    exact = jax.lax.Precision.HIGHEST if k_buf.dtype == jnp.float32 else None
     out = []
     for h in range(K):
         keys = k_buf[slot, h]  # (span, D)
@@ -360,11 +414,38 @@ def block_sums(q, k_buf, v_buf, slot, held, sums, exact):
             query = jnp.broadcast_to(q[0, h, pl.ds(g, 1)], (D, D))
             scores = jax.lax.dot_general(keys, query, (((1,), (1,)), ((), ())),
                                          precision=exact, preferred_element_type=jnp.float32)
-            w = jnp.where(held, jnp.exp(scores / D**0.5), 0.0)  # (span, D)
-            # (a held token's only: the buffer past them holds an earlier block's)
-            wv = jnp.where(held, w * values, 0.0)
+            w = jnp.where(seen, jnp.exp(scores / D**0.5), 0.0)  # (span, D)
+            # (a seen token's only: the buffer past them holds an earlier block's)
+            wv = jnp.where(seen, w * values, 0.0)
             out.append((num + wv.reshape(span // 8, 8, D).sum(0),
                         den + w.reshape(span // 8, 8, D).sum(0)))
+    return out
+
+
+def int8_block_sums(q, k_buf, v_buf, slot, seen, sums, scales):
+    """block_sums of an int8 block, its tokens along lanes: each head's scores (8, span), the
+    query's in row 0 (the rest 0), by a product with the keys transposed, times the keys'
+    scales; the weights times the values' scales, by a product with the values. seen (8,
+    span); scales, the block's k and v scales (K, span), refs."""
+    _, K, G, D = q.shape
+    span = k_buf.shape[2]
+    exact = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    first_row = jax.lax.broadcasted_iota(jnp.int32, (8, span), 0) == 0
+    out = []
+    for h in range(K):
+        # the values widened to the queries' dtype (exactly: int8 fits bf16)
+        keys = k_buf[slot, h].astype(jnp.float32).astype(q.dtype)  # (span, D)
+        values = v_buf[slot, h].astype(jnp.float32).astype(q.dtype)
+        k_scale, v_scale = (s[pl.ds(h, 1)].astype(jnp.float32) for s in scales)  # (1, span)
+        for g in range(G):
+            num, den = sums[h * G + g]
+            query = jnp.broadcast_to(q[0, h, pl.ds(g, 1)], (8, D))
+            scores = jax.lax.dot_general(query, keys, (((1,), (1,)), ((), ())),
+                                         precision=exact, preferred_element_type=jnp.float32)
+            w = jnp.where(first_row & seen, jnp.exp(scores * k_scale / D**0.5), 0.0)
+            wv = jnp.dot((w * v_scale).astype(q.dtype), values, precision=exact,
+                         preferred_element_type=jnp.float32)  # (8, D)
+            out.append((num + wv, den + w.sum(1, keepdims=True)))  # (8, D) each
     return out
 
 

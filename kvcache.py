@@ -15,7 +15,7 @@ and read out of it, its bytes against the device's memory, and the host's page a
   scale per token and head (nc.quantize), stored (B, K, S): the tokens along the lanes (a
   (B, K, S, 1) array took 128 lanes a scale on a TPU).
 - A prompt is prefilled whole, then copied into each of its choices' slots (`store_prompt`);
-  a decode chunk reads its rows' pages gathered, or on a TPU in place (`read_pages`), and
+  a decode chunk reads its rows' pages gathered, or on a TPU in place (`read_chunk`), and
   writes its new tokens after its steps (`store_chunk`).
 - The shapes the engine compiles for, a program each: prompt buckets and chunk views; a page
   tiles both. The cache is counted from its shapes before it exists (`check_memory`).
@@ -206,40 +206,54 @@ def from_pages(blocks):
     return jnp.moveaxis(blocks, 1, 2).reshape(B, K, n * page, *vector)
 
 
-def read_pages(pool, table, count, *, in_place=None):
-    """A paged layer's k or v as a decode chunk reads it: each row's pages through table
-    (B, n) gathered, (B, K, n * page, D); or in place (in_place None: on a TPU, for an
-    exact cache with heads of whole lanes), kernels.Pages, which attend_cache reads by
-    kernels.attend_pages, only as far as each row's count (B,) of tokens."""
-    if in_place is None:
-        exact = not isinstance(pool, tuple)
-        in_place = jax.default_backend() == "tpu" and exact and pool.shape[-1] % 128 == 0
-    if in_place:
-        return kernels.Pages(pool, table, count)
-    return jax.tree.map(lambda a: from_pages(a[table]), pool)
+def reads_in_place(entry, layout, in_place=None):
+    """Whether a decode chunk reads a layer's k or v in place (kernels.attend_pages): as
+    in_place says, or where it is None on a TPU for heads of whole lanes, pages always, an
+    int8 cache's rings and rows too (XLA reads exact ones about as fast)."""
+    if in_place is not None:
+        return in_place
+    int8 = isinstance(entry, tuple)
+    _, _, S, D = nc.kv_shape(entry)  # (a pool's S: a page)
+    tiles = S % 32 == 0 or not int8  # int8 pages or rings of whole tiles of 32 rows
+    return jax.default_backend() == "tpu" and D % 128 == 0 and tiles and (
+        layout == "pages" or int8)
+
+
+def read_in_place(entry, table, count, block=kernels.BLOCK):
+    """A layer's k or v as kernels.Pages: a pool's pages through table (B, n), or with table
+    None the rings or rows (their first B: a row is a ring that never wraps), each row
+    holding count (B,) tokens from position 0; an int8 cache's values in place, its scales
+    gathered into the kernel's blocks of `block` pages."""
+    if not isinstance(entry, tuple):
+        return kernels.Pages(entry, table, count)
+    values, scales = entry
+    if table is None:  # a row's slots, and its scales
+        S, scales = values.shape[2], scales[:count.shape[0]]
+    else:
+        S, scales = table.shape[1] * values.shape[2], from_pages(scales[table])
+    span = block * kernels.copy_unit(S, table)
+    return kernels.Pages(values, table, count, kernels.block_scales(scales, span))
 
 
 def read_chunk(layers, kinds, start, view, *, table, cfg, in_place=None):
     """The cache `layers` (layouts `kinds`) as a decode chunk's steps read it, its first
     rows: a ring whole, a row up to `view`, pages up to `view` through `table`, the rows'
-    page tables (rows, S / page) (read_pages, each row as far as its `start` (rows,)
-    tokens when in place)."""
+    page tables (rows, S / page): gathered, or in place where reads_in_place says
+    (kernels.Pages, each row read as far as it holds tokens, its `start` (rows,))."""
     rows = table.shape[0]
     page = cfg.sequence_len // table.shape[1]
+    pages = table[:, :view // page]
 
     # each layer by its layout: a ring whole, a row up to the view, pages through the table
-    def first(a):
-        return a[:rows]
-
-    def viewed(a):
-        return a[:rows, :, :view]
-
-    def part(layer, layout):
+    def read(entry, layout):
+        if reads_in_place(entry, layout, in_place):
+            return read_in_place(entry, pages if layout == "pages" else None, start)
         if layout == "pages":  # (pages + 1, K, page, D) -> (rows, K, view, D)
-            return tuple(read_pages(a, table[:, :view // page], start, in_place=in_place)
-                         for a in layer)
-        return jax.tree.map(first if layout == "ring" else viewed, layer)
-    return [part(layer, k) for layer, k in zip(layers, kinds)]
+            return jax.tree.map(lambda a: from_pages(a[pages]), entry)
+        if layout == "ring":
+            return jax.tree.map(lambda a: a[:rows], entry)
+        return jax.tree.map(lambda a: a[:rows, :, :view], entry)
+    return [tuple(read(entry, layout) for entry in layer) for layer, layout in zip(layers, kinds)]
 
 
 def chunk_buffers(layers, rows, kmax):
