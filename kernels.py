@@ -229,8 +229,8 @@ class Pages:
     (pages, K, page, D) through the rows' page tables (B, n), or with table None the rows'
     rings (at least B, K, S, D), position p at slot p modulo S; count (B,), the tokens each
     row holds from position 0 (a ring the last S of them); an int8 cache's scales as the
-    kernel reads them (`block_scales`), else None. Its shape is the gathered array's, (B, K, n * page or
-    S, D)."""
+    kernel reads them (`block_scales`), else None. Its shape is the gathered array's, (B, K,
+    n * page or S, D)."""
     pool: jax.Array
     table: jax.Array | None
     count: jax.Array
@@ -268,46 +268,27 @@ def block_scales(scales, span):
 
 
 def attend_pages(q, keys, values, first=None, block=BLOCK):
-    """Queries q (B, K, G, D), one a row, over the tokens of Pages keys and values (one
-    table and count) that each row's query sees: positions first[b] (None: 0) up to
-    count[b] - 1. (num (B, K, G, D), den (B, K, G)) in fp32, the sums over them of w v and
-    of w, w = exp(q.k / sqrt D) (no max: see the header). A Pallas kernel over the rows in
-    turn reads `block` pages at a time of a row's pages or ring (those it holds), the next
-    block's copies in flight while it computes one, a row's first block while the last row
-    finishes; an int8 block widened in VMEM (`int8_block_sums`). Off a TPU interpreted
-    (tests)."""
+    """Queries q (B, K, G, D), one a row, over the tokens of Pages keys and values (one table
+    and count) that each row's query sees, positions first[b] (None: 0) to count[b] - 1: (num
+    (B, K, G, D), den (B, K, G)) in fp32, the sums of w v and of w, w = exp(q.k / sqrt D) (no
+    max: see the header). A Pallas kernel over the rows in turn reads `block` pages at a time
+    of a row's pages or ring, those it holds, the next block's copies in flight while it
+    computes one (a row's first while the last row finishes); an int8 block widened in VMEM
+    (`int8_block_sums`). Off a TPU interpreted (tests)."""
     B, K, G, D = q.shape
     S = keys.shape[2]  # a row's slots
     page = copy_unit(S, keys.table)
     span = block * page  # a block's tokens
-    # each row's slots that hold a token its query sees: of the first `held` (a ring's S
-    # once full), those at most `reach` tokens older than the newest, at slot `newest`
-    held = jnp.minimum(keys.count, S)
-    reach = keys.count - 1 - (0 if first is None else first)
-    newest = jnp.maximum(keys.count - 1, 0) % S
-    table = jnp.zeros((B, 1), jnp.int32) if keys.table is None else keys.table
-    scales = () if keys.scales is None else (keys.scales, values.scales)
+    ring = keys.table is None
 
-    def kernel(table, held, reach, newest, q, *refs):
-        scales, (k_pool, v_pool, num_out, den_out, k_buf, v_buf, sems, turn) = (
-            refs[:-8], refs[-8:])
+    def kernel(table, held, newest, reach, q, *refs):
+        *scales, k_pool, v_pool, num_out, den_out, k_buf, v_buf, sems, turn = refs
         r = pl.program_id(0)
 
         def copies(row, b, slot, start):  # block b of a row's slots into buffer slot
-            for j in range(block):
-                at = jnp.minimum(b * block + j, S // page - 1)  # a page of the row's
-                for pool, buf, sem in ((k_pool, k_buf, sems.at[0, slot]),
-                                       (v_pool, v_buf, sems.at[1, slot])):
-                    if keys.table is None:  # the row's ring, a page's slots of it
-                        source = pool.at[row, :, pl.ds(at * page, page)]
-                    else:
-                        source = pool.at[table[row, at]]
-                    copy = pltpu.make_async_copy(source, buf.at[slot, :, pl.ds(j * page, page)],
-                                                 sem)
-
-                    @pl.when((b * block + j) * page < held[row])
-                    def _():
-                        copy.start() if start else copy.wait()
+            pools = ((k_pool, k_buf, sems.at[0, slot]), (v_pool, v_buf, sems.at[1, slot]))
+            block_copies(pools, slot, b, row, start, table=table, held=held, page=page,
+                         block=block, pages=S // page, ring=ring)
 
         def blocks(row):  # at least one: a row holding nothing takes its zeros from one
             return jnp.maximum(1, (held[row] + span - 1) // span)
@@ -327,16 +308,11 @@ def attend_pages(q, keys, values, first=None, block=BLOCK):
             def _():
                 copies(after, jnp.where(last, 0, b + 1), 1 - slot, True)
             copies(r, b, slot, False)
-            # 2. the block's sums, added to the row's: over the slots that hold a token the
-            # query sees (not an earlier block's left in the buffer), of a ring by their age
-            # (an int8 block's tokens along lanes, an exact one's along sublanes)
+            # 2. the block's sums, added to the row's, over the slots whose token the query
+            # sees (an int8 block's tokens along lanes, an exact one's along sublanes)
             shape = (8, span) if scales else (span, D)
-            token = b * span + jax.lax.broadcasted_iota(jnp.int32, shape, 1 if scales else 0)
-            seen = token < held[r]
-            if keys.table is None:
-                age = newest[r] - token
-                age = jnp.where(age < 0, age + S, age)  # across the ring's end
-                seen &= age <= reach[r]
+            seen = seen_slots(b * span, shape, 1 if scales else 0, (held, newest, reach), r,
+                              S, ring=ring)
             if scales:
                 sums = int8_block_sums(q, k_buf, v_buf, slot, seen, sums,
                                        [s.at[0, b] for s in scales])
@@ -345,20 +321,68 @@ def attend_pages(q, keys, values, first=None, block=BLOCK):
             turn[0] = 1 - slot
             return sums
 
-        zero = jnp.zeros((8, D), jnp.float32)
-        sums = jax.lax.fori_loop(0, blocks(r), body, [(zero, zero)] * (K * G))
+        zeros = [(jnp.zeros((8, D), jnp.float32),) * 2] * (K * G)
+        sums = jax.lax.fori_loop(0, blocks(r), body, zeros)
         store_sums(sums, num_out, den_out)
-    num, den = pages_call(kernel, (table, held, reach, newest), q, scales,
-                          keys.pool, values.pool, span)
+    num, den = pages_call(kernel, row_scalars(keys, first), q, keys, values, span)
     return num, den[..., 0]
 
 
-def pages_call(kernel, scalars, q, scales, k_pool, v_pool, span):
-    """attend_pages' kernel over the rows in turn, a grid step a row: the scalars (page
-    tables, held, reach, newest) prefetched into SMEM, the row's q and an int8 cache's
-    scales (block_scales) in, its num and den (1, K, G, D) out, the pools or rings left in HBM for the
+def row_scalars(pages, first):
+    """attend_pages' scalars of each row (B,), for SMEM: its page table (a ring's: zeros);
+    the slots that hold its tokens, the first `held` (a ring's S once full); the slot of its
+    newest token; and `reach`: a token at most that much older than the newest is one its
+    query sees (first (B,) its earliest position, None: 0)."""
+    B, _, S, _ = pages.shape
+    table = jnp.zeros((B, 1), jnp.int32) if pages.table is None else pages.table
+    held = jnp.minimum(pages.count, S)
+    newest = jnp.maximum(pages.count - 1, 0) % S
+    reach = pages.count - 1 - (0 if first is None else first)
+    return table, held, newest, reach
+
+
+def block_copies(pools, slot, b, row, start, *, table, held, page, block, pages, ring):
+    """attend_pages' copies of a row's block b, its `block` pages of `pages` (of a ring, its
+    slots from b * block * page), k's and v's, into buffer `slot`: pools, (pool, buffer,
+    semaphore) k's and v's. Started, or else waited for; none past the slots the row holds
+    (held)."""
+    for j in range(block):
+        at = b * block + j
+        clamped = jnp.minimum(at, pages - 1)
+        for pool, buf, sem in pools:
+            if ring:
+                source = pool.at[row, :, pl.ds(clamped * page, page)]
+            else:
+                source = pool.at[table[row, clamped]]
+            copy = pltpu.make_async_copy(source, buf.at[slot, :, pl.ds(j * page, page)], sem)
+
+            @pl.when(at * page < held[row])
+            def _():
+                copy.start() if start else copy.wait()
+
+
+def seen_slots(first, shape, axis, scalars, r, S, *, ring):
+    """Which of a block's slots, first, first + 1, ... along `axis` of `shape`, hold a token
+    row r's query sees: of scalars (held, newest, reach), those the row holds (not an
+    earlier block's left in the buffer); of a ring, those at most reach[r] tokens older
+    than the newest (at slot newest[r])."""
+    held, newest, reach = scalars
+    slot = first + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+    seen = slot < held[r]
+    if ring:
+        age = newest[r] - slot
+        age = jnp.where(age < 0, age + S, age)  # across the ring's end
+        seen &= age <= reach[r]
+    return seen
+
+
+def pages_call(kernel, scalars, q, keys, values, span):
+    """attend_pages' kernel over the rows in turn, a grid step a row: the scalars
+    (row_scalars) prefetched into SMEM, the row's q and an int8 cache's scales (block_scales)
+    in, its num and den (1, K, G, D) out, the Pages' pools or rings left in HBM for the
     kernel's copies into two buffers of `span` tokens."""
     B, K, G, D = q.shape
+    scales = () if keys.scales is None else (keys.scales, values.scales)
 
     def per_row(r, *_):
         return (r, 0, 0, 0)
@@ -373,14 +397,14 @@ def pages_call(kernel, scalars, q, scales, k_pool, v_pool, span):
                       pl.BlockSpec(memory_space=pl.ANY),
                       pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=[pl.BlockSpec((1, K, G, D), per_row)] * 2,
-            scratch_shapes=[pltpu.VMEM((2, K, span, D), k_pool.dtype),
-                            pltpu.VMEM((2, K, span, D), v_pool.dtype),
+            scratch_shapes=[pltpu.VMEM((2, K, span, D), keys.pool.dtype),
+                            pltpu.VMEM((2, K, span, D), values.pool.dtype),
                             pltpu.SemaphoreType.DMA((2, 2)),
                             pltpu.SMEM((1,), jnp.int32)]),
         # the rows in turn: a row's copies start in the one before
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=jax.default_backend() != "tpu",
-    )(*scalars, q, *scales, k_pool, v_pool)
+    )(*scalars, q, *scales, keys.pool, values.pool)
 
 
 def store_sums(sums, num_out, den_out):
