@@ -848,10 +848,14 @@ def test_attend_pages_sums_what_the_gathered_pages_sum(dtype):
     window back from its own position. An int8 cache (fp32 queries) as XLA sums its values
     times their scales."""
     run_alone(f"check_attend_pages({dtype!r})")
-    run_alone(f"check_attend_pages({dtype!r}, ring=True)")
 
 
-def check_attend_pages(dtype, ring=False):
+def check_attend_pages(dtype):
+    for ring in (False, True):
+        check_pages_read(dtype, ring)
+
+
+def check_pages_read(dtype, ring):
     rng = np.random.default_rng(0)
     B, K, G, D, page, n, block = 9, 2, 2, 128, 32, 4, 2  # blocks of 64 tokens, 128 a row
     count = np.array([0, 1, 31, 32, 33, 64, 65, 100, 128])
@@ -3509,21 +3513,22 @@ def test_engine_pages_are_taken_returned_and_never_shared(window_model):
         engine.Engine(params, WINDOW_CFG, slots=4, kmax=129)
 
 
-def test_engine_served_the_tpus_way_serves_as_the_cpus_way():
+@pytest.mark.parametrize("kv_cache, pages", [(None, 24), ("int8", 24), ("int8", None)])
+def test_engine_served_the_tpus_way_serves_as_the_cpus_way(kv_cache, pages):
     """A paged engine served the TPU's way (interpreted here): a decode chunk's tokens written by
     whole windows (kernels.write_windows) and its pages and rings read in place
     (kernels.attend_pages), replies as one served the CPU's way (one scatter of vectors, the
     pages gathered) and leaves the same state: heads of 128, chunks of 16 tokens, rows across a
     ring's end (128 slots) and across pages of 32, two choices of one prompt; an int8 cache's
     too (its values by windows of 32-row tiles in pages and rings, its scales scattered; read
-    in place, its scales beside). (Each kernel against its CPU twin, bit for bit or to fp32's
-    rounding: test_written_windows_equal_the_scatter_of_vectors,
+    in place, its scales beside), and an int8 engine without pages (its rows read in place).
+    (Each kernel against its CPU twin, bit for bit or to fp32's rounding:
+    test_written_windows_equal_the_scatter_of_vectors,
     test_attend_pages_sums_what_the_gathered_pages_sum.)"""
-    run_alone("check_engine_kernels()")
-    run_alone("check_engine_kernels('int8')")
+    run_alone(f"check_engine_kernels({kv_cache!r}, {pages})")
 
 
-def check_engine_kernels(kv_cache=None):
+def check_engine_kernels(kv_cache=None, pages=24):
     cfg = config(sequence_len=256, n_layer=2, n_head=1, n_kv_head=1, n_embd=128)  # the lanes
     params = random_params(cfg, 5)
     prompt = np.random.default_rng(6).integers(0, cfg.vocab_size, 140).tolist()
@@ -3539,7 +3544,7 @@ def check_engine_kernels(kv_cache=None):
             return base(*args, **kwargs)
         try:
             with jax.default_matmul_precision("highest"):
-                eng = engine.Engine(params, cfg, slots=4, kmax=16, attn=attn, pages=24,
+                eng = engine.Engine(params, cfg, slots=4, kmax=16, attn=attn, pages=pages,
                                     kv_cache=kv_cache)
                 # past the ring, across pages; every prompt in one bucket: fewer programs
                 requests = [eng.submit(prompt[:n], greedy(m))
