@@ -352,7 +352,7 @@ def read_kv(entry, attn):
 
 def kv_shape(entry):
     """(B, K, S, D) of one layer's k or v: an array, an int8 cache's (values, scales),
-    or a decode chunk's pages read in place (kernels.Pages)."""
+    or a decode chunk's pages, rings or rows read in place (kernels.Pages)."""
     return (entry[0] if isinstance(entry, tuple) else entry).shape
 
 
