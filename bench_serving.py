@@ -396,8 +396,9 @@ def bench_decode_chunk(name, rows, positions=(100, 656), kmax=16, calls=5, kv_ca
     live slots at positions drawn from `positions` (chat traffic's spread at d20: prompts of
     100-400 tokens, 256-token replies), the layers over the whole context in pages, each row
     its own, temperature 1; `calls` chunks of kmax steps after the first. One JSON line: the
-    view, the median time a step and tokens/s, the first call's seconds beyond a step's (its
-    compile, unless the engine's memory check compiled it). profile: a directory for jax's
+    view, the engine's start (start_s: its memory check), the median time a step and tokens/s,
+    the first call's seconds beyond a step's (its compile, unless the memory check compiled
+    it). profile: a directory for jax's
     trace of `calls` chunks more, and a second line: the ops that took the most time a step
     (top_ops)."""
     cfg = serving_config(name)
@@ -419,12 +420,14 @@ def bench_decode_chunk(name, rows, positions=(100, 656), kmax=16, calls=5, kv_ca
     page = kvcache.page_size(S)
     owned = -(-reach // page)
     pool = max(int(owned.sum()), S // page)  # an engine holds a context's pages at least
+    started = time.perf_counter()
     try:
         eng = engine.Engine(engine.prepare(serving_params(cfg), cfg), cfg, slots=rows, kmax=kmax,
                             attn=kernels.attention_fn(), kv_cache=kv_cache, pages=pool)
     except ValueError as e:  # the slots' cache does not fit
         print(json.dumps({**head, "skipped": str(e)}), flush=True)
         return
+    head["start_s"] = round(time.perf_counter() - started, 1)  # its memory check's compile
     state, control = live_slots(eng, pos, owned)
 
     def chunk(state):  # one call, timed to its records on the host
@@ -526,9 +529,10 @@ def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most
                 kv_cache=None):
     """nanochat's scripts/infer_bench.py protocol on the slot engine: a prompt of the context less
     decode_tokens, decode_tokens greedy tokens for a batch of B choices of it; TTFT, the median
-    time per decode step, tokens/s, MBU and MFU by nanochat's formulas, peak memory. Prints its
-    lines, then its last line: one JSON document of nanochat's schema. kv_cache: the engine's
-    (its bytes counted as stored)."""
+    time per decode step, tokens/s, MBU and MFU by nanochat's formulas, peak memory. Prints a
+    line a batch (with start_s: its engine's memory check and compiles), then its last line:
+    one JSON document of nanochat's schema. kv_cache: the engine's (its bytes counted as
+    stored)."""
     cfg = serving_config(name)
     params = engine.prepare(serving_params(cfg), cfg)  # each batch's engine shares them
     attn = kernels.attention_fn()
@@ -553,6 +557,7 @@ def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most
                           "time_sec": round(prefill_s, 6)}
     for batch in batch_sizes:
         eng = None  # the last batch's cache freed before this one's is checked
+        started = time.perf_counter()
         try:
             eng = engine.Engine(params, cfg, slots=min(batch, slots_most), kmax=kmax, attn=attn,
                                 kv_cache=kv_cache)
@@ -561,6 +566,7 @@ def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most
                               "skipped": str(e)}), flush=True)
             continue
         infer_request(eng, prompt, batch, 8)  # warm-up: compiles
+        start_s = time.perf_counter() - started  # the engine's memory check and compiles
         ttft, steps = infer_request(eng, prompt, batch, decode_tokens)
         tpot = sorted(steps)[len(steps) // 2]
         row = {"batch_size": batch, "ttft_sec": round(ttft, 6), "tpot_sec": round(tpot, 6),
@@ -572,7 +578,8 @@ def bench_infer(name, batch_sizes=(1, 8, 32, 128), decode_tokens=256, slots_most
         physical = 100 * (floor_bytes + batch * kv_read) / tpot / peak_bw
         print(json.dumps({"bench": "infer", "config": name, **row,
                           "physical_mbu_percent": round(physical, 2),
-                          "kv_cache": kv_cache or "exact"}), flush=True)
+                          "kv_cache": kv_cache or "exact", "start_s": round(start_s, 2)}),
+              flush=True)
         payload["sweep"].append(row)
     print(json.dumps(payload))
 

@@ -6377,6 +6377,8 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys, tmp_path):
                                 for d in (5e-7, -5e-7))
             assert slowest - 0.005 <= line[key] <= fastest + 0.005
         assert line["mbu_percent"] == row["mbu_percent"] and row["decode_steps"] == 7
+    # the seconds each batch's engine took to start: batch 2's compiled programs of 2 slots
+    assert lines[0]["start_s"] >= 0 and lines[1]["start_s"] > 0
     # --chat-traffic: requests at once through an engine after its warm-up (TINY's context 64:
     # replies of 32 tokens, prompts of 31)
     bench_serving.bench_chat_traffic("tiny", 3, kmax=4)
@@ -6392,6 +6394,7 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys, tmp_path):
     bench_serving.bench_decode_chunk("tiny", 3, positions=(10, 20), kmax=4, calls=2)
     line = json.loads(capsys.readouterr().out)
     assert line["tokens"] == 3 * 4 * 3 and 10 <= line["positions"][0] <= line["positions"][1] <= 20
+    assert line["start_s"] >= 0 and line["compile_s"] > 0  # (a CPU's engine checks no memory)
     assert line["view"] == 64 and line["tok_per_s"] == pytest.approx(3e3 / line["step_ms"], 1e-2)
     with pytest.raises(SystemExit, match="no room for 6 chunks of 16 tokens; pass a smaller"):
         bench_serving.bench_decode_chunk("tiny", 3)
