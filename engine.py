@@ -971,7 +971,8 @@ class Engine:
     def decode_work(self, slots):
         """The bytes the largest decode call of an engine of `slots` slots (every slot,
         the whole context) needs beyond its arguments, by the device compiler's count
-        (runtime.needed_bytes): on a chip the paged layers' gathered pages are most."""
+        (runtime.needed_bytes): where a chunk gathers the paged layers' pages, they are
+        most of it."""
         state = state_shapes(self.cfg, slots, self.kv_cache,
                              self.pages if self.paged else None, self.page)
         control = self.idle_control(slots)
