@@ -842,9 +842,10 @@ class Engine:
                 self.stats["calls"] += 1
                 self.stats["admits"] += 1
                 started.append((group, records))
-        # 4. one copy to the host for every admission of the round
-        copied = jax.device_get([records for _, records in started])
-        for (group, _), records in zip(started, copied):
+        # 4. each call's first tokens to the host as it ends, the later calls still running
+        # (all started above): a burst's first replies begin before its last prefill
+        for group, records in started:
+            records = np.asarray(records)
             slots = [slot for _, slots, _ in group for slot in slots]
             for slot, record in zip(slots, records):
                 self.take(slot, record)
