@@ -455,7 +455,7 @@ def int8_block_sums(q, k_buf, v_buf, slot, seen, sums, scales):
     _, K, G, D = q.shape
     span = k_buf.shape[2]
     exact = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    first_row = jax.lax.broadcasted_iota(jnp.int32, (8, span), 0) == 0
+    seen &= jax.lax.broadcasted_iota(jnp.int32, (8, span), 0) == 0  # row 0's alone
     out = []
     for h in range(K):
         # the values widened to the queries' dtype (exactly: int8 fits bf16)
@@ -467,7 +467,7 @@ def int8_block_sums(q, k_buf, v_buf, slot, seen, sums, scales):
             query = jnp.broadcast_to(q[0, h, pl.ds(g, 1)], (8, D))
             scores = jax.lax.dot_general(query, keys, (((1,), (1,)), ((), ())),
                                          precision=exact, preferred_element_type=jnp.float32)
-            w = jnp.where(first_row & seen, jnp.exp(scores * k_scale / D**0.5), 0.0)
+            w = jnp.where(seen, jnp.exp(scores * k_scale / D**0.5), 0.0)
             wv = jnp.dot((w * v_scale).astype(q.dtype), values, precision=exact,
                          preferred_element_type=jnp.float32)  # (8, D)
             out.append((num + wv, den + w.sum(1, keepdims=True)))  # (8, D) each
