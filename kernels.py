@@ -15,9 +15,10 @@ A query chunk over a KV cache takes `attend_cache` on every backend. Every route
 against the plain attention; docs/performance.md says why each exists and what it saves.
 On a TPU a decode step reads a paged layer's pages in place, and an int8 cache's rings and
 rows, each row's only as far as it holds tokens (`attend_pages`, a Pallas kernel), and a
-decode chunk's tokens go into the cache by whole tiles (`write_windows`); elsewhere the pages
-are gathered and the tokens scattered (`write_tokens`). `init_params` compiles the init
-cheaply.
+decode chunk's tokens go into the cache by whole tiles (`write_windows`);
+elsewhere the pages are gathered and the tokens scattered (`write_tokens`). Both kernels are
+jitted: a program's layers of one shape share one trace and lowering of each. `init_params`
+compiles the init cheaply.
 """
 
 import dataclasses
@@ -268,6 +269,9 @@ def block_scales(scales, span):
     return scales.reshape(B, K, -1, span).swapaxes(1, 2)
 
 
+# jitted: a decode program's layers of one shape share one trace and one Mosaic lowering,
+# seconds each on a TPU's host
+@functools.partial(jax.jit, static_argnames="block")
 def attend_pages(q, keys, values, first=None, block=BLOCK):
     """Queries q (B, K, G, D), one a row, over the tokens of Pages keys and values (one table
     and count) that each row's query sees, positions first[b] (None: 0) to count[b] - 1: (num
@@ -549,6 +553,7 @@ def windows_of(new, major, slot, valid, L, width, tile=TILE_ROWS):
             blocks.reshape(2 * rows, K, width, D))
 
 
+@functools.partial(jax.jit, static_argnames=("group", "tile"))  # as attend_pages
 def write_windows(whole, majors, offsets, lo, hi, blocks, group=16, tile=TILE_ROWS):
     """whole (N, K, L, D) with window w, its rows lo[w]..hi[w] - 1 of whole[majors[w],
     :, offsets[w] + (0..width-1)] from blocks (windows, K, width, D), in place: a Pallas

@@ -3563,6 +3563,27 @@ def check_engine_kernels(kv_cache=None, pages=24):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+
+def test_a_decode_programs_layers_of_one_shape_share_a_kernel(monkeypatch):
+    """A decode program served the TPU's way lowers attend_pages once for each shape its
+    layers read (a ring, pages) and write_windows once for each they write, however many
+    layers call them: each kernel's trace and lowering took 2-3 s a layer on the TPU's host
+    (int8 d20's 20 layers: a minute of a program's start)."""
+    monkeypatch.setattr(kernels, "write_tokens",
+                        functools.partial(kernels.write_tokens, windows=True))
+    monkeypatch.setattr(kvcache, "reads_in_place", lambda *_, **__: True)
+    cfg = config(sequence_len=256, n_layer=4, n_head=1, n_kv_head=1, n_embd=128)  # the lanes
+    eng = engine.Engine(random_params(cfg, 5), cfg, slots=4, kmax=16,
+                        attn=kernels.attention_fn("plain"), pages=24)
+    layouts = kvcache.layouts(cfg, paged=True)
+    assert sorted(layouts) == ["pages", "pages", "ring", "ring"]  # two shapes, two layers each
+    text = eng.chunk_call(engine.decode_chunk.lower, eng.state, eng.idle_control(4), 4,
+                          256).as_text()
+    for kernel, lowered, calls in (("attend_pages", 2, 4), ("write_windows", 2, 8)):
+        assert len(re.findall(rf"func.func private @{kernel}(_\d+)?\(", text)) == lowered
+        assert len(re.findall(rf"call @{kernel}(_\d+)?\(", text)) == calls
+
+
 def test_engine_never_recompiles_after_warm_up_and_donates(window_model, recwarn, monkeypatch):
     """After warm_up (every slot's values as a fresh engine's; its programs compiled in 2 threads,
     a many-core host's way), prompts of every bucket, any number of concurrent requests, chunks of
