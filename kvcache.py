@@ -208,15 +208,16 @@ def from_pages(blocks):
 
 def reads_in_place(entry, layout, in_place=None):
     """Whether a decode chunk reads a layer's k or v in place (kernels.attend_pages): as
-    in_place says, or where it is None on a TPU for heads of whole lanes, pages always, an
-    int8 cache's rings and rows too (XLA reads exact ones about as fast)."""
+    in_place says, or where it is None on a TPU for heads of whole lanes, pages and rings
+    always (each row only as far as it holds), an int8 cache's rows too (XLA reads exact
+    rows about as fast)."""
     if in_place is not None:
         return in_place
     int8 = isinstance(entry, tuple)
     _, _, S, D = nc.kv_shape(entry)  # (a pool's S: a page)
     tiles = S % 32 == 0 or not int8  # int8 pages or rings of whole tiles of 32 rows
     return jax.default_backend() == "tpu" and D % 128 == 0 and tiles and (
-        layout == "pages" or int8)
+        layout in ("pages", "ring") or int8)
 
 
 def read_in_place(entry, table, count, block=kernels.BLOCK):
