@@ -32,6 +32,9 @@ import kernels
 import nanochat as nc
 
 PAGE = 32  # tokens a page of the paged layers' cache, at most (page_size)
+# an exact ring is read in place from chunks of this many rows: at 8 or fewer, a kernel like
+# attend_pages read full rings 3-25% slower than XLA (docs/serving.md)
+RING_ROWS = 16
 
 # ----------------------------------------------------------------------------------- the shapes
 
@@ -206,18 +209,19 @@ def from_pages(blocks):
     return jnp.moveaxis(blocks, 1, 2).reshape(B, K, n * page, *vector)
 
 
-def reads_in_place(entry, layout, in_place=None):
-    """Whether a decode chunk reads a layer's k or v in place (kernels.attend_pages): as
-    in_place says, or where it is None on a TPU for heads of whole lanes, pages and rings
-    always (each row only as far as it holds), an int8 cache's rows too (XLA reads exact
-    rows about as fast)."""
+def reads_in_place(entry, layout, rows, in_place=None):
+    """Whether a decode chunk of `rows` rows reads a layer's k or v in place
+    (kernels.attend_pages): as in_place says, or where it is None on a TPU for heads of
+    whole lanes: pages always, an int8 cache's rings and rows, an exact cache's rings from
+    RING_ROWS rows (XLA reads exact rows about as fast)."""
     if in_place is not None:
         return in_place
     int8 = isinstance(entry, tuple)
     _, _, S, D = nc.kv_shape(entry)  # (a pool's S: a page)
     tiles = S % 32 == 0 or not int8  # int8 pages or rings of whole tiles of 32 rows
+    ring = layout == "ring" and rows >= RING_ROWS
     return jax.default_backend() == "tpu" and D % 128 == 0 and tiles and (
-        layout in ("pages", "ring") or int8)
+        layout == "pages" or ring or int8)
 
 
 def read_in_place(entry, table, count, block=kernels.BLOCK):
@@ -247,7 +251,7 @@ def read_chunk(layers, kinds, start, view, *, table, cfg, in_place=None):
 
     # each layer by its layout: a ring whole, a row up to the view, pages through the table
     def read(entry, layout):
-        if reads_in_place(entry, layout, in_place):
+        if reads_in_place(entry, layout, rows, in_place):
             return read_in_place(entry, pages if layout == "pages" else None, start)
         if layout == "pages":  # (pages + 1, K, page, D) -> (rows, K, view, D)
             return jax.tree.map(lambda a: from_pages(a[pages]), entry)
