@@ -13,12 +13,12 @@ picking at trace time by backend, dtype, shapes:
 - "xla", "plain": dot_product_attention's XLA path, nanochat.causal_attention itself.
 A query chunk over a KV cache takes `attend_cache` on every backend. Every route is tested
 against the plain attention; docs/performance.md says why each exists and what it saves.
-On a TPU a decode step reads a paged layer's pages and a window's ring in place (an int8
-cache's rows too), each row's only as far as it holds tokens (`attend_pages`, a Pallas
-kernel), and a decode chunk's tokens go into the cache by whole tiles (`write_windows`);
-elsewhere the pages are gathered and the tokens scattered (`write_tokens`). Both kernels are
-jitted: a program's layers of one shape share one trace and lowering of each. `init_params`
-compiles the init cheaply.
+On a TPU a decode step reads a paged layer's pages and a window's ring in place (an exact
+ring from 16 rows; an int8 cache's rows too), each row's only as far as it holds tokens
+(`attend_pages`, a Pallas kernel), and a decode chunk's tokens go into the cache by whole
+tiles (`write_windows`); elsewhere the pages are gathered and the tokens scattered
+(`write_tokens`). Both kernels are jitted: a program's layers of one shape share one trace and
+lowering of each. `init_params` compiles the init cheaply.
 """
 
 import dataclasses

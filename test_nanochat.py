@@ -3565,24 +3565,25 @@ def check_engine_kernels(kv_cache=None, pages=24):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
-
 def test_a_tpu_reads_in_place_what_it_read_faster_so(monkeypatch):
     """On a TPU (faked), heads of whole lanes: pages always; an exact ring from RING_ROWS rows
     (XLA read fewer faster); int8 rings and rows of whole 32-row tiles; never exact rows, heads
     of 64 lanes, or a CPU's cache."""
-    exact, narrow = jax.ShapeDtypeStruct((4, 2, 512, 128), jnp.bfloat16), (4, 2, 512, 64)
+    exact = jax.ShapeDtypeStruct((4, 2, 512, 128), jnp.bfloat16)
+    narrow = jax.ShapeDtypeStruct((4, 2, 512, 64), jnp.bfloat16)
     int8 = (jax.ShapeDtypeStruct(exact.shape, jnp.int8), None)
     odd = (jax.ShapeDtypeStruct((4, 2, 528, 128), jnp.int8), None)
     few, many = kvcache.RING_ROWS // 2, kvcache.RING_ROWS
     cases = [(exact, "pages", few, True), (exact, "ring", few, False),
              (exact, "ring", many, True), (exact, "rows", many, False),
              (int8, "ring", few, True), (int8, "rows", few, True), (odd, "ring", many, False),
-             (jax.ShapeDtypeStruct(narrow, jnp.bfloat16), "pages", many, False)]
+             (narrow, "pages", many, False)]
     for backend in ("tpu", "cpu"):
         monkeypatch.setattr(jax, "default_backend", lambda: backend)
         for entry, layout, rows, tpu in cases:
             assert kvcache.reads_in_place(entry, layout, rows) == (tpu and backend == "tpu")
             assert kvcache.reads_in_place(entry, layout, rows, in_place=False) is False
+
 
 def test_a_decode_programs_layers_of_one_shape_share_a_kernel(monkeypatch):
     """A decode program served the TPU's way lowers attend_pages once for each shape its
