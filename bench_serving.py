@@ -398,9 +398,8 @@ def bench_decode_chunk(name, rows, positions=(100, 656), kmax=16, calls=5, kv_ca
     its own, temperature 1; `calls` chunks of kmax steps after the first. One JSON line: the
     view, the engine's start (start_s: its memory check), the median time a step and tokens/s,
     the first call's seconds beyond a step's (its compile, unless the memory check compiled
-    it). profile: a directory for jax's
-    trace of `calls` chunks more, and a second line: the ops that took the most time a step
-    (top_ops)."""
+    it). profile: a directory for jax's trace of `calls` chunks more, and a second line: the
+    ops that took the most time a step (top_ops)."""
     cfg = serving_config(name)
     S = cfg.sequence_len
     # 1. each row's position, room for every call's tokens, and the pages that reach; the

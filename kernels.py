@@ -257,8 +257,8 @@ BLOCK = 8  # pages a block of attend_pages reads (of 32 tokens: 256)
 
 def copy_unit(S, table):
     """The tokens attend_pages copies at once: a page (S / n, table (B, n)), or of a ring of S
-    slots (table None) 32 where they divide it (an int8 tile's rows)."""
-    return S // table.shape[1] if table is not None else math.gcd(S, 32)
+    slots (table None) an int8 tile's rows where they divide it."""
+    return S // table.shape[1] if table is not None else math.gcd(S, INT8_TILE_ROWS)
 
 
 def block_scales(scales, span):
@@ -481,13 +481,15 @@ def int8_block_sums(q, k_buf, v_buf, slot, seen, sums, scales):
 # ------------------------------------------------------------- a decode chunk's writes
 
 TILE_ROWS = 8  # a TPU array's tile rows: a copy into one starts at a multiple of them
+INT8_TILE_ROWS = 32  # an int8 array's, where its rows divide by them (tile_rows)
 
 
 def tile_rows(dtype, L):
     """The rows of a TPU tile of a (..., L, 128) array of dtype as XLA lays it out: TILE_ROWS,
     or an int8 array's 32 where L is a multiple of 32 (seen on a v5e: a pool of 32-token pages
     and rows of 64 in tiles of 32, a ring of 528 in tiles of 8)."""
-    return 32 if jnp.dtype(dtype).itemsize == 1 and L % 32 == 0 else TILE_ROWS
+    int8 = jnp.dtype(dtype).itemsize == 1
+    return INT8_TILE_ROWS if int8 and L % INT8_TILE_ROWS == 0 else TILE_ROWS
 
 
 def write_tokens(whole, new, major, slot, valid, *, wraps, windows=None):

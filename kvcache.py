@@ -218,7 +218,7 @@ def reads_in_place(entry, layout, rows, in_place=None):
         return in_place
     int8 = isinstance(entry, tuple)
     _, _, S, D = nc.kv_shape(entry)  # (a pool's S: a page)
-    tiles = S % 32 == 0 or not int8  # int8 pages or rings of whole tiles of 32 rows
+    tiles = S % kernels.INT8_TILE_ROWS == 0 or not int8  # int8 pages or rings of whole tiles
     ring = layout == "ring" and rows >= RING_ROWS
     return jax.default_backend() == "tpu" and D % 128 == 0 and tiles and (
         layout == "pages" or ring or int8)
