@@ -224,11 +224,11 @@ def reads_in_place(entry, layout, rows, in_place=None):
         layout == "pages" or ring or int8)
 
 
-def read_in_place(entry, table, count, block=kernels.BLOCK):
+def read_in_place(entry, table, count, block=None):
     """A layer's k or v as kernels.Pages: a pool's pages through table (B, n), or with table
     None the rings or rows (their first B: a row is a ring that never wraps), each row
     holding count (B,) tokens from position 0; an int8 cache's values in place, its scales
-    gathered into the kernel's blocks of `block` pages."""
+    gathered into the kernel's blocks of `block` pages (None: kernels.block_of's)."""
     if not isinstance(entry, tuple):
         return kernels.Pages(entry, table, count)
     values, scales = entry
@@ -236,7 +236,7 @@ def read_in_place(entry, table, count, block=kernels.BLOCK):
         S, scales = values.shape[2], scales[:count.shape[0]]
     else:
         S, scales = table.shape[1] * values.shape[2], from_pages(scales[table])
-    span = block * kernels.copy_unit(S, table)
+    span = (block or kernels.block_of(S, table, values.dtype)) * kernels.copy_unit(S, table)
     return kernels.Pages(values, table, count, kernels.block_scales(scales, span))
 
 
