@@ -424,9 +424,8 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
     kinds = kvcache.layouts(cfg, paged)
     cache = state["cache"]
     start = cache["pos"][:rows]
-    in_place = None if getattr(attn, "reads_stored", False) else False
     read = kvcache.read_chunk(cache["layers"], kinds, start, view, table=table, cfg=cfg,
-                              in_place=in_place)
+                              in_place=in_place_of(attn))
     active = jax.tree.map(lambda a: a[:rows], per_slot(state))
     fresh = kvcache.chunk_buffers(cache["layers"], rows, kmax)
     records = jnp.full((kmax, rows, 3 + 2 * TOP_LOGPROBS), -1, jnp.int32)
@@ -447,6 +446,12 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
                          per_slot(state), per_slot(active))
     state["cache"]["layers"] = layers
     return state, records
+
+
+def in_place_of(attn):
+    """read_chunk's in_place for attention attn: None (reads_in_place decides) where attn
+    reads a stored cache in place (kernels.attend_cache), else False."""
+    return None if getattr(attn, "reads_stored", False) else False
 
 
 def chunk_step(layered, read, start, control, carry, *, cfg, attn):
@@ -635,6 +640,10 @@ class Engine:
         self.thread = None  # start()'s: the engine served from it, others submit
         self.running = False  # start() runs the thread until stop()
         self.reset()
+        # a cache read whole or in place (on a TPU) reads the same at every view
+        layers, kinds = self.state["cache"]["layers"], kvcache.layouts(cfg, self.paged)
+        if not kvcache.reads_by_view(layers, kinds, in_place_of(attn)):
+            self.views = [S]
 
     def reset(self):
         """Every slot empty (after a failure too: the donated state may be gone)."""

@@ -17,8 +17,9 @@ and read out of it, its bytes against the device's memory, and the host's page a
 - A prompt is prefilled whole, then copied into each of its choices' slots (`store_prompt`);
   a decode chunk reads its rows' pages gathered, or on a TPU in place (`read_chunk`), and
   writes its new tokens after its steps (`store_chunk`).
-- The shapes the engine compiles for, a program each: prompt buckets and chunk views; a page
-  tiles both. The cache is counted from its shapes before it exists (`check_memory`).
+- The shapes the engine compiles for, a program each: prompt buckets and chunk views (one
+  where a chunk reads nothing up to a view: `reads_by_view`); a page tiles both. The cache
+  is counted from its shapes before it exists (`check_memory`).
 docs/serving.md tells the design. Dimensions: B slots, K kv heads, S sequence_len, D head_dim,
 T a prompt bucket.
 """
@@ -222,6 +223,15 @@ def reads_in_place(entry, layout, rows, in_place=None):
     ring = layout == "ring" and rows >= RING_ROWS
     return jax.default_backend() == "tpu" and D % 128 == 0 and tiles and (
         layout == "pages" or ring or int8)
+
+
+def reads_by_view(layers, kinds, in_place=None):
+    """Whether a decode chunk reads the cache `layers` (layouts `kinds`) only up to its view
+    (read_chunk): a row or pages layer gathered. A ring is read whole, and a layer read in
+    place (reads_in_place, in_place as there) as far as each row holds: where every layer
+    is, a second view is a second program that reads the same."""
+    return any(layout != "ring" and not reads_in_place(entry, layout, 1, in_place)
+               for layer, layout in zip(layers, kinds) for entry in layer)
 
 
 def read_in_place(entry, table, count, block=None):

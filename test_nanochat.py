@@ -3548,6 +3548,8 @@ def check_engine_kernels(kv_cache=None, pages=24):
             with jax.default_matmul_precision("highest"):
                 eng = engine.Engine(params, cfg, slots=4, kmax=16, attn=attn, pages=pages,
                                     kv_cache=kv_cache)
+                # read in place: one view, a decode program fewer a row count
+                assert eng.views == [256] if tpu else eng.views == [64, 256]
                 # past the ring, across pages; every prompt in one bucket: fewer programs
                 requests = [eng.submit(prompt[:n], greedy(m))
                             for n, m in ((5, 150), (20, 120), (31, 80))]
@@ -3598,6 +3600,32 @@ def test_an_int8_cache_is_read_in_longer_blocks():
     values, scales = jnp.zeros((2, 3, 2048, 128), int8), jnp.ones((2, 3, 2048), exact)
     pages = kvcache.read_in_place((values, scales), None, jnp.array([5, 2048]))
     assert pages.scales.shape == (2, 2, 3, 1024)  # (rows, blocks, heads, a block's tokens)
+
+
+def test_a_cache_read_in_place_is_read_at_one_view(monkeypatch):
+    """A decode chunk reads up to its view only a layer it gathers: on a TPU (faked) pages
+    and int8 rows are read in place, each row as far as it holds, and rings whole, so such
+    an engine compiles its chunks for one view; exact rows, heads of 64 lanes, attention
+    that reads no stored cache or a CPU's cache: two views, two programs a row count."""
+    def entry(S, D=128, dtype=jnp.bfloat16):
+        values = jax.ShapeDtypeStruct((4, 2, S, D), dtype)
+        return (values, None) if dtype == jnp.int8 else values
+    ring = (entry(512),) * 2
+    cases = [("pages", entry(32), False), ("rows", entry(2048, dtype=jnp.int8), False),
+             ("rows", entry(2048), True), ("pages", entry(32, D=64), True)]
+    for backend in ("tpu", "cpu"):
+        monkeypatch.setattr(jax, "default_backend", lambda: backend)
+        for layout, whole, by_view in cases:
+            layers, kinds = [ring, (whole,) * 2], ["ring", layout]
+            assert kvcache.reads_by_view(layers, kinds) == (by_view or backend == "cpu")
+            assert kvcache.reads_by_view(layers, kinds, in_place=False)
+    assert engine.in_place_of(kernels.attention_fn("plain")) is None  # reads_stored
+    assert engine.in_place_of(nc.causal_attention) is False
+    cfg = config(sequence_len=256, n_layer=2, n_head=1, n_kv_head=1, n_embd=128)  # the lanes
+    params, attn = random_params(cfg, 5), kernels.attention_fn("plain")
+    for backend, views in (("tpu", [256]), ("cpu", [64, 256])):
+        monkeypatch.setattr(jax, "default_backend", lambda: backend)
+        assert engine.Engine(params, cfg, slots=4, attn=attn, pages=24).views == views
 
 
 def test_a_decode_programs_layers_of_one_shape_share_a_kernel(monkeypatch):
