@@ -616,12 +616,16 @@ class Engine:
         # taken first, so that a few requests cost a few rows
         powers = {min(slots, 4**i) for i in range(slots.bit_length())}
         self.row_buckets = sorted(powers)
-        # and it reads the cache only as far as its slots reach
         S = cfg.sequence_len
-        self.views = kvcache.chunk_views(S)
         self.page = kvcache.page_size(S)
         self.paged = pages is not None
         self.pages = pages or slots * (S // self.page)
+        # and it reads the cache only as far as its slots reach, a program a view, unless
+        # it reads the same at every view (on a TPU: in place, or whole)
+        layers = state_shapes(cfg, slots, kv_cache, pages, self.page)["cache"]["layers"]
+        kinds = kvcache.layouts(cfg, self.paged)
+        by_view = kvcache.reads_by_view(layers, kinds, in_place_of(attn))
+        self.views = kvcache.chunk_views(S) if by_view else [S]
         most = kvcache.chunk_most(cfg, self.page, self.paged)
         if not 1 <= kmax <= most:
             raise ValueError(f"kmax is {kmax}; a chunk's tokens must fit a page and a ring: "
@@ -640,10 +644,6 @@ class Engine:
         self.thread = None  # start()'s: the engine served from it, others submit
         self.running = False  # start() runs the thread until stop()
         self.reset()
-        # a cache read whole or in place (on a TPU) reads the same at every view
-        layers, kinds = self.state["cache"]["layers"], kvcache.layouts(cfg, self.paged)
-        if not kvcache.reads_by_view(layers, kinds, in_place_of(attn)):
-            self.views = [S]
 
     def reset(self):
         """Every slot empty (after a failure too: the donated state may be gone)."""
