@@ -3549,7 +3549,7 @@ def check_engine_kernels(kv_cache=None, pages=24):
                 eng = engine.Engine(params, cfg, slots=4, kmax=16, attn=attn, pages=pages,
                                     kv_cache=kv_cache)
                 # read in place: one view, a decode program fewer a row count
-                assert eng.views == [256] if tpu else eng.views == [64, 256]
+                assert eng.views == ([256] if tpu else [64, 256])
                 # past the ring, across pages; every prompt in one bucket: fewer programs
                 requests = [eng.submit(prompt[:n], greedy(m))
                             for n, m in ((5, 150), (20, 120), (31, 80))]
