@@ -230,6 +230,7 @@ def reads_by_view(layers, kinds, in_place=None):
     (read_chunk): a row or pages layer gathered. A ring is read whole, and a layer read in
     place (reads_in_place, in_place as there) as far as each row holds: where every layer
     is, a second view is a second program that reads the same."""
+    # (the rows a chunk takes decide a ring's read only)
     return any(layout != "ring" and not reads_in_place(entry, layout, 1, in_place)
                for layer, layout in zip(layers, kinds) for entry in layer)
 

@@ -2869,6 +2869,8 @@ def test_export_cli(tmp_path):
 
 # windows [128, 256]: a 160-token generation crosses the short one
 WINDOW_CFG = config(sequence_len=256, n_layer=2, n_head=2, n_kv_head=1)
+# a ring and pages, heads of one TPU tile's 128 lanes: the shapes the TPU's kernels take
+LANES_CFG = config(sequence_len=256, n_layer=2, n_head=1, n_kv_head=1, n_embd=128)
 GREEDY = (0.0, 0, 1.0)  # engine.prefill's and decode's settings: temperature, top_k, top_p
 
 
@@ -3531,7 +3533,7 @@ def test_engine_served_the_tpus_way_serves_as_the_cpus_way(kv_cache, pages):
 
 
 def check_engine_kernels(kv_cache=None, pages=24):
-    cfg = config(sequence_len=256, n_layer=2, n_head=1, n_kv_head=1, n_embd=128)  # the lanes
+    cfg = LANES_CFG
     params = random_params(cfg, 5)
     prompt = np.random.default_rng(6).integers(0, cfg.vocab_size, 140).tolist()
     write, reads_in_place = kernels.write_tokens, kvcache.reads_in_place
@@ -3621,7 +3623,7 @@ def test_a_cache_read_in_place_is_read_at_one_view(monkeypatch):
             assert kvcache.reads_by_view(layers, kinds, in_place=False)
     assert engine.in_place_of(kernels.attention_fn("plain")) is None  # reads_stored
     assert engine.in_place_of(nc.causal_attention) is False
-    cfg = config(sequence_len=256, n_layer=2, n_head=1, n_kv_head=1, n_embd=128)  # the lanes
+    cfg = LANES_CFG
     params, attn = random_params(cfg, 5), kernels.attention_fn("plain")
     for backend, views in (("tpu", [256]), ("cpu", [64, 256])):
         monkeypatch.setattr(jax, "default_backend", lambda: backend)
@@ -3636,7 +3638,7 @@ def test_a_decode_programs_layers_of_one_shape_share_a_kernel(monkeypatch):
     monkeypatch.setattr(kernels, "write_tokens",
                         functools.partial(kernels.write_tokens, windows=True))
     monkeypatch.setattr(kvcache, "reads_in_place", lambda *_, **__: True)
-    cfg = config(sequence_len=256, n_layer=4, n_head=1, n_kv_head=1, n_embd=128)  # the lanes
+    cfg = dataclasses.replace(LANES_CFG, n_layer=4)
     eng = engine.Engine(random_params(cfg, 5), cfg, slots=4, kmax=16,
                         attn=kernels.attention_fn("plain"), pages=24)
     layouts = kvcache.layouts(cfg, paged=True)
