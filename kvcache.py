@@ -33,8 +33,8 @@ import kernels
 import nanochat as nc
 
 PAGE = 32  # tokens a page of the paged layers' cache, at most (page_size)
-# an exact ring is read in place from chunks of this many rows: at 8 or fewer, a kernel like
-# attend_pages read full rings 3-25% slower than XLA (docs/serving.md)
+# an exact ring or row is read in place from chunks of this many rows: at 8 or fewer, a kernel
+# like attend_pages read full rings 3-25% slower than XLA (docs/serving.md)
 RING_ROWS = 16
 
 # ----------------------------------------------------------------------------------- the shapes
@@ -213,16 +213,16 @@ def from_pages(blocks):
 def reads_in_place(entry, layout, rows, in_place=None):
     """Whether a decode chunk of `rows` rows reads a layer's k or v in place
     (kernels.attend_pages): as in_place says, or where it is None on a TPU for heads of
-    whole lanes: pages always, an int8 cache's rings and rows, an exact cache's rings from
-    RING_ROWS rows (XLA reads exact rows about as fast)."""
+    whole lanes: pages always, an int8 cache's rings and rows, an exact cache's rings and
+    rows from RING_ROWS rows (XLA read fewer faster)."""
     if in_place is not None:
         return in_place
     int8 = isinstance(entry, tuple)
     _, _, S, D = nc.kv_shape(entry)  # (a pool's S: a page)
     tiles = S % kernels.INT8_TILE_ROWS == 0 or not int8  # int8 pages or rings of whole tiles
-    ring = layout == "ring" and rows >= RING_ROWS
+    exact = layout in ("ring", "rows") and rows >= RING_ROWS
     return jax.default_backend() == "tpu" and D % 128 == 0 and tiles and (
-        layout == "pages" or ring or int8)
+        layout == "pages" or exact or int8)
 
 
 def reads_by_view(layers, kinds, in_place=None):
