@@ -621,11 +621,13 @@ class Engine:
         self.paged = pages is not None
         self.pages = pages or slots * (S // self.page)
         # and it reads the cache only as far as its slots reach, a program a view, unless
-        # it reads the same at every view (on a TPU: in place, or whole)
+        # a chunk of those rows reads the same at every view (on a TPU: in place, or whole)
         layers = state_shapes(cfg, slots, kv_cache, pages, self.page)["cache"]["layers"]
         kinds = kvcache.layouts(cfg, self.paged)
-        by_view = kvcache.reads_by_view(layers, kinds, in_place_of(attn))
-        self.views = kvcache.chunk_views(S) if by_view else [S]
+        self.views = {}  # a row count's
+        for rows in self.row_buckets:
+            by_view = kvcache.reads_by_view(layers, kinds, rows, in_place_of(attn))
+            self.views[rows] = kvcache.chunk_views(S) if by_view else [S]
         most = kvcache.chunk_most(cfg, self.page, self.paged)
         if not 1 <= kmax <= most:
             raise ValueError(f"kmax is {kmax}; a chunk's tokens must fit a page and a ring: "
@@ -771,7 +773,7 @@ class Engine:
         the device."""
         highest = max(busy, default=0)
         rows = min(r for r in self.row_buckets if r > highest)
-        view = self.view(busy, self.kmax if ahead else 0)
+        view = self.view(busy, rows, self.kmax if ahead else 0)
         cancel = np.zeros(self.slots, bool)
         cancel[list(self.stopping)] = True
         logprobs = any(self.owner[slot][0].sampling.logprobs for slot in busy)
@@ -798,15 +800,15 @@ class Engine:
         for request in readers:
             request.flush()
 
-    def view(self, busy, ahead=0):
-        """How far into the cache a chunk reads: the first view that holds every busy
-        slot's tokens and `ahead` more, those of a chunk in flight (the chunk's new ones
-        are its own)."""
+    def view(self, busy, rows, ahead=0):
+        """How far into the cache a chunk of `rows` rows reads: the first of its views that
+        holds every busy slot's tokens and `ahead` more, those of a chunk in flight (the
+        chunk's new ones are its own)."""
         reach = 0
         for slot in busy:
             request, choice = self.owner[slot]
             reach = max(reach, len(request.prompt) + len(request.tokens[choice]) + ahead)
-        return min((v for v in self.views if v >= reach), default=self.cfg.sequence_len)
+        return min((v for v in self.views[rows] if v >= reach), default=self.cfg.sequence_len)
 
     def admit_waiting(self):
         """Start waiting requests, first come first served, while their choices find
@@ -986,7 +988,8 @@ class Engine:
         state = state_shapes(self.cfg, slots, self.kv_cache,
                              self.pages if self.paged else None, self.page)
         control = self.idle_control(slots)
-        lowered = self.chunk_call(decode_chunk.lower, state, control, slots, self.views[-1])
+        lowered = self.chunk_call(decode_chunk.lower, state, control, slots,
+                                  self.cfg.sequence_len)
         arguments = kvcache.tree_bytes((self.layered, state, control))
         return runtime.needed_bytes(lowered, arguments) - arguments
 
@@ -1005,7 +1008,7 @@ class Engine:
             for P in self.prompt_rows(T):
                 empty = Request([0] * T, Sampling(max_tokens=1), 1, None, False)
                 admits.append(self.request_arrays(T, [(empty, [], 0)] * P))
-        chunks = [(rows, view) for rows in self.row_buckets for view in self.views]
+        chunks = [(rows, view) for rows in self.row_buckets for view in self.views[rows]]
         control = {**self.idle_control(self.slots), "steps": np.int32(1)}
         nothing = np.zeros(S, np.int32)
         # 1. compiled in threads, where the host has cores to spare: jax keeps each program

@@ -18,8 +18,8 @@ and read out of it, its bytes against the device's memory, and the host's page a
   a decode chunk reads its rows' pages gathered, or on a TPU in place (`read_chunk`), and
   writes its new tokens after its steps (`store_chunk`).
 - The shapes the engine compiles for, a program each: prompt buckets and chunk views (one
-  where a chunk reads nothing up to a view: `reads_by_view`); a page tiles both. The cache
-  is counted from its shapes before it exists (`check_memory`).
+  for a row count whose chunk reads nothing up to a view: `reads_by_view`); a page tiles
+  both. The cache is counted from its shapes before it exists (`check_memory`).
 docs/serving.md tells the design. Dimensions: B slots, K kv heads, S sequence_len, D head_dim,
 T a prompt bucket.
 """
@@ -225,13 +225,12 @@ def reads_in_place(entry, layout, rows, in_place=None):
         layout == "pages" or exact or int8)
 
 
-def reads_by_view(layers, kinds, in_place=None):
-    """Whether a decode chunk reads the cache `layers` (layouts `kinds`) only up to its view
-    (read_chunk): a row or pages layer gathered. A ring is read whole, and a layer read in
-    place (reads_in_place, in_place as there) as far as each row holds: where every layer
-    is, a second view is a second program that reads the same."""
-    # (the rows a chunk takes decide a ring's read only)
-    return any(layout != "ring" and not reads_in_place(entry, layout, 1, in_place)
+def reads_by_view(layers, kinds, rows, in_place=None):
+    """Whether a decode chunk of `rows` rows reads the cache `layers` (layouts `kinds`) only
+    up to its view (read_chunk): a row or pages layer gathered. A ring is read whole, and a
+    layer read in place (reads_in_place, in_place as there) as far as each row holds: where
+    every layer is, a second view is a second program that reads the same."""
+    return any(layout != "ring" and not reads_in_place(entry, layout, rows, in_place)
                for layer, layout in zip(layers, kinds) for entry in layer)
 
 

@@ -3551,7 +3551,7 @@ def check_engine_kernels(kv_cache=None, pages=24):
                 eng = engine.Engine(params, cfg, slots=4, kmax=16, attn=attn, pages=pages,
                                     kv_cache=kv_cache)
                 # read in place: one view, a decode program fewer a row count
-                assert eng.views == ([256] if tpu else [64, 256])
+                assert eng.views == {rows: [256] if tpu else [64, 256] for rows in (1, 4)}
                 # past the ring, across pages; every prompt in one bucket: fewer programs
                 requests = [eng.submit(prompt[:n], greedy(m))
                             for n, m in ((5, 150), (20, 120), (31, 80))]
@@ -3605,29 +3605,36 @@ def test_an_int8_cache_is_read_in_longer_blocks():
 
 
 def test_a_cache_read_in_place_is_read_at_one_view(monkeypatch):
-    """A decode chunk reads up to its view only a layer it gathers: on a TPU (faked) pages
-    and int8 rows are read in place, each row as far as it holds, and rings whole, so such
-    an engine compiles its chunks for one view; exact rows, heads of 64 lanes, attention
-    that reads no stored cache or a CPU's cache: two views, two programs a row count."""
+    """A decode chunk reads up to its view only a layer it gathers: on a TPU (faked) pages,
+    int8 rows and exact rows from RING_ROWS rows are read in place, each row as far as it
+    holds, and rings whole, so such a chunk is compiled for one view; exact rows in fewer
+    rows, heads of 64 lanes, attention that reads no stored cache or a CPU's cache: two
+    views, two programs a row count."""
     def entry(S, D=128, dtype=jnp.bfloat16):
         values = jax.ShapeDtypeStruct((4, 2, S, D), dtype)
         return (values, None) if dtype == jnp.int8 else values
     ring = (entry(512),) * 2
-    cases = [("pages", entry(32), False), ("rows", entry(2048, dtype=jnp.int8), False),
-             ("rows", entry(2048), True), ("pages", entry(32, D=64), True)]
+    few, many = kvcache.RING_ROWS // 2, kvcache.RING_ROWS
+    cases = [("pages", entry(32), few, False), ("rows", entry(2048, dtype=jnp.int8), few, False),
+             ("rows", entry(2048), few, True), ("rows", entry(2048), many, False),
+             ("pages", entry(32, D=64), many, True)]
     for backend in ("tpu", "cpu"):
         monkeypatch.setattr(jax, "default_backend", lambda: backend)
-        for layout, whole, by_view in cases:
+        for layout, whole, rows, by_view in cases:
             layers, kinds = [ring, (whole,) * 2], ["ring", layout]
-            assert kvcache.reads_by_view(layers, kinds) == (by_view or backend == "cpu")
-            assert kvcache.reads_by_view(layers, kinds, in_place=False)
+            assert kvcache.reads_by_view(layers, kinds, rows) == (by_view or backend == "cpu")
+            assert kvcache.reads_by_view(layers, kinds, rows, in_place=False)
     assert engine.in_place_of(kernels.attention_fn("plain")) is None  # reads_stored
     assert engine.in_place_of(nc.causal_attention) is False
     cfg = LANES_CFG
     params, attn = random_params(cfg, 5), kernels.attention_fn("plain")
-    for backend, views in (("tpu", [256]), ("cpu", [64, 256])):
+    both = [64, 256]
+    for backend, paged, rows in (("tpu", {1: [256], 4: [256], 16: [256]},
+                                  {1: both, 4: both, 16: [256]}),
+                                 ("cpu", {1: both, 4: both, 16: both}, None)):
         monkeypatch.setattr(jax, "default_backend", lambda: backend)
-        assert engine.Engine(params, cfg, slots=4, attn=attn, pages=24).views == views
+        assert engine.Engine(params, cfg, slots=16, attn=attn, pages=24).views == paged
+        assert engine.Engine(params, cfg, slots=16, attn=attn).views == (rows or paged)
 
 
 def test_a_decode_programs_layers_of_one_shape_share_a_kernel(monkeypatch):
