@@ -220,9 +220,9 @@ def reads_in_place(entry, layout, rows, in_place=None):
     int8 = isinstance(entry, tuple)
     _, _, S, D = nc.kv_shape(entry)  # (a pool's S: a page)
     tiles = S % kernels.INT8_TILE_ROWS == 0 or not int8  # int8 pages or rings of whole tiles
-    exact = layout in ("ring", "rows") and rows >= RING_ROWS
+    many_rows = layout in ("ring", "rows") and rows >= RING_ROWS
     return jax.default_backend() == "tpu" and D % 128 == 0 and tiles and (
-        layout == "pages" or exact or int8)
+        layout == "pages" or many_rows or int8)
 
 
 def reads_by_view(layers, kinds, rows, in_place=None):
