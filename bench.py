@@ -434,6 +434,9 @@ def parse_args(argv=None):
     s("--decode-chunk", metavar="MODEL", help="one decode chunk program alone, --rows live "
       "slots at chat traffic's positions, the long layers paged: its time a step")
     s("--rows", type=int, default=128, help="--decode-chunk's live slots")
+    s("--positions", type=int, nargs=2, default=[100, 656], metavar=("LO", "HI"),
+      help="--decode-chunk's rows' positions, drawn from LO to HI (chat traffic's at d20; "
+      "infer_bench's full rows: 1690 1872)")
     s("--profile", metavar="DIR", help="--decode-chunk: jax's trace into DIR, and the ops that "
       "took the most time a step")
     s("--kv-cache", choices=["int8"], help="--infer-bench's, --chat-traffic's and "

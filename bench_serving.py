@@ -65,8 +65,8 @@ def serve(args):
         bench_chat_traffic(args.model, args.chat_traffic, kmax=args.kmax,
                            kv_cache=args.kv_cache)
     elif args.decode_chunk:
-        bench_decode_chunk(args.decode_chunk, args.rows, kmax=args.kmax, kv_cache=args.kv_cache,
-                           profile=args.profile)
+        bench_decode_chunk(args.decode_chunk, args.rows, tuple(args.positions), kmax=args.kmax,
+                           kv_cache=args.kv_cache, profile=args.profile)
     elif args.infer_bench:
         bench_infer(args.infer_bench, args.batch_sizes, kmax=args.kmax, kv_cache=args.kv_cache)
     else:

@@ -6442,7 +6442,7 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys, tmp_path):
     """bench.py serve: streams through the engine report their tokens and latencies; its
     --infer-bench ends with one JSON document of nanochat's infer_bench schema, whose MBU and MFU
     follow nanochat's formulas from the document's own numbers."""
-    import bench_serving
+    import bench, bench_serving
     eng = engine.Engine(random_params(TINY, 0), TINY, slots=4, kmax=4)
     r = bench_serving.serve_streams(eng, [[1, 2, 3], [4, 5]], 10)
     assert r["streams"] == 2 and r["tokens"] == 20 and 0 < r["ttft_ms_p50"] <= r["ttft_ms_p95"]
@@ -6484,10 +6484,11 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys, tmp_path):
     # pages of 16 tokens (a quarter of 64): 4 a conversation, all held at once
     assert line["pages"] == line["pages_peak"] == 3 * 4
     assert line["cache_bytes"] == engine.state_bytes(TINY, 3, None, 12)
-    # --decode-chunk: one chunk program alone; every row decodes every step of 3 calls
-    bench_serving.bench_decode_chunk("tiny", 3, positions=(10, 20), kmax=4, calls=2)
+    # --decode-chunk: one chunk program alone; every row decodes every step of its 6 calls
+    bench_serving.serve(bench.parse_args(["serve", "--decode-chunk", "tiny", "--rows", "3",
+                                          "--positions", "10", "20", "--kmax", "4"]))
     line = json.loads(capsys.readouterr().out)
-    assert line["tokens"] == 3 * 4 * 3 and 10 <= line["positions"][0] <= line["positions"][1] <= 20
+    assert line["tokens"] == 3 * 4 * 6 and 10 <= line["positions"][0] <= line["positions"][1] <= 20
     assert line["start_s"] >= 0 and line["compile_s"] > 0  # (a CPU's engine checks no memory)
     assert line["view"] == 64 and line["tok_per_s"] == pytest.approx(3e3 / line["step_ms"], 1e-2)
     with pytest.raises(SystemExit, match="no room for 6 chunks of 16 tokens; pass a smaller"):
