@@ -6484,11 +6484,10 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys, tmp_path):
     # pages of 16 tokens (a quarter of 64): 4 a conversation, all held at once
     assert line["pages"] == line["pages_peak"] == 3 * 4
     assert line["cache_bytes"] == engine.state_bytes(TINY, 3, None, 12)
-    # --decode-chunk: one chunk program alone; every row decodes every step of its 6 calls
-    bench_serving.serve(bench.parse_args(["serve", "--decode-chunk", "tiny", "--rows", "3",
-                                          "--positions", "10", "20", "--kmax", "4"]))
+    # --decode-chunk: one chunk program alone; every row decodes every step of 3 calls
+    bench_serving.bench_decode_chunk("tiny", 3, positions=(10, 20), kmax=4, calls=2)
     line = json.loads(capsys.readouterr().out)
-    assert line["tokens"] == 3 * 4 * 6 and 10 <= line["positions"][0] <= line["positions"][1] <= 20
+    assert line["tokens"] == 3 * 4 * 3 and 10 <= line["positions"][0] <= line["positions"][1] <= 20
     assert line["start_s"] >= 0 and line["compile_s"] > 0  # (a CPU's engine checks no memory)
     assert line["view"] == 64 and line["tok_per_s"] == pytest.approx(3e3 / line["step_ms"], 1e-2)
     with pytest.raises(SystemExit, match="no room for 6 chunks of 16 tokens; pass a smaller"):
@@ -6504,6 +6503,12 @@ def test_bench_serve_and_infer_bench(monkeypatch, capsys, tmp_path):
     assert traced["view"] == timed["view"] and len(ops) == 20
     assert all(ms > 0 for _, ms, _ in ops) and any(runs == 1 for _, _, runs in ops)
     assert [ms for _, ms, _ in ops] == sorted((ms for _, ms, _ in ops), reverse=True)
+    # and from the command line: its rows, positions, kmax and cache
+    calls = []
+    monkeypatch.setattr(bench_serving, "bench_decode_chunk", lambda *a, **k: calls.append((a, k)))
+    bench_serving.serve(bench.parse_args(["serve", "--decode-chunk", "d20", "--rows", "3",
+                                          "--positions", "1690", "1872", "--kv-cache", "int8"]))
+    assert calls == [(("d20", 3, (1690, 1872)), {"kmax": 16, "kv_cache": "int8", "profile": None})]
 
 
 @pytest.mark.usefixtures("fp32_matmuls")
