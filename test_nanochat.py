@@ -3628,13 +3628,13 @@ def test_a_cache_read_in_place_is_read_at_one_view(monkeypatch):
     assert engine.in_place_of(nc.causal_attention) is False
     cfg = LANES_CFG
     params, attn = random_params(cfg, 5), kernels.attention_fn("plain")
-    both = [64, 256]
-    for backend, paged, rows in (("tpu", {1: [256], 4: [256], 16: [256]},
-                                  {1: both, 4: both, 16: [256]}),
-                                 ("cpu", {1: both, 4: both, 16: both}, None)):
+    both = [64, 256]  # a row count's views: of an engine of pages, then of one of rows
+    for backend, of_pages, of_rows in (("tpu", {1: [256], 4: [256], 16: [256]},
+                                        {1: both, 4: both, 16: [256]}),
+                                       ("cpu", {1: both, 4: both, 16: both}, None)):
         monkeypatch.setattr(jax, "default_backend", lambda: backend)
-        assert engine.Engine(params, cfg, slots=16, attn=attn, pages=24).views == paged
-        assert engine.Engine(params, cfg, slots=16, attn=attn).views == (rows or paged)
+        assert engine.Engine(params, cfg, slots=16, attn=attn, pages=24).views == of_pages
+        assert engine.Engine(params, cfg, slots=16, attn=attn).views == (of_rows or of_pages)
 
 
 def test_a_decode_programs_layers_of_one_shape_share_a_kernel(monkeypatch):
