@@ -417,7 +417,7 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
     # 1. stop the cancelled slots, then take the first `rows`, their cache over the whole
     # context up to `view` (pages gathered, a copy once a chunk, or read in place:
     # kvcache.read_chunk). The steps only read it: each writes its token's k, v into the
-    # chunk's own (rows, K, kmax, D)
+    # chunk's own (nanochat.write_step)
     live = state["live"] & ~control["cancel"]
     state = {**state, "live": live}
     table = control["pages"][:rows]  # (rows, S / page)

@@ -273,10 +273,12 @@ def read_chunk(layers, kinds, start, view, *, table, cfg, in_place=None):
 
 def chunk_buffers(layers, rows, kmax):
     """Each layer's k, v for a decode chunk's own tokens, which its steps write and
-    store_chunk moves into the cache after: zeros (rows, K, kmax, D) (an int8 cache's
-    scales without D)."""
+    store_chunk moves into the cache after: zeros (kmax, K, rows, D), a step's a slab,
+    or (rows, K, kmax, D) (nc.steps_first; an int8 cache's scales without D)."""
     def own(a):
-        return jnp.zeros((rows, a.shape[1], kmax, *a.shape[3:]), a.dtype)
+        K, vector = a.shape[1], a.shape[3:]
+        shape = (kmax, K, rows) if nc.steps_first() else (rows, K, kmax)
+        return jnp.zeros((*shape, *vector), a.dtype)
     return [jax.tree.map(own, layer) for layer in layers]
 
 
@@ -290,12 +292,12 @@ def chunk_most(cfg, page, paged):
 
 
 def store_chunk(layers, fresh, kinds, start, end, *, table, cfg):
-    """A decode chunk's own k, v (per layer, (rows, K, kmax, D) entries) into the first
+    """A decode chunk's own k, v (per layer, chunk_buffers' entries) into the first
     rows' cache `layers` (layouts `kinds`): each row's tokens from its position at the
     chunk's start up to its position `end`, the rest dropped; a ring at their positions
     modulo its size, a row at their positions, pages through the slot's page `table`
     (rows, S / page). kernels.write_tokens writes each k or v."""
-    rows, kmax = table.shape[0], jax.tree.leaves(fresh[0])[0].shape[2]
+    rows, kmax = table.shape[0], nc.kv_shape(nc.by_rows(fresh[0][0]))[2]
     page = cfg.sequence_len // table.shape[1]
     at = start[:, None] + jnp.arange(kmax)  # (rows, kmax)
     new = at < end[:, None]
@@ -313,8 +315,9 @@ def store_chunk(layers, fresh, kinds, start, end, *, table, cfg):
         major, slot = destination(layout, jax.tree.leaves(layer)[0].shape[2])
 
         def write(whole, d):
-            return kernels.write_tokens(whole, d, major, slot, new, wraps=layout == "ring")
-        stored.append(jax.tree.map(write, layer, done))
+            return kernels.write_tokens(whole, d, major, slot, new, wraps=layout == "ring",
+                                        own=layout != "pages")
+        stored.append(jax.tree.map(write, layer, nc.by_rows(done)))
     return stored
 
 # -------------------------------------------------------------------- the host's page allocator

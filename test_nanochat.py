@@ -700,11 +700,13 @@ def test_the_model_heads_first_equals_its_plain_layout():
         np.testing.assert_allclose(g, h, rtol=0, atol=1e-5 * float(jnp.abs(h).max()) + 1e-7)
 
 
-def test_write_rows_is_dynamic_update_slice_a_row():
+def test_write_rows_is_dynamic_update_slice_a_row(monkeypatch):
     """The KV cache's write, one scatter of whole vectors, equals a dynamic_update_slice
     into each row, moved back as it moves a write that would run past the end (where the
-    scatter's table would run into the next head); and so does the slice it writes when
-    every row's place is one scalar (a decode chunk's step), an int8 cache's scales too."""
+    scatter's table would run into the next head). A decode chunk's own k, v, written a
+    step at a time (write_step: a slab a step as on a TPU, or a row's steps in its row)
+    and read as rows (by_rows), equal write_kv's at each step's place in every row, an
+    int8 cache's values and scales too."""
     cache = jax.random.normal(jax.random.key(0), (3, 2, 16, 4))
     pos = jnp.array([0, 7, 15])
 
@@ -714,13 +716,18 @@ def test_write_rows_is_dynamic_update_slice_a_row():
         new = jax.random.normal(jax.random.key(T), (3, T, 2, 4))
         want = jax.vmap(one_row)(cache, new, pos)
         np.testing.assert_array_equal(nc.write_rows(cache, new, pos), want)
-        for at in (3, 14):  # the second moved back
-            want = nc.write_rows(cache, new, jnp.full(3, at))
-            np.testing.assert_array_equal(nc.write_rows(cache, new, jnp.int32(at)), want)
-    scales = jnp.zeros((3, 2, 16), jnp.bfloat16)
-    new = jax.random.normal(jax.random.key(9), (3, 1, 2), jnp.bfloat16)
-    np.testing.assert_array_equal(nc.write_rows(scales, new, jnp.int32(4)),
-                                  nc.write_rows(scales, new, jnp.full(3, 4)))
+    for int8, tpu in itertools.product((False, True), (False, True)):
+        monkeypatch.setattr(nc, "steps_first", lambda: tpu)
+        rows = jnp.zeros((3, 2, 4, 4))  # (B, K, kmax, D)
+        own = jax.tree.leaves(kvcache.chunk_buffers([(jnp.zeros((5, 2, 9, 4)),)], 3, 4))[0]
+        if int8:
+            rows, own = (nc.quantize(a) for a in (rows, own))
+        for step in (2, 0, 3):
+            new = jax.random.normal(jax.random.key(step), (3, 1, 2, 4))
+            rows = nc.write_kv(rows, new, jnp.full(3, step))
+            own = nc.write_step(own, new, step)
+        for got, want in zip(jax.tree.leaves(nc.by_rows(own)), jax.tree.leaves(rows)):
+            np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.usefixtures("fp32_matmuls")
