@@ -810,7 +810,8 @@ def run_alone(call):
 def test_written_windows_equal_the_scatter_of_vectors(dtype):
     """kernels.write_tokens through write_windows (the TPU's Pallas kernel, interpreted off a TPU)
     writes what one scatter of vectors writes, bit for bit: into rows, rings across their end and
-    pages across a page, rows writing 0..16 tokens, starts on and off tile rows and at the ends."""
+    pages across a page, rows writing 0..16 tokens, starts on and off tile rows and at the ends.
+    An int8 cache's scales into rows and rings (place_scales) likewise."""
     run_alone(f"check_written_windows({dtype!r})")
 
 
@@ -839,6 +840,14 @@ def check_written_windows(dtype):
         got = kernels.write_tokens(whole, *args, wraps=wraps, windows=True)
         assert (np.asarray(got) == np.asarray(want)).all(), layout
         assert not (np.asarray(want) == np.asarray(whole)).all()
+        if layout != "pages":  # the scales, a value a token and head; a row past the chunk kept
+            scales = jnp.asarray(rng.standard_normal((N + 1, K, L)), "float32" if dtype ==
+                                 "float32" else "bfloat16")
+            parts = (new[..., 0].astype(scales.dtype), *args[1:])
+            want = kernels.write_tokens(scales, *parts, wraps=wraps, windows=False)
+            got = kernels.write_tokens(scales, *parts, wraps=wraps, own=True, windows=True)
+            assert (np.asarray(got) == np.asarray(want)).all(), layout
+            assert (np.asarray(got[rows:]) == np.asarray(scales[rows:])).all()
     # a window: the tokens from any row of a tile, in whole tiles
     assert kernels.token_window(16) == 24 and kernels.token_window(8) == 16
     # int8 in tiles of 32 rows where they divide the array (pages of 32: a page whole)
@@ -3530,9 +3539,10 @@ def test_engine_served_the_tpus_way_serves_as_the_cpus_way(kv_cache, pages):
     whole windows (kernels.write_windows) and its pages and rings read in place
     (kernels.attend_pages), replies as one served the CPU's way (one scatter of vectors, the
     pages gathered) and leaves the same state: heads of 128, chunks of 16 tokens, rows across a
-    ring's end (128 slots) and across pages of 32, two choices of one prompt; an int8 cache's
-    too (its values by windows of 32-row tiles in pages and rings, its scales scattered; read
-    in place, its scales beside), and an int8 engine without pages (its rows read in place).
+    ring's end (128 slots) and across pages of 32, two choices of one prompt, the chunk's own
+    tokens a step a slab; an int8 cache's too (its values by windows of 32-row tiles in pages
+    and rings, its scales scattered into pages and placed in rings and rows; read in place, its
+    scales beside), and an int8 engine without pages (its rows read in place).
     (Each kernel against its CPU twin, bit for bit or to fp32's rounding:
     test_written_windows_equal_the_scatter_of_vectors,
     test_attend_pages_sums_what_the_gathered_pages_sum.)"""
@@ -3544,10 +3554,12 @@ def check_engine_kernels(kv_cache=None, pages=24):
     params = random_params(cfg, 5)
     prompt = np.random.default_rng(6).integers(0, cfg.vocab_size, 140).tolist()
     write, reads_in_place = kernels.write_tokens, kvcache.reads_in_place
+    steps_first = nc.steps_first
     runs = []
     for tpu in (False, True):
         kernels.write_tokens = functools.partial(write, windows=tpu)
         kvcache.reads_in_place = lambda *_, forced=tpu, **__: forced  # every layer's
+        nc.steps_first = lambda forced=tpu: forced
         base = kernels.attention_fn("plain")
 
         @functools.wraps(base)  # its attributes, in a function of its own: programs traced anew
@@ -3569,6 +3581,7 @@ def check_engine_kernels(kv_cache=None, pages=24):
                          jax.device_get(eng.state["cache"])))
         finally:
             kernels.write_tokens, kvcache.reads_in_place = write, reads_in_place
+            nc.steps_first = steps_first
     assert runs[0][0] == runs[1][0]
     assert sum(map(len, runs[0][0])) == 350 + 2 * 50
     # (a layer's k, v after a layer read in place: fp32's sums in another order, ~1e-6 apart)
