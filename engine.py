@@ -427,7 +427,8 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
     read = kvcache.read_chunk(cache["layers"], kinds, start, view, table=table, cfg=cfg,
                               in_place=in_place_of(attn))
     active = jax.tree.map(lambda a: a[:rows], per_slot(state))
-    fresh = kvcache.chunk_buffers(cache["layers"], rows, kmax)
+    steps_first = getattr(attn, "steps_first", False)  # the chunk's own tokens' layout
+    fresh = kvcache.chunk_buffers(cache["layers"], rows, kmax, steps_first)
     records = jnp.full((kmax, rows, 3 + 2 * TOP_LOGPROBS), -1, jnp.int32)
 
     # 2. the steps (chunk_step), until kmax or control's steps, no slot live, or one hands back
@@ -441,7 +442,7 @@ def decode_chunk(layered, state, control, *, cfg, attn, rows, view, kmax, paged=
 
     # 3. each slot's new tokens into the cache, and the slots' values back in place
     layers = kvcache.store_chunk(cache["layers"], fresh, kinds, start, active["cache"]["pos"],
-                                 table=table, cfg=cfg)
+                                 table=table, cfg=cfg, steps_first=steps_first)
     state = jax.tree.map(lambda whole, done: whole.at[:rows].set(done),
                          per_slot(state), per_slot(active))
     state["cache"]["layers"] = layers

@@ -271,13 +271,14 @@ def read_chunk(layers, kinds, start, view, *, table, cfg, in_place=None):
     return [tuple(read(entry, layout) for entry in layer) for layer, layout in zip(layers, kinds)]
 
 
-def chunk_buffers(layers, rows, kmax):
+def chunk_buffers(layers, rows, kmax, steps_first=False):
     """Each layer's k, v for a decode chunk's own tokens, which its steps write and
     store_chunk moves into the cache after: zeros (kmax, K, rows, D), a step's a slab,
-    or (rows, K, kmax, D) (nc.steps_first; an int8 cache's scales without D)."""
+    with steps_first, else (rows, K, kmax, D) (nc.write_step; an int8 cache's scales
+    without D)."""
     def own(a):
         K, vector = a.shape[1], a.shape[3:]
-        shape = (kmax, K, rows) if nc.steps_first() else (rows, K, kmax)
+        shape = (kmax, K, rows) if steps_first else (rows, K, kmax)
         return jnp.zeros((*shape, *vector), a.dtype)
     return [jax.tree.map(own, layer) for layer in layers]
 
@@ -291,13 +292,13 @@ def chunk_most(cfg, page, paged):
     return min([page] * paged + rings + [cfg.sequence_len])
 
 
-def store_chunk(layers, fresh, kinds, start, end, *, table, cfg):
+def store_chunk(layers, fresh, kinds, start, end, *, table, cfg, steps_first=False):
     """A decode chunk's own k, v (per layer, chunk_buffers' entries) into the first
     rows' cache `layers` (layouts `kinds`): each row's tokens from its position at the
     chunk's start up to its position `end`, the rest dropped; a ring at their positions
     modulo its size, a row at their positions, pages through the slot's page `table`
     (rows, S / page). kernels.write_tokens writes each k or v."""
-    rows, kmax = table.shape[0], nc.kv_shape(nc.by_rows(fresh[0][0]))[2]
+    rows, kmax = table.shape[0], nc.kv_shape(nc.by_rows(fresh[0][0], steps_first))[2]
     page = cfg.sequence_len // table.shape[1]
     at = start[:, None] + jnp.arange(kmax)  # (rows, kmax)
     new = at < end[:, None]
@@ -317,7 +318,7 @@ def store_chunk(layers, fresh, kinds, start, end, *, table, cfg):
         def write(whole, d):
             return kernels.write_tokens(whole, d, major, slot, new, wraps=layout == "ring",
                                         own=layout != "pages")
-        stored.append(jax.tree.map(write, layer, nc.by_rows(done)))
+        stored.append(jax.tree.map(write, layer, nc.by_rows(done, steps_first)))
     return stored
 
 # -------------------------------------------------------------------- the host's page allocator

@@ -336,27 +336,21 @@ def write_kv(entry, new, pos):
     return write_rows(entry, new, pos)
 
 
-def steps_first():
-    """Whether a decode chunk keeps its own k, v a step a slab, (kmax, K, B, D): on a
-    TPU, where a token a row written into the rows' tiles rewrote every tile (0.44 ms of
-    a step at 128 rows, v5e). Elsewhere a row's tokens lie in its row, (B, K, kmax, D),
-    as a CPU's dots read them without a transposed copy (0.4 ms of a step at 16 rows)."""
-    return jax.default_backend() == "tpu"
-
-
-def write_step(own, new, step):
-    """A decode chunk's own k or v (steps_first's layout; an int8 cache's (values,
-    scales), without D) with the step's new (B, 1, K, D) at `step`."""
+def write_step(own, new, step, steps_first):
+    """A decode chunk's own k or v with the step's new (B, 1, K, D) at `step`: with
+    steps_first (attn.steps_first: kernels.py says where) a step a slab, (kmax, K, B, D),
+    else a row's tokens in its row, (B, K, kmax, D); an int8 cache's (values, scales),
+    the scales without D."""
     if isinstance(own, tuple):
-        return tuple(write_step(a, b, step) for a, b in zip(own, quantize(new)))
-    new = new[:, 0].swapaxes(0, 1) if steps_first() else new.swapaxes(1, 2)
+        return tuple(write_step(a, b, step, steps_first) for a, b in zip(own, quantize(new)))
+    new = new[:, 0].swapaxes(0, 1) if steps_first else new.swapaxes(1, 2)
     return jax.lax.dynamic_update_index_in_dim(own, new.astype(own.dtype), step,
-                                               0 if steps_first() else 2)
+                                               0 if steps_first else 2)
 
 
-def by_rows(own):
+def by_rows(own, steps_first):
     """A decode chunk's own k or v (write_step's) as a cache's rows: (B, K, kmax, D)."""
-    return jax.tree.map(lambda a: a.swapaxes(0, 2), own) if steps_first() else own
+    return jax.tree.map(lambda a: a.swapaxes(0, 2), own) if steps_first else own
 
 
 def read_kv(entry, attn):
@@ -412,9 +406,11 @@ def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0, ring=None):
         y = attn(q, k, v, window)
     elif len(cache) == 3:  # a decode chunk's: the token into the chunk's own k, v
         step, start, own = cache[2]
-        own = (write_step(own[0], k, step), write_step(own[1], v, step))
-        keys = [read_kv(cache[0], attn), read_kv(by_rows(own[0]), attn)]
-        values = [read_kv(cache[1], attn), read_kv(by_rows(own[1]), attn)]
+        steps_first = getattr(attn, "steps_first", False)
+        own = tuple(write_step(a, b, step, steps_first) for a, b in zip(own, (k, v)))
+        own_k, own_v = (by_rows(a, steps_first) for a in own)
+        keys = [read_kv(cache[0], attn), read_kv(own_k, attn)]
+        values = [read_kv(cache[1], attn), read_kv(own_v, attn)]
         # the positions each part holds: the cache as it stood at each row's start (a
         # ring's latest positions, or those before the start), then the chunk's own
         S, kmax = kv_shape(keys[0])[2], kv_shape(keys[1])[2]

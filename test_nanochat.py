@@ -700,7 +700,7 @@ def test_the_model_heads_first_equals_its_plain_layout():
         np.testing.assert_allclose(g, h, rtol=0, atol=1e-5 * float(jnp.abs(h).max()) + 1e-7)
 
 
-def test_write_rows_is_dynamic_update_slice_a_row(monkeypatch):
+def test_write_rows_is_dynamic_update_slice_a_row():
     """The KV cache's write, one scatter of whole vectors, equals a dynamic_update_slice
     into each row, moved back as it moves a write that would run past the end (where the
     scatter's table would run into the next head). A decode chunk's own k, v, written a
@@ -716,17 +716,17 @@ def test_write_rows_is_dynamic_update_slice_a_row(monkeypatch):
         new = jax.random.normal(jax.random.key(T), (3, T, 2, 4))
         want = jax.vmap(one_row)(cache, new, pos)
         np.testing.assert_array_equal(nc.write_rows(cache, new, pos), want)
-    for int8, tpu in itertools.product((False, True), (False, True)):
-        monkeypatch.setattr(nc, "steps_first", lambda: tpu)
+    for int8, steps_first in itertools.product((False, True), (False, True)):
         rows = jnp.zeros((3, 2, 4, 4))  # (B, K, kmax, D)
-        own = jax.tree.leaves(kvcache.chunk_buffers([(jnp.zeros((5, 2, 9, 4)),)], 3, 4))[0]
+        own = kvcache.chunk_buffers([(jnp.zeros((5, 2, 9, 4)),)], 3, 4, steps_first)[0][0]
         if int8:
             rows, own = (nc.quantize(a) for a in (rows, own))
         for step in (2, 0, 3):
             new = jax.random.normal(jax.random.key(step), (3, 1, 2, 4))
             rows = nc.write_kv(rows, new, jnp.full(3, step))
-            own = nc.write_step(own, new, step)
-        for got, want in zip(jax.tree.leaves(nc.by_rows(own)), jax.tree.leaves(rows)):
+            own = nc.write_step(own, new, step, steps_first)
+        for got, want in zip(jax.tree.leaves(nc.by_rows(own, steps_first)),
+                             jax.tree.leaves(rows)):
             np.testing.assert_array_equal(got, want)
 
 
@@ -3554,17 +3554,16 @@ def check_engine_kernels(kv_cache=None, pages=24):
     params = random_params(cfg, 5)
     prompt = np.random.default_rng(6).integers(0, cfg.vocab_size, 140).tolist()
     write, reads_in_place = kernels.write_tokens, kvcache.reads_in_place
-    steps_first = nc.steps_first
     runs = []
     for tpu in (False, True):
         kernels.write_tokens = functools.partial(write, windows=tpu)
         kvcache.reads_in_place = lambda *_, forced=tpu, **__: forced  # every layer's
-        nc.steps_first = lambda forced=tpu: forced
         base = kernels.attention_fn("plain")
 
         @functools.wraps(base)  # its attributes, in a function of its own: programs traced anew
         def attn(*args, **kwargs):
             return base(*args, **kwargs)
+        attn.steps_first = tpu  # the chunk's own tokens a step a slab
         try:
             with jax.default_matmul_precision("highest"):
                 eng = engine.Engine(params, cfg, slots=4, kmax=16, attn=attn, pages=pages,
@@ -3581,7 +3580,6 @@ def check_engine_kernels(kv_cache=None, pages=24):
                          jax.device_get(eng.state["cache"])))
         finally:
             kernels.write_tokens, kvcache.reads_in_place = write, reads_in_place
-            nc.steps_first = steps_first
     assert runs[0][0] == runs[1][0]
     assert sum(map(len, runs[0][0])) == 350 + 2 * 50
     # (a layer's k, v after a layer read in place: fp32's sums in another order, ~1e-6 apart)
