@@ -341,11 +341,14 @@ def write_step(own, new, step, steps_first):
     steps_first (attn.steps_first: kernels.py says where) a step a slab, (kmax, K, B, D),
     else a row's tokens in its row, (B, K, kmax, D); an int8 cache's (values, scales),
     the scales without D."""
-    if isinstance(own, tuple):
-        return tuple(write_step(a, b, step, steps_first) for a, b in zip(own, quantize(new)))
-    new = new[:, 0].swapaxes(0, 1) if steps_first else new.swapaxes(1, 2)
-    return jax.lax.dynamic_update_index_in_dim(own, new.astype(own.dtype), step,
-                                               0 if steps_first else 2)
+    if isinstance(own, tuple):  # the values and their scales
+        values, scales = quantize(new)
+        return (write_step(own[0], values, step, steps_first),
+                write_step(own[1], scales, step, steps_first))
+    if steps_first:  # the step's slab: (K, B, D)
+        return own.at[step].set(new[:, 0].swapaxes(0, 1).astype(own.dtype))
+    new = new.swapaxes(1, 2).astype(own.dtype)  # each row's token: (B, K, 1, D)
+    return jax.lax.dynamic_update_slice_in_dim(own, new, step, axis=2)
 
 
 def by_rows(own, steps_first):
