@@ -298,7 +298,8 @@ def store_chunk(layers, fresh, kinds, start, end, *, table, cfg, steps_first=Fal
     chunk's start up to its position `end`, the rest dropped; a ring at their positions
     modulo its size, a row at their positions, pages through the slot's page `table`
     (rows, S / page). kernels.write_tokens writes each k or v."""
-    rows, kmax = table.shape[0], nc.kv_shape(nc.by_rows(fresh[0][0], steps_first))[2]
+    fresh = [nc.by_rows(layer, steps_first) for layer in fresh]  # (rows, K, kmax, D) each
+    rows, kmax = table.shape[0], jax.tree.leaves(fresh[0])[0].shape[2]
     page = cfg.sequence_len // table.shape[1]
     at = start[:, None] + jnp.arange(kmax)  # (rows, kmax)
     new = at < end[:, None]
@@ -318,7 +319,7 @@ def store_chunk(layers, fresh, kinds, start, end, *, table, cfg, steps_first=Fal
         def write(whole, d):
             return kernels.write_tokens(whole, d, major, slot, new, wraps=layout == "ring",
                                         own=layout != "pages")
-        stored.append(jax.tree.map(write, layer, nc.by_rows(done, steps_first)))
+        stored.append(jax.tree.map(write, layer, done))
     return stored
 
 # -------------------------------------------------------------------- the host's page allocator

@@ -410,8 +410,9 @@ def attention(w, x, ve, rope, *, window, attn, cache=None, pos=0, ring=None):
     elif len(cache) == 3:  # a decode chunk's: the token into the chunk's own k, v
         step, start, own = cache[2]
         steps_first = getattr(attn, "steps_first", False)
-        own = tuple(write_step(a, b, step, steps_first) for a, b in zip(own, (k, v)))
-        own_k, own_v = (by_rows(a, steps_first) for a in own)
+        own = (write_step(own[0], k, step, steps_first),
+               write_step(own[1], v, step, steps_first))
+        own_k, own_v = by_rows(own, steps_first)
         keys = [read_kv(cache[0], attn), read_kv(own_k, attn)]
         values = [read_kv(cache[1], attn), read_kv(own_v, attn)]
         # the positions each part holds: the cache as it stood at each row's start (a
